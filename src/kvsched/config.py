@@ -1,0 +1,64 @@
+"""Engine configuration: one frozen record, stored in every event log's header."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import attrs
+
+OrderPolicy = Literal["fcfs", "priority", "ttft"]
+TurnMode = Literal["mixed", "alternate"]
+
+
+@attrs.frozen(kw_only=True)
+class ModelSpec:
+    """What the KV namespace depends on: two deployments with different specs never share KV."""
+
+    name: str = "tiny-qwen3.5"
+    vocab_size: int = 32000
+    kv_dtype: str = "float16"
+    kv_layout: str = "paged-nhd"
+    max_context: int = 262144
+
+
+@attrs.frozen(kw_only=True)
+class SchedulerConfig:
+    model: ModelSpec = attrs.field(factory=ModelSpec)
+    block_size: int = 64
+    num_blocks: int = 4096
+    max_batch: int = 256
+    max_prefill_tokens: int = 8192
+    max_long_chunks_per_step: int = 1
+    order: OrderPolicy = "fcfs"
+    aging_s: float = 10.0
+    turn_mode: TurnMode = "mixed"
+    prefill_interval: int = 16
+    enable_prefix_caching: bool = True
+
+    def __attrs_post_init__(self) -> None:
+        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.num_blocks < 2:
+            raise ValueError(f"num_blocks must be >= 2, got {self.num_blocks}")
+        if self.max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {self.max_batch}")
+        if self.max_prefill_tokens < self.block_size:
+            raise ValueError("max_prefill_tokens must be at least one block")
+        if self.order not in ("fcfs", "priority", "ttft"):
+            raise ValueError(f"unknown order policy {self.order!r}")
+        if self.turn_mode not in ("mixed", "alternate"):
+            raise ValueError(f"unknown turn mode {self.turn_mode!r}")
+
+    @property
+    def chunk_tokens(self) -> int:
+        """Canonical chunk length: the prefill budget rounded down to whole blocks."""
+        return (self.max_prefill_tokens // self.block_size) * self.block_size
+
+    def to_dict(self) -> dict[str, Any]:
+        return attrs.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> SchedulerConfig:
+        data = dict(data)
+        model = ModelSpec(**data.pop("model", {}))
+        return cls(model=model, **data)

@@ -1,0 +1,472 @@
+"""Append-only, crash-tolerant framed record file (the event log).
+
+File layout::
+
+    MAGIC (8 bytes) | header frame | record frame | record frame | ...
+
+A frame is a 12-byte prefix ``struct.pack('<III', length, crc32(payload),
+crc32(prefix[:8]))`` followed by ``length`` payload bytes.  The header frame's
+payload is msgpack of a dict with ``schema_version``, ``kvsched_version``,
+``config`` and any extra keys.  Record payloads are opaque ``bytes``.
+
+Reading never skips anything silently:
+
+* an incomplete frame at end of file (a crash mid-append) is a *torn tail*:
+  every complete record before it is returned and ``torn_tail`` describes it;
+* a frame whose prefix checksum fails, or whose payload checksum fails, raises
+  :class:`CorruptLogError` naming that frame's byte offset.
+
+The writer is single-process, single-thread; it is not safe to share.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import struct
+import zlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any, BinaryIO, NamedTuple, Self
+
+import msgspec
+
+__all__ = [
+    "HEADER_OFFSET",
+    "MAGIC",
+    "PREFIX_SIZE",
+    "CorruptLogError",
+    "EventLog",
+    "LogContents",
+    "LogOpenError",
+    "LogReader",
+    "LogRecord",
+    "TornTail",
+    "encode_frame",
+    "iter_log",
+    "read_log",
+]
+
+MAGIC = b"KVSLOG01"
+HEADER_OFFSET = len(MAGIC)
+PREFIX_SIZE = 12
+MAX_PAYLOAD = 0xFFFF_FFFF
+_WRITE_BUFFER = 1 << 16
+
+_PREFIX = struct.Struct("<III")
+_PREFIX_HEAD = struct.Struct("<II")
+_crc32 = zlib.crc32
+_logger = logging.getLogger("kvsched.events.log")
+
+StrPath = str | os.PathLike[str]
+
+
+# --------------------------------------------------------------------------- errors
+
+
+class CorruptLogError(Exception):
+    """The log is damaged at ``offset`` (not merely cut short by a crash)."""
+
+    def __init__(self, path: StrPath, offset: int, reason: str) -> None:
+        self.path = os.fspath(path)
+        self.offset = offset
+        self.reason = reason
+        super().__init__(self.path, offset, reason)
+
+    def __str__(self) -> str:
+        return f"event log {self.path} is corrupt at byte {self.offset}: {self.reason}"
+
+
+class LogOpenError(OSError):
+    """The log file cannot be opened for writing."""
+
+    def __init__(self, path: StrPath, reason: str, errno: int | None = None) -> None:
+        super().__init__(errno, reason)
+        self.path = os.fspath(path)
+        self.reason = reason
+        self.filename = self.path
+
+    def __str__(self) -> str:
+        return f"cannot write event log {self.path}: {self.reason}"
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.path, self.reason, self.errno))
+
+
+def _open_error(path: StrPath, exc: OSError) -> LogOpenError:
+    return LogOpenError(path, exc.strerror or str(exc), exc.errno)
+
+
+# --------------------------------------------------------------------------- data
+
+
+@dataclass(frozen=True, slots=True)
+class TornTail:
+    """An incomplete last frame starting at ``offset``.
+
+    ``missing_bytes`` is how many more bytes the frame needed; for a cut inside
+    the 12-byte prefix the payload length is unknown, so it is a lower bound.
+    """
+
+    offset: int
+    missing_bytes: int
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class LogContents:
+    """Everything :func:`read_log` found.
+
+    ``size`` is the file size in bytes; ``valid_size`` is the offset just past
+    the last complete record (equal to ``size`` unless the tail is torn).
+    """
+
+    header: dict[str, Any]
+    records: list[bytes]
+    offsets: list[int]
+    torn_tail: TornTail | None
+    size: int
+    valid_size: int
+
+
+class LogRecord(NamedTuple):
+    """One record: its frame's byte offset and its payload."""
+
+    offset: int
+    payload: bytes
+
+
+class _Frame(NamedTuple):
+    start: int
+    end: int
+
+
+# --------------------------------------------------------------------------- framing
+
+
+def encode_frame(payload: bytes) -> bytes:
+    """Return the complete frame (prefix + payload) for ``payload``."""
+    return _prefix(payload) + payload
+
+
+def _prefix(payload: bytes) -> bytes:
+    length = len(payload)
+    if length > MAX_PAYLOAD:
+        raise ValueError(f"payload of {length} bytes exceeds the {MAX_PAYLOAD}-byte frame limit")
+    payload_crc = _crc32(payload)
+    return _PREFIX.pack(length, payload_crc, _crc32(_PREFIX_HEAD.pack(length, payload_crc)))
+
+
+def _read_frame(buf: memoryview, offset: int, path: str) -> _Frame | TornTail:
+    """Parse the frame at ``offset``; raise on corruption, return TornTail if cut."""
+    size = len(buf)
+    available = size - offset
+    if available < PREFIX_SIZE:
+        reason = f"incomplete frame prefix ({available} of {PREFIX_SIZE} bytes)"
+        return TornTail(offset, PREFIX_SIZE - available, reason)
+    length, payload_crc, prefix_crc = _PREFIX.unpack_from(buf, offset)
+    if _crc32(buf[offset : offset + 8]) != prefix_crc:
+        raise CorruptLogError(path, offset, "frame header is corrupt (prefix checksum mismatch)")
+    start = offset + PREFIX_SIZE
+    end = start + length
+    if end > size:
+        reason = f"incomplete frame payload ({size - start} of {length} bytes)"
+        return TornTail(offset, end - size, reason)
+    if _crc32(buf[start:end]) != payload_crc:
+        raise CorruptLogError(path, offset, "payload checksum mismatch")
+    return _Frame(start, end)
+
+
+def _check_magic(buf: memoryview, path: str) -> None:
+    if len(buf) < len(MAGIC):
+        raise CorruptLogError(path, 0, f"bad magic: file is only {len(buf)} bytes long")
+    found = bytes(buf[: len(MAGIC)])
+    if found != MAGIC:
+        raise CorruptLogError(path, 0, f"bad magic: expected {MAGIC!r}, found {found!r}")
+
+
+def _read_header(buf: memoryview, path: str) -> tuple[dict[str, Any], int]:
+    """Decode the header frame; return it and the offset of the first record."""
+    frame = _read_frame(buf, HEADER_OFFSET, path)
+    if isinstance(frame, TornTail):
+        raise CorruptLogError(path, HEADER_OFFSET, f"log has no complete header ({frame.reason})")
+    try:
+        header = msgspec.msgpack.decode(buf[frame.start : frame.end])
+    except msgspec.DecodeError as exc:
+        raise CorruptLogError(path, HEADER_OFFSET, f"header is not valid msgpack: {exc}") from exc
+    _validate_header(header, path)
+    return header, frame.end
+
+
+def _validate_header(header: object, path: str) -> None:
+    if not isinstance(header, dict):
+        raise CorruptLogError(path, HEADER_OFFSET, "header is not a map")
+    expected = {"schema_version": int, "kvsched_version": str, "config": dict}
+    for key, kind in expected.items():
+        if not isinstance(header.get(key), kind):
+            raise CorruptLogError(path, HEADER_OFFSET, f"header field {key!r} missing or invalid")
+
+
+# --------------------------------------------------------------------------- reading
+
+
+class LogReader:
+    """Reader: checks magic and header on construction, frames when iterated.
+
+    Iterating yields :class:`LogRecord` items lazily; :meth:`read_all` is the
+    fast bulk path.  ``torn_tail`` and ``valid_size`` are only known once a
+    scan has finished; reading them earlier raises ``RuntimeError`` so an
+    unfinished scan is never mistaken for a clean one.
+    """
+
+    def __init__(self, path: StrPath, *, data: bytes | None = None) -> None:
+        self.path = os.fspath(path)
+        if data is None:
+            with open(path, "rb") as file:
+                data = file.read()
+        self._data = data
+        self._buf = memoryview(data)
+        self.size = len(data)
+        _check_magic(self._buf, self.path)
+        self.header, self._first = _read_header(self._buf, self.path)
+        self._end: int | None = None
+        self._torn: TornTail | None = None
+
+    def __iter__(self) -> Iterator[LogRecord]:
+        buf, path, size = self._buf, self.path, self.size
+        offset = self._first
+        while offset < size:
+            frame = _read_frame(buf, offset, path)
+            if isinstance(frame, TornTail):
+                self._finish(offset, frame)
+                return
+            yield LogRecord(offset, bytes(buf[frame.start : frame.end]))
+            offset = frame.end
+        self._finish(offset, None)
+
+    def read_all(self) -> tuple[list[bytes], list[int]]:
+        """Return all complete records and their offsets (fast path)."""
+        records: list[bytes] = []
+        offsets: list[int] = []
+        data, buf, size = self._data, self._buf, self.size
+        unpack, crc = _PREFIX.unpack_from, _crc32
+        offset = self._first
+        while offset <= size - PREFIX_SIZE:
+            length, payload_crc, prefix_crc = unpack(data, offset)
+            end = offset + PREFIX_SIZE + length
+            if end > size or crc(buf[offset : offset + 8]) != prefix_crc:
+                break
+            payload = data[offset + PREFIX_SIZE : end]
+            if crc(payload) != payload_crc:
+                break
+            records.append(payload)
+            offsets.append(offset)
+            offset = end
+        self._finish(offset, self._stop_reason(offset))
+        return records, offsets
+
+    def _stop_reason(self, offset: int) -> TornTail | None:
+        """Classify why the fast path stopped at ``offset`` (raises if corrupt)."""
+        if offset == self.size:
+            return None
+        frame = _read_frame(self._buf, offset, self.path)
+        if not isinstance(frame, TornTail):
+            raise AssertionError(f"reader stopped at valid frame {offset}")  # pragma: no cover
+        return frame
+
+    def _finish(self, end: int, torn: TornTail | None) -> None:
+        self._end, self._torn = end, torn
+
+    def _require_done(self) -> int:
+        if self._end is None:
+            raise RuntimeError("log not fully read yet: iterate the reader to the end first")
+        return self._end
+
+    @property
+    def torn_tail(self) -> TornTail | None:
+        """The incomplete last frame, if any (after a complete scan)."""
+        self._require_done()
+        return self._torn
+
+    @property
+    def valid_size(self) -> int:
+        """Offset just past the last complete record (after a complete scan)."""
+        return self._require_done()
+
+
+def iter_log(path: StrPath) -> LogReader:
+    """Return a lazy :class:`LogReader` over ``path`` (iterate it for records)."""
+    return LogReader(path)
+
+
+def read_log(path: StrPath) -> LogContents:
+    """Read the whole log; raise :class:`CorruptLogError` on any damage."""
+    reader = LogReader(path)
+    records, offsets = reader.read_all()
+    return LogContents(
+        header=reader.header,
+        records=records,
+        offsets=offsets,
+        torn_tail=reader.torn_tail,
+        size=reader.size,
+        valid_size=reader.valid_size,
+    )
+
+
+# --------------------------------------------------------------------------- writing
+
+
+def _encode_header(
+    schema_version: int, kvsched_version: str, config: dict[str, Any], extra: dict[str, Any]
+) -> bytes:
+    if isinstance(schema_version, bool) or not isinstance(schema_version, int):
+        raise TypeError(f"schema_version must be an int, not {type(schema_version).__name__}")
+    if not isinstance(kvsched_version, str):
+        raise TypeError(f"kvsched_version must be a str, not {type(kvsched_version).__name__}")
+    if not isinstance(config, dict):
+        raise TypeError(f"config must be a dict, not {type(config).__name__}")
+    header = {
+        **extra,
+        "schema_version": schema_version,
+        "kvsched_version": kvsched_version,
+        "config": config,
+    }
+    return msgspec.msgpack.encode(header)
+
+
+class EventLog:
+    """Writer for an event log; use :meth:`create` or :meth:`open_append`."""
+
+    def __init__(
+        self,
+        path: StrPath,
+        file: BinaryIO,
+        header: dict[str, Any],
+        offset: int,
+        recovered_tail: TornTail | None = None,
+    ) -> None:
+        self.path = os.fspath(path)
+        self.header = header
+        self.recovered_tail = recovered_tail
+        self._file = file
+        self._offset = offset
+
+    @classmethod
+    def create(
+        cls,
+        path: StrPath,
+        *,
+        schema_version: int,
+        kvsched_version: str,
+        config: dict[str, Any],
+        **extra: Any,
+    ) -> EventLog:
+        """Create (truncating) a log and write magic + header.
+
+        Raises :class:`LogOpenError` if ``path`` cannot be opened for writing,
+        and ``TypeError`` (before touching the file) if the header cannot be
+        encoded.
+        """
+        header_bytes = _encode_header(schema_version, kvsched_version, config, extra)
+        try:
+            file = open(path, "wb", buffering=_WRITE_BUFFER)  # noqa: SIM115 - owned by EventLog
+        except OSError as exc:
+            raise _open_error(path, exc) from exc
+        try:
+            file.write(MAGIC)
+            file.write(encode_frame(header_bytes))
+            file.flush()
+        except BaseException:
+            file.close()
+            raise
+        header = msgspec.msgpack.decode(header_bytes)
+        return cls(path, file, header, HEADER_OFFSET + PREFIX_SIZE + len(header_bytes))
+
+    @classmethod
+    def open_append(cls, path: StrPath) -> EventLog:
+        """Reopen an existing log for appending, cutting off a torn tail first.
+
+        A cut tail is logged as a warning and kept in ``recovered_tail``.
+        Raises :class:`CorruptLogError` if the log is damaged (nothing is
+        modified then) and :class:`LogOpenError` if it cannot be opened.
+        """
+        try:
+            file = open(path, "r+b", buffering=_WRITE_BUFFER)  # noqa: SIM115 - owned by EventLog
+        except OSError as exc:
+            raise _open_error(path, exc) from exc
+        try:
+            reader = LogReader(path, data=file.read())
+            reader.read_all()
+            end, torn = reader.valid_size, reader.torn_tail
+            if torn is not None:
+                _cut_tail(file, path, torn, end)
+            file.seek(end)
+        except BaseException:
+            file.close()
+            raise
+        return cls(path, file, reader.header, end, recovered_tail=torn)
+
+    @property
+    def offset(self) -> int:
+        """Byte offset at which the next record will be written."""
+        return self._offset
+
+    @property
+    def closed(self) -> bool:
+        """Whether the log has been closed."""
+        return self._file.closed
+
+    def append(self, payload: bytes) -> int:
+        """Append one record; return the byte offset of its frame."""
+        if self._file.closed:
+            raise ValueError(f"event log {self.path} is closed")
+        if not isinstance(payload, bytes):
+            payload = bytes(payload)
+        offset = self._offset
+        prefix = _prefix(payload)
+        self._file.write(prefix)
+        self._file.write(payload)
+        self._offset = offset + PREFIX_SIZE + len(payload)
+        return offset
+
+    def flush(self) -> None:
+        """Push buffered records to the OS."""
+        self._file.flush()
+
+    def sync(self) -> None:
+        """Flush and fsync, so records survive an OS crash."""
+        self._file.flush()
+        os.fsync(self._file.fileno())
+
+    def close(self) -> None:
+        """Flush and close; idempotent."""
+        if not self._file.closed:
+            self._file.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else f"offset={self._offset}"
+        return f"EventLog({self.path!r}, {state})"
+
+
+def _cut_tail(file: BinaryIO, path: StrPath, torn: TornTail, end: int) -> None:
+    _logger.warning(
+        "event log %s: discarding torn tail at byte %d (%s)",
+        os.fspath(path),
+        torn.offset,
+        torn.reason,
+    )
+    file.truncate(end)
+    file.flush()
+    os.fsync(file.fileno())

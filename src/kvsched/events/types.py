@@ -1,0 +1,300 @@
+"""The vocabulary of facts: every event kvsched records.
+
+Events are frozen ``msgspec.Struct`` records, encoded as msgpack arrays (``array_like``) with a
+short tag. Events that concern many sequences are batch-shaped: they carry numpy arrays, and a
+ragged per-sequence list (for example the blocks each sequence received) is stored in CSR form
+(``counts`` plus one flat array). Arrays inside events are never mutated after construction.
+
+Two families:
+
+* **inputs** come from outside the scheduler (clients, the executor, the KV store). Replay
+  feeds them back in.
+* **decisions** are what the scheduler decided. Replay recomputes them and compares.
+"""
+
+from __future__ import annotations
+
+import msgspec
+import numpy as np
+
+I32 = np.int32
+I64 = np.int64
+
+
+class Event(msgspec.Struct, frozen=True, array_like=True, tag=True):
+    """Base of every event."""
+
+
+class MultimodalSpan(msgspec.Struct, frozen=True, array_like=True):
+    """Prompt positions [start, end) filled by one image/video, with its content hash."""
+
+    start: int
+    end: int
+    content_hash: bytes
+
+
+# ---------------------------------------------------------------------------- inputs
+
+
+class RequestArrived(Event, tag="arrived"):
+    seq_id: int
+    prompt: np.ndarray  # int32 token ids (for a session turn: the new tokens only)
+    max_tokens: int
+    arrival_time: float = 0.0
+    priority: int = 0
+    session_id: int = -1
+    adapter: str = ""
+    cache_salt: str = ""
+    eos_token_id: int = -1
+    temperature: float = 0.0
+    seed: int = 0
+    mm_spans: tuple[MultimodalSpan, ...] = ()
+
+
+class RequestAborted(Event, tag="aborted"):
+    seq_id: int
+    reason: str = "client abort"
+
+
+class SessionEnded(Event, tag="session_end"):
+    session_id: int
+
+
+class DrainRequested(Event, tag="drain"):
+    """Release everything held (sleep); no admissions until ``WakeRequested``."""
+
+
+class WakeRequested(Event, tag="wake"):
+    pass
+
+
+class StepExecuted(Event, tag="executed"):
+    """Outcome of a step: the tokens sampled for the sequences that sampled."""
+
+    step: int
+    seq_ids: np.ndarray  # int64
+    tokens: np.ndarray  # int32
+    duration_s: float = 0.0
+
+
+class StepFailed(Event, tag="step_failed"):
+    """The executor raised while running a step's plan."""
+
+    step: int
+    reason: str
+
+
+class KVLookupAnswered(Event, tag="kv_lookup"):
+    seq_id: int
+    num_blocks: int
+    pending: bool = False
+
+
+class KVLoadFinished(Event, tag="kv_load_done"):
+    seq_id: int
+
+
+class KVLoadFailed(Event, tag="kv_load_failed"):
+    seq_id: int
+    num_good_blocks: int
+    reason: str
+
+
+class KVSaveFinished(Event, tag="kv_save_done"):
+    save_id: int
+    ok: bool = True
+
+
+# ------------------------------------------------------------------------- decisions
+
+
+class StepStarted(Event, tag="step"):
+    step: int
+    clock: float
+
+
+class RequestRejected(Event, tag="rejected"):
+    seq_id: int
+    reason: str
+
+
+class SequenceAdmitted(Event, tag="admitted"):
+    seq_id: int
+    row: int  # batch slot
+
+
+class PrefixMatched(Event, tag="matched"):
+    """Cached blocks attached to a sequence at admission (the first ``num_tokens`` tokens)."""
+
+    seq_id: int
+    blocks: np.ndarray  # int32
+    num_tokens: int
+    num_query_tokens: int
+
+
+class BlocksAllocated(Event, tag="alloc"):
+    seq_ids: np.ndarray  # int64
+    counts: np.ndarray  # int32, blocks per sequence
+    blocks: np.ndarray  # int32, concatenated
+
+
+class BlocksFreed(Event, tag="free"):
+    """References dropped by sequences (or sessions, ``seq_ids`` < 0 is ``-session_id - 1``)."""
+
+    seq_ids: np.ndarray
+    counts: np.ndarray
+    blocks: np.ndarray
+
+
+class SessionBlocksHeld(Event, tag="session_hold"):
+    """A finished turn hands its full blocks to its session for the next turn."""
+
+    session_id: int
+    seq_id: int
+    blocks: np.ndarray
+
+
+class PrefillScheduled(Event, tag="prefill"):
+    """Compute tokens [start, end) of each sequence this step."""
+
+    seq_ids: np.ndarray
+    starts: np.ndarray
+    ends: np.ndarray
+
+
+class DecodeScheduled(Event, tag="decode"):
+    seq_ids: np.ndarray
+
+
+class SequencePreempted(Event, tag="preempted"):
+    seq_id: int
+    reason: str = "blocks"
+
+
+class SequenceFinished(Event, tag="finished"):
+    seq_ids: np.ndarray
+    reasons: tuple[str, ...]
+
+
+class SequenceAborted(Event, tag="seq_aborted"):
+    seq_id: int
+    reason: str
+
+
+class SessionClosed(Event, tag="session_closed"):
+    session_id: int
+
+
+class Drained(Event, tag="drained"):
+    pass
+
+
+class Woken(Event, tag="woken"):
+    pass
+
+
+class CheckpointReserved(Event, tag="ckpt_reserved"):
+    ckpt_id: int
+    seq_id: int
+    slot: int
+    num_tokens: int
+
+
+class CheckpointPublished(Event, tag="ckpt_published"):
+    ckpt_id: int
+
+
+class CheckpointPinned(Event, tag="ckpt_pinned"):
+    ckpt_id: int
+    seq_id: int
+
+
+class CheckpointUnpinned(Event, tag="ckpt_unpinned"):
+    ckpt_id: int
+    seq_id: int
+
+
+class CheckpointReleased(Event, tag="ckpt_released"):
+    ckpt_id: int
+    reason: str
+
+
+class CheckpointEvicted(Event, tag="ckpt_evicted"):
+    ckpt_id: int
+
+
+class KVLookupStarted(Event, tag="kv_lookup_started"):
+    seq_id: int
+
+
+class KVLoadAdmitted(Event, tag="kv_load_admitted"):
+    seq_id: int
+    num_blocks: int
+
+
+class KVLoadStarted(Event, tag="kv_load_started"):
+    seq_id: int
+    blocks: np.ndarray
+
+
+class KVSaveStarted(Event, tag="kv_save_started"):
+    save_id: int
+    seq_id: int
+    blocks: np.ndarray
+
+
+INPUT_TYPES: tuple[type[Event], ...] = (
+    RequestArrived,
+    RequestAborted,
+    SessionEnded,
+    DrainRequested,
+    WakeRequested,
+    StepExecuted,
+    StepFailed,
+    KVLookupAnswered,
+    KVLoadFinished,
+    KVLoadFailed,
+    KVSaveFinished,
+)
+
+DECISION_TYPES: tuple[type[Event], ...] = (
+    StepStarted,
+    RequestRejected,
+    SequenceAdmitted,
+    PrefixMatched,
+    BlocksAllocated,
+    BlocksFreed,
+    SessionBlocksHeld,
+    PrefillScheduled,
+    DecodeScheduled,
+    SequencePreempted,
+    SequenceFinished,
+    SequenceAborted,
+    SessionClosed,
+    Drained,
+    Woken,
+    CheckpointReserved,
+    CheckpointPublished,
+    CheckpointPinned,
+    CheckpointUnpinned,
+    CheckpointReleased,
+    CheckpointEvicted,
+    KVLookupStarted,
+    KVLoadAdmitted,
+    KVLoadStarted,
+    KVSaveStarted,
+)
+
+
+def entity_of(event: Event) -> str:
+    """A short name of the entity an event concerns, for divergence reports."""
+    for field in ("seq_id", "ckpt_id", "save_id", "session_id"):
+        value = getattr(event, field, None)
+        if value is not None:
+            return f"{field}={value}"
+    seq_ids = getattr(event, "seq_ids", None)
+    if isinstance(seq_ids, np.ndarray):
+        head = ",".join(str(int(s)) for s in seq_ids[:4])
+        more = "..." if len(seq_ids) > 4 else ""
+        return f"seq_ids=[{head}{more}]"
+    return "engine"

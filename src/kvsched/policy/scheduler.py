@@ -1,0 +1,335 @@
+"""The scheduling policy: reads EngineState, decides, and changes it only by emitting events.
+
+``emit`` folds an event into the state at once (so later decisions of the same step see it)
+and records it as a decision of the step. A decision that is not emitted leaves no trace: a
+tentative prefix match that admission rejects is simply never emitted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import attrs
+import numpy as np
+
+from kvsched.config import SchedulerConfig
+from kvsched.events import types as ev
+from kvsched.policy.ordering import order_waiting
+from kvsched.reducers.sequences import Seq
+from kvsched.reducers.state import EngineState
+from kvsched.statemachines import SeqState
+
+Emit = Callable[[ev.Event], None]
+I32, I64 = np.int32, np.int64
+
+
+def _arr(values: list[int], dtype: type = I64) -> np.ndarray:
+    return np.asarray(values, dtype=dtype)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@attrs.define(slots=True)
+class _StepBudget:
+    """What this step has committed so far."""
+
+    tokens: int = 0
+    prefills: int = 0
+    long_chunks: int = 0
+    seq_ids: list[int] = attrs.field(factory=list)
+    starts: list[int] = attrs.field(factory=list)
+    ends: list[int] = attrs.field(factory=list)
+
+    def add(self, seq_id: int, start: int, end: int, final: bool) -> None:
+        self.seq_ids.append(seq_id)
+        self.starts.append(start)
+        self.ends.append(end)
+        self.tokens += end - start
+        self.prefills += 1
+        self.long_chunks += 0 if final else 1
+
+
+@attrs.frozen
+class Chunk:
+    start: int
+    end: int
+    final: bool
+
+
+class Policy:
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.config = config
+        self.bs = config.block_size
+
+    # ----------------------------------------------------------------------- inputs
+
+    def validate(self, state: EngineState, e: ev.RequestArrived) -> str | None:
+        """Why a request must be rejected, or None when it is acceptable."""
+        model = self.config.model
+        prompt = np.asarray(e.prompt)
+        if len(prompt) == 0:
+            return "empty prompt"
+        if e.max_tokens <= 0:
+            return f"max_tokens must be positive, got {e.max_tokens}"
+        if e.seq_id in state.seqs.seqs or e.seq_id < 0:
+            return f"duplicate or invalid request id {e.seq_id}"
+        if prompt.min() < 0 or prompt.max() >= model.vocab_size:
+            return f"token id outside the vocabulary [0, {model.vocab_size})"
+        history = 0
+        session = state.sessions.get(e.session_id) if e.session_id >= 0 else None
+        if session is not None:
+            if session.active_seq >= 0:
+                return f"session {e.session_id} already has a request in flight"
+            history = len(session.tokens)
+        total = history + len(prompt)
+        if total >= model.max_context:
+            return f"prompt of {total} tokens exceeds the maximum context {model.max_context}"
+        if _cdiv(total + 1, self.bs) > self.config.num_blocks - 1:
+            return f"prompt of {total} tokens needs more KV blocks than the cache has"
+        for span in e.mm_spans:
+            if not 0 <= span.start < span.end <= len(prompt):
+                return f"multimodal span [{span.start}, {span.end}) outside the prompt"
+        return None
+
+    def finish_finished(self, state: EngineState, outcome: ev.StepExecuted, emit: Emit) -> None:
+        """Retire the sequences whose newest token ends them."""
+        done: list[Seq] = []
+        reasons: list[str] = []
+        max_context = self.config.model.max_context
+        for seq_id, token in zip(outcome.seq_ids.tolist(), outcome.tokens.tolist(), strict=True):
+            seq = state.seq(seq_id)
+            if token == seq.eos_token_id:
+                reason = "stop"
+            elif seq.n_output >= seq.max_tokens or seq.n_tokens >= max_context:
+                reason = "length"
+            else:
+                continue
+            done.append(seq)
+            reasons.append(reason)
+        if done:
+            self._release(state, done, emit, keep_for_session=True)
+            emit(ev.SequenceFinished(_arr([s.seq_id for s in done]), tuple(reasons)))
+
+    def abort(self, state: EngineState, seq_id: int, reason: str, emit: Emit) -> None:
+        seq = state.seqs.seqs.get(seq_id)
+        if seq is None:
+            return  # unknown or already retired: nothing to release
+        if seq.state == SeqState.RUNNING:
+            self._release(state, [seq], emit)
+        emit(ev.SequenceAborted(seq_id, reason))
+
+    def end_session(self, state: EngineState, session_id: int, emit: Emit) -> None:
+        session = state.sessions.get(session_id)
+        if session is None:
+            return
+        if session.active_seq >= 0:
+            self.abort(state, session.active_seq, "session ended", emit)
+        self._free_session_hold(state, session_id, emit)
+        emit(ev.SessionClosed(session_id))
+
+    def drain(self, state: EngineState, emit: Emit) -> None:
+        """Preempt everything running and drop session holds: afterwards nothing is held."""
+        running = [state.seq(int(state.seqs.row_seq[r])) for r in state.seqs.running_rows()]
+        for seq in running:
+            self._preempt(state, seq, emit, reason="drain")
+        for session_id in sorted(state.sessions):
+            self._free_session_hold(state, session_id, emit)
+        emit(ev.Drained())
+
+    # --------------------------------------------------------------------- releases
+
+    def _release(
+        self, state: EngineState, seqs: list[Seq], emit: Emit, keep_for_session: bool = False
+    ) -> None:
+        """Drop every block the sequences hold (a session keeps its cached full blocks)."""
+        table = state.seqs
+        holders: list[int] = []
+        counts: list[int] = []
+        blocks: list[np.ndarray] = []
+        for seq in seqs:
+            row = seq.row
+            held = table.blocks_of(row)
+            if keep_for_session and seq.session_id in state.sessions:
+                keep = int(table.registered[row])
+                if keep:
+                    emit(ev.SessionBlocksHeld(seq.session_id, seq.seq_id, held[:keep].copy()))
+                    held = table.blocks_of(row)
+            if len(held):
+                holders.append(seq.seq_id)
+                counts.append(len(held))
+                blocks.append(held.copy())
+        if holders:
+            emit(ev.BlocksFreed(_arr(holders), _arr(counts, I32), np.concatenate(blocks)))
+
+    def _free_session_hold(self, state: EngineState, session_id: int, emit: Emit) -> None:
+        held = state.sessions[session_id].held
+        if len(held):
+            emit(ev.BlocksFreed(_arr([-session_id - 1]), _arr([len(held)], I32), held.copy()))
+
+    def _preempt(self, state: EngineState, seq: Seq, emit: Emit, reason: str) -> None:
+        self._release(state, [seq], emit)
+        emit(ev.SequencePreempted(seq.seq_id, reason))
+
+    def _reclaim_sessions(self, state: EngineState, need: int, emit: Emit, keep: int) -> None:
+        """Free idle sessions' held blocks (oldest session first) until ``need`` are available."""
+        for session_id in sorted(state.sessions):
+            if state.pool.num_available >= need:
+                return
+            if session_id != keep:
+                self._free_session_hold(state, session_id, emit)
+
+    def _victim_key(self, state: EngineState, row: int) -> tuple[int, float, int]:
+        seq = state.seq(int(state.seqs.row_seq[row]))
+        return (seq.priority, -seq.arrival_time, -seq.seq_id)
+
+    def _make_room(self, state: EngineState, need_rows: np.ndarray, emit: Emit) -> np.ndarray:
+        """Preempt victims until every remaining row in ``need_rows`` can get one block.
+
+        Victims: lowest priority first, then latest arrival; not necessarily a row that needs
+        the block. Returns the rows that still need (and can now get) a block.
+        """
+        self._reclaim_sessions(state, len(need_rows), emit, keep=-1)
+        need = set(need_rows.tolist())
+        running = sorted(state.seqs.running_rows().tolist(), key=lambda r: self._victim_key(state, r))
+        while state.pool.num_available < len(need) and running:
+            victim = running.pop(0)
+            need.discard(victim)
+            self._preempt(state, state.seq(int(state.seqs.row_seq[victim])), emit, "blocks")
+        return np.asarray(sorted(need), dtype=np.int64)
+
+    # --------------------------------------------------------------------- schedule
+
+    def schedule(self, state: EngineState, emit: Emit) -> None:
+        if state.sleeping:
+            return
+        table = state.seqs
+        rows = table.running_rows()
+        decode_mask = table.computed[rows] == table.ntokens[rows] - 1
+        decode_rows, chunk_rows = rows[decode_mask], rows[~decode_mask]
+        prefill_turn = self._is_prefill_turn(state, len(decode_rows), len(chunk_rows))
+        if len(decode_rows) and not (prefill_turn and self.config.turn_mode == "alternate"):
+            self._schedule_decode(state, decode_rows, emit)
+        budget = _StepBudget()
+        if prefill_turn:
+            self._schedule_chunks(state, chunk_rows, budget, emit)
+            self._admit_waiting(state, budget, emit)
+        if budget.seq_ids:
+            emit(ev.PrefillScheduled(_arr(budget.seq_ids), _arr(budget.starts), _arr(budget.ends)))
+
+    def _is_prefill_turn(self, state: EngineState, n_decode: int, n_chunks: int) -> bool:
+        if self.config.turn_mode == "mixed" or n_decode == 0:
+            return True
+        if not state.seqs.waiting and not n_chunks:
+            return False
+        half_empty = state.seqs.num_running < 0.5 * self.config.max_batch
+        return half_empty or state.decode_turns >= self.config.prefill_interval
+
+    def _schedule_decode(self, state: EngineState, rows: np.ndarray, emit: Emit) -> None:
+        table = state.seqs
+        needing = rows[table.computed[rows] // self.bs >= table.nblocks[rows]]
+        if len(needing) > state.pool.num_available:
+            needing = self._make_room(state, needing, emit)
+            rows = rows[table.row_seq[rows] >= 0]
+        if len(needing):
+            blocks = state.pool.peek_allocate(len(needing))
+            assert blocks is not None
+            seq_ids = table.row_seq[needing].copy()
+            emit(ev.BlocksAllocated(seq_ids, np.ones(len(needing), I32), blocks))
+        if len(rows):
+            emit(ev.DecodeScheduled(table.row_seq[rows].copy()))
+
+    def chunk_of(self, seq: Seq, start: int) -> Chunk:
+        """The canonical chunk starting at ``start``: it ends at the next multiple of the
+        chunk length (a function of the request and the config only) or at the prompt end."""
+        size = self.config.chunk_tokens
+        end = min(seq.n_tokens, (start // size + 1) * size)
+        return Chunk(start, end, end == seq.n_tokens)
+
+    def _fits_budget(self, budget: _StepBudget, chunk: Chunk) -> bool:
+        if budget.prefills == 0:
+            return True  # the first prefill of a step is always admitted
+        return budget.tokens + chunk.end - chunk.start <= self.config.max_prefill_tokens
+
+    def _long_gate_open(self, budget: _StepBudget, chunk: Chunk) -> bool:
+        return chunk.final or budget.long_chunks < self.config.max_long_chunks_per_step
+
+    def _schedule_chunks(
+        self, state: EngineState, rows: np.ndarray, budget: _StepBudget, emit: Emit
+    ) -> None:
+        """Continue the chunked prefills of running sequences, oldest first."""
+        table = state.seqs
+        seqs = sorted((state.seq(int(table.row_seq[r])) for r in rows), key=_arrival_key)
+        for seq in seqs:
+            chunk = self.chunk_of(seq, int(table.computed[seq.row]))
+            if not (self._fits_budget(budget, chunk) and self._long_gate_open(budget, chunk)):
+                continue
+            need = _cdiv(chunk.end, self.bs) - int(table.nblocks[seq.row])
+            if need > state.pool.num_available:
+                self._reclaim_sessions(state, need, emit, keep=-1)
+            if need > state.pool.num_available:
+                if budget.prefills == 0 and not table.waiting:
+                    self._preempt_for_chunk(state, seq, need, emit)
+                continue
+            self._allocate(state, seq.seq_id, need, emit)
+            budget.add(seq.seq_id, chunk.start, chunk.end, chunk.final)
+
+    def _preempt_for_chunk(self, state: EngineState, seq: Seq, need: int, emit: Emit) -> None:
+        """Nothing else can progress: preempt the policy's victims (maybe ``seq`` itself)."""
+        running = sorted(state.seqs.running_rows().tolist(), key=lambda r: self._victim_key(state, r))
+        while state.pool.num_available < need and running and seq.row >= 0:
+            victim = state.seq(int(state.seqs.row_seq[running.pop(0)]))
+            self._preempt(state, victim, emit, "blocks")
+
+    def _allocate(self, state: EngineState, seq_id: int, need: int, emit: Emit) -> None:
+        if need > 0:
+            blocks = state.pool.peek_allocate(need)
+            assert blocks is not None
+            emit(ev.BlocksAllocated(_arr([seq_id]), _arr([need], I32), blocks))
+
+    def _admit_waiting(self, state: EngineState, budget: _StepBudget, emit: Emit) -> None:
+        table = state.seqs
+        if not table.waiting:
+            return
+        stop_on_failure = self.config.order != "ttft"
+        for seq in order_waiting(self.config, list(table.waiting.values()), state.clock):
+            if table.num_running >= self.config.max_batch:
+                return
+            verdict = self._try_admit(state, seq, budget, emit)
+            if verdict == "stop" and stop_on_failure:
+                return
+
+    def _try_admit(self, state: EngineState, seq: Seq, budget: _StepBudget, emit: Emit) -> str:
+        """Admit one waiting sequence, or return why not ('skip' or 'stop') leaving no trace."""
+        pool, bs = state.pool, self.bs
+        hit_blocks = 0
+        if self.config.enable_prefix_caching:
+            hit_blocks = pool.find_prefix_len(seq.hashes, (seq.n_tokens - 1) // bs)
+        chunk = self.chunk_of(seq, hit_blocks * bs)
+        if not self._long_gate_open(budget, chunk):
+            return "skip"
+        if not self._fits_budget(budget, chunk):
+            return "stop"
+        hit = pool.find_blocks(seq.hashes, hit_blocks) if hit_blocks else np.zeros(0, I32)
+        need = _cdiv(chunk.end, bs) - hit_blocks
+        if need > pool.num_available - pool.count_unheld(hit):
+            self._reclaim_sessions(state, need + pool.count_unheld(hit), emit, seq.session_id)
+            if need > pool.num_available - pool.count_unheld(hit):
+                return "stop"
+        first = seq.num_preemptions == 0
+        emit(ev.SequenceAdmitted(seq.seq_id, state.seqs.peek_free_row()))
+        if hit_blocks:
+            query = seq.n_prompt if first else 0
+            emit(ev.PrefixMatched(seq.seq_id, hit, hit_blocks * bs, query))
+        elif first:
+            emit(ev.PrefixMatched(seq.seq_id, hit, 0, seq.n_prompt))
+        if seq.session_id in state.sessions:
+            self._free_session_hold(state, seq.session_id, emit)
+        self._allocate(state, seq.seq_id, need, emit)
+        budget.add(seq.seq_id, chunk.start, chunk.end, chunk.final)
+        return "admitted"
+
+
+def _arrival_key(seq: Seq) -> tuple[float, int]:
+    return (seq.arrival_time, seq.seq_id)

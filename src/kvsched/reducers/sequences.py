@@ -1,0 +1,140 @@
+"""SequenceTable: every sequence's tokens, identity and lifecycle state, and the batch rows.
+
+A sequence is WAITING (holds nothing), RUNNING (holds a batch row and a block table) or in a
+terminal state. While running, its hot numbers live in numpy arrays indexed by row so a decode
+step updates every running sequence in a few vectorised operations:
+
+* ``computed[row]``: tokens whose KV is written (after the last executed step);
+* ``ntokens[row]``: tokens known (prompt plus sampled outputs);
+* ``nblocks[row]``: blocks in the row's block table; ``table[row, :nblocks]`` the ids;
+* ``registered[row]``: leading blocks whose identity is in the prefix index;
+* ``last_token[row]``: the newest token (the decode input).
+"""
+
+from __future__ import annotations
+
+import attrs
+import numpy as np
+
+from kvsched.events.types import MultimodalSpan
+from kvsched.statemachines import SEQUENCE, SeqEvent, SeqState
+
+FREE_ROW = -1
+
+
+@attrs.define(slots=True, eq=False)
+class Seq:
+    seq_id: int
+    tokens: np.ndarray  # int32, capacity >= n_tokens
+    n_tokens: int
+    n_prompt: int  # tokens before this turn's first output
+    max_tokens: int
+    arrival_time: float
+    priority: int = 0
+    session_id: int = -1
+    adapter: str = ""
+    cache_salt: str = ""
+    eos_token_id: int = -1
+    temperature: float = 0.0
+    seed: int = 0
+    mm_spans: tuple[MultimodalSpan, ...] = ()
+    root: bytes = b""
+    hashes: list[bytes] = attrs.field(factory=list)
+    state: SeqState = SeqState.WAITING
+    row: int = FREE_ROW
+    num_preemptions: int = 0
+    finish_reason: str = ""
+    # Statistics of the prefix match at the latest admission.
+    num_hit_tokens: int = 0
+
+    @property
+    def n_output(self) -> int:
+        return self.n_tokens - self.n_prompt
+
+    def append(self, token: int) -> None:
+        if self.n_tokens == len(self.tokens):
+            grown = np.empty(max(16, 2 * len(self.tokens)), dtype=np.int32)
+            grown[: self.n_tokens] = self.tokens[: self.n_tokens]
+            self.tokens = grown
+        self.tokens[self.n_tokens] = token
+        self.n_tokens += 1
+
+    def token_view(self) -> np.ndarray:
+        return self.tokens[: self.n_tokens]
+
+    def transition(self, event: SeqEvent) -> None:
+        self.state = SeqState(SEQUENCE.next_state(self.seq_id, self.state, event))
+
+
+class SequenceTable:
+    def __init__(self, max_batch: int, max_blocks_per_seq: int) -> None:
+        self.seqs: dict[int, Seq] = {}
+        self.waiting: dict[int, Seq] = {}  # insertion-ordered
+        self.max_batch = max_batch
+        self.row_seq = np.full(max_batch, FREE_ROW, dtype=np.int64)
+        self.computed = np.zeros(max_batch, dtype=np.int64)
+        self.ntokens = np.zeros(max_batch, dtype=np.int64)
+        self.nblocks = np.zeros(max_batch, dtype=np.int64)
+        self.registered = np.zeros(max_batch, dtype=np.int64)
+        self.last_token = np.zeros(max_batch, dtype=np.int32)
+        self.temperature = np.zeros(max_batch, dtype=np.float32)
+        self.seed = np.zeros(max_batch, dtype=np.int64)
+        self.table = np.zeros((max_batch, max_blocks_per_seq), dtype=np.int32)
+        self.free_rows: list[int] = list(range(max_batch - 1, -1, -1))
+        self.num_finished = 0
+
+    # ------------------------------------------------------------------------- queries
+
+    @property
+    def num_running(self) -> int:
+        return self.max_batch - len(self.free_rows)
+
+    def running_rows(self) -> np.ndarray:
+        return np.nonzero(self.row_seq != FREE_ROW)[0]
+
+    def blocks_of(self, row: int) -> np.ndarray:
+        return self.table[row, : self.nblocks[row]]
+
+    def peek_free_row(self) -> int:
+        return self.free_rows[-1] if self.free_rows else FREE_ROW
+
+    # ------------------------------------------------------------------------ commands
+
+    def add(self, seq: Seq) -> None:
+        self.seqs[seq.seq_id] = seq
+        self.waiting[seq.seq_id] = seq
+
+    def activate(self, seq: Seq, row: int, event: SeqEvent = SeqEvent.admit) -> None:
+        if self.row_seq[row] != FREE_ROW or self.free_rows[-1] != row:
+            raise ValueError(f"row {row} is not the next free row")
+        seq.transition(event)
+        self.free_rows.pop()
+        self.waiting.pop(seq.seq_id, None)
+        seq.row = row
+        self.row_seq[row] = seq.seq_id
+        self.computed[row] = 0
+        self.ntokens[row] = seq.n_tokens
+        self.nblocks[row] = 0
+        self.registered[row] = 0
+        self.last_token[row] = seq.tokens[seq.n_tokens - 1]
+        self.temperature[row] = seq.temperature
+        self.seed[row] = seq.seed
+
+    def deactivate(self, seq: Seq) -> None:
+        """Free the sequence's row (its blocks must have been released already)."""
+        row = seq.row
+        self.row_seq[row] = FREE_ROW
+        self.nblocks[row] = 0
+        self.computed[row] = 0
+        self.registered[row] = 0
+        self.free_rows.append(row)
+        seq.row = FREE_ROW
+
+    def requeue(self, seq: Seq) -> None:
+        self.waiting[seq.seq_id] = seq
+
+    def retire(self, seq: Seq) -> None:
+        """A terminal sequence leaves the table (its history stays in the event log)."""
+        self.waiting.pop(seq.seq_id, None)
+        del self.seqs[seq.seq_id]
+        self.num_finished += 1

@@ -1,0 +1,426 @@
+"""EngineState: the owners, and the fold of every event into them.
+
+``apply(event)`` is the only way state changes. Each handler is a deterministic function of
+(state, event): no clock, no randomness, no I/O. The policy reads the state through queries
+and changes it only by emitting events that are folded here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+import numpy as np
+
+from kvsched.config import SchedulerConfig
+from kvsched.events import types as ev
+from kvsched.identity import chain_hashes, namespace_root, span_extras
+from kvsched.reducers.blocks import BlockPool, BlockPoolError
+from kvsched.reducers.sequences import FREE_ROW, Seq, SequenceTable
+from kvsched.statemachines import SeqEvent, SeqState
+
+
+class InvariantError(AssertionError):
+    """State that breaks an owner's invariant."""
+
+
+class ReplayMismatch(RuntimeError):
+    """An event that cannot be folded into the current state."""
+
+
+@attrs.define(slots=True)
+class Session:
+    session_id: int
+    tokens: np.ndarray  # history: every token of the finished turns
+    hashes: list[bytes]
+    held: np.ndarray  # blocks this session holds a reference on
+    active_seq: int = -1
+
+
+@attrs.define(slots=True)
+class Stats:
+    requests_arrived: int = 0
+    requests_rejected: int = 0
+    requests_finished: int = 0
+    requests_aborted: int = 0
+    query_tokens: int = 0
+    hit_tokens: int = 0
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    generated_tokens: int = 0
+    preemptions: int = 0
+    steps: int = 0
+
+
+@attrs.define(slots=True)
+class Pending:
+    """Work scheduled this step, awaiting the executor's outcome (row order = plan order)."""
+
+    step: int = 0
+    rows: list[np.ndarray] = attrs.field(factory=list)
+    starts: list[np.ndarray] = attrs.field(factory=list)
+    ends: list[np.ndarray] = attrs.field(factory=list)
+
+    def add(self, rows: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> None:
+        self.rows.append(rows)
+        self.starts.append(starts)
+        self.ends.append(ends)
+
+    def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        if not self.rows:
+            empty = np.zeros(0, dtype=np.int64)
+            return empty, empty, empty
+        return np.concatenate(self.rows), np.concatenate(self.starts), np.concatenate(self.ends)
+
+
+def _segments(counts: np.ndarray) -> np.ndarray:
+    return np.concatenate(([0], np.cumsum(counts)))
+
+
+class EngineState:
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.config = config
+        self.block_size = config.block_size
+        max_blocks = -(-config.model.max_context // config.block_size) + 1
+        self.pool = BlockPool(config.num_blocks)
+        self.seqs = SequenceTable(config.max_batch, max_blocks)
+        self.sessions: dict[int, Session] = {}
+        self.stats = Stats()
+        self.pending = Pending()
+        self.step = 0
+        self.clock = 0.0
+        self.sleeping = False
+        self.decode_turns = 0  # consecutive decode-only steps (alternate turn mode)
+        self._roots: dict[tuple[str, str], bytes] = {}
+        self._handlers: dict[type, Callable[[Any], None]] = {
+            ev.RequestArrived: self._on_arrived,
+            ev.StepExecuted: self._on_executed,
+            ev.StepFailed: self._on_step_failed,
+            ev.StepStarted: self._on_step_started,
+            ev.RequestRejected: self._on_rejected,
+            ev.SequenceAdmitted: self._on_admitted,
+            ev.PrefixMatched: self._on_matched,
+            ev.BlocksAllocated: self._on_allocated,
+            ev.BlocksFreed: self._on_freed,
+            ev.SessionBlocksHeld: self._on_session_held,
+            ev.PrefillScheduled: self._on_prefill,
+            ev.DecodeScheduled: self._on_decode,
+            ev.SequencePreempted: self._on_preempted,
+            ev.SequenceFinished: self._on_finished,
+            ev.SequenceAborted: self._on_aborted,
+            ev.SessionClosed: self._on_session_closed,
+            ev.Drained: self._on_drained,
+            ev.Woken: self._on_woken,
+        }
+        self._ignored = (ev.RequestAborted, ev.SessionEnded, ev.DrainRequested, ev.WakeRequested)
+
+    # ------------------------------------------------------------------------- fold
+
+    def apply(self, event: ev.Event) -> None:
+        handler = self._handlers.get(type(event))
+        if handler is not None:
+            handler(event)
+        elif not isinstance(event, self._ignored):
+            raise ReplayMismatch(f"no reducer for {type(event).__name__}")
+
+    # ------------------------------------------------------------------------- queries
+
+    def root_for(self, adapter: str, salt: str) -> bytes:
+        key = (adapter, salt)
+        root = self._roots.get(key)
+        if root is None:
+            root = namespace_root(self.config.model, self.block_size, adapter, salt)
+            self._roots[key] = root
+        return root
+
+    def seq(self, seq_id: int) -> Seq:
+        return self.seqs.seqs[seq_id]
+
+    def holders(self) -> list[np.ndarray]:
+        held = [self.seqs.blocks_of(int(r)) for r in self.seqs.running_rows()]
+        held.extend(s.held for s in self.sessions.values() if len(s.held))
+        return held
+
+    # ------------------------------------------------------------------ input folds
+
+    def _on_arrived(self, e: ev.RequestArrived) -> None:
+        bs = self.block_size
+        prompt = np.asarray(e.prompt, dtype=np.int32)
+        session = self.sessions.get(e.session_id) if e.session_id >= 0 else None
+        if e.session_id >= 0 and session is None:
+            session = Session(e.session_id, np.zeros(0, np.int32), [], np.zeros(0, np.int32))
+            self.sessions[e.session_id] = session
+        history = session.tokens if session is not None else np.zeros(0, np.int32)
+        tokens = np.concatenate([history, prompt]).astype(np.int32)
+        root = self.root_for(e.adapter, e.cache_salt)
+        keep = len(history) // bs if session is not None and not e.mm_spans else 0
+        hashes = session.hashes[:keep] if session is not None else []
+        parent = hashes[-1] if hashes else root
+        extras = span_extras(e.mm_spans, bs, keep, len(tokens) // bs) if e.mm_spans else None
+        hashes = hashes + chain_hashes(parent, tokens[keep * bs :], bs, keep, extras)
+        seq = Seq(
+            seq_id=e.seq_id,
+            tokens=tokens,
+            n_tokens=len(tokens),
+            n_prompt=len(tokens),
+            max_tokens=e.max_tokens,
+            arrival_time=e.arrival_time,
+            priority=e.priority,
+            session_id=e.session_id,
+            adapter=e.adapter,
+            cache_salt=e.cache_salt,
+            eos_token_id=e.eos_token_id,
+            temperature=e.temperature,
+            seed=e.seed,
+            mm_spans=e.mm_spans,
+            root=root,
+            hashes=hashes,
+        )
+        self.seqs.add(seq)
+        if session is not None:
+            session.active_seq = e.seq_id
+        self.stats.requests_arrived += 1
+
+    def _on_executed(self, e: ev.StepExecuted) -> None:
+        if e.step != self.pending.step:
+            raise ReplayMismatch(f"outcome of step {e.step}, but step {self.pending.step} ran")
+        rows, _, ends = self.pending.arrays()
+        self.pending = Pending()
+        table = self.seqs
+        if len(rows):
+            table.computed[rows] = ends
+            self._register_computed(rows)
+        bs = self.block_size
+        seqs = table.seqs
+        for seq_id, token in zip(e.seq_ids.tolist(), e.tokens.tolist(), strict=True):
+            seq = seqs[seq_id]
+            seq.append(token)
+            if seq.n_tokens % bs == 0:
+                start = seq.n_tokens - bs
+                parent = seq.hashes[-1] if seq.hashes else seq.root
+                seq.hashes.extend(chain_hashes(parent, seq.tokens[start : seq.n_tokens], bs))
+            row = seq.row
+            table.ntokens[row] = seq.n_tokens
+            table.last_token[row] = token
+        self.stats.generated_tokens += len(e.seq_ids)
+
+    def _register_computed(self, rows: np.ndarray) -> None:
+        """Give identity to blocks that became full and computed; deduplicate copies."""
+        table = self.seqs
+        full = table.computed[rows] // self.block_size
+        grown = rows[full > table.registered[rows]]
+        for row in grown.tolist():
+            seq = self.seq(int(table.row_seq[row]))
+            first, last = int(table.registered[row]), int(table.computed[row] // self.block_size)
+            for i in range(first, last):
+                block = int(table.table[row, i])
+                parent = seq.hashes[i - 1] if i else None
+                canonical = self.pool.register(block, seq.hashes[i], parent)
+                if canonical != block:
+                    swap = np.asarray([canonical], dtype=np.int32)
+                    self.pool.attach(swap)
+                    self.pool.release(np.asarray([block], dtype=np.int32))
+                    table.table[row, i] = canonical
+            table.registered[row] = last
+
+    def _on_step_failed(self, e: ev.StepFailed) -> None:
+        if e.step != self.pending.step:
+            raise ReplayMismatch(f"failure of step {e.step}, but step {self.pending.step} ran")
+        self.pending = Pending()
+
+    # --------------------------------------------------------------- decision folds
+
+    def _on_step_started(self, e: ev.StepStarted) -> None:
+        self.step = e.step
+        self.clock = e.clock
+        self.stats.steps += 1
+
+    def _on_rejected(self, e: ev.RequestRejected) -> None:
+        self.stats.requests_rejected += 1
+
+    def _on_admitted(self, e: ev.SequenceAdmitted) -> None:
+        self.seqs.activate(self.seq(e.seq_id), e.row)
+
+    def _on_matched(self, e: ev.PrefixMatched) -> None:
+        seq = self.seq(e.seq_id)
+        row, k = seq.row, len(e.blocks)
+        if row == FREE_ROW or self.seqs.nblocks[row]:
+            raise ReplayMismatch(f"sequence {e.seq_id}: prefix match outside admission")
+        self.pool.attach(e.blocks)
+        t = self.seqs
+        t.table[row, :k] = e.blocks
+        t.nblocks[row] = k
+        t.computed[row] = e.num_tokens
+        t.registered[row] = k
+        seq.num_hit_tokens = e.num_tokens
+        if e.num_query_tokens:  # re-admissions after preemption are not counted
+            self.stats.query_tokens += e.num_query_tokens
+            self.stats.hit_tokens += e.num_tokens
+
+    def _on_allocated(self, e: ev.BlocksAllocated) -> None:
+        blocks = self.pool.allocate(len(e.blocks))
+        if not np.array_equal(blocks, e.blocks):
+            raise ReplayMismatch(f"allocation gave {blocks.tolist()}, event says {e.blocks}")
+        t = self.seqs
+        bounds = _segments(e.counts)
+        for i, seq_id in enumerate(e.seq_ids.tolist()):
+            row = self.seq(seq_id).row
+            n, k = int(t.nblocks[row]), int(e.counts[i])
+            t.table[row, n : n + k] = blocks[bounds[i] : bounds[i + 1]]
+            t.nblocks[row] = n + k
+
+    def _on_freed(self, e: ev.BlocksFreed) -> None:
+        bounds = _segments(e.counts)
+        for i, holder in enumerate(e.seq_ids.tolist()):
+            blocks = e.blocks[bounds[i] : bounds[i + 1]]
+            if holder < 0:
+                session = self.sessions[-holder - 1]
+                if not np.array_equal(session.held, blocks):
+                    raise ReplayMismatch(f"session {-holder - 1} does not hold {blocks}")
+                session.held = np.zeros(0, np.int32)
+            else:
+                self._drop_tail(self.seq(holder), blocks)
+            self.pool.release(blocks)
+
+    def _drop_tail(self, seq: Seq, blocks: np.ndarray) -> None:
+        t, row = self.seqs, seq.row
+        n, k = int(t.nblocks[row]), len(blocks)
+        if k > n or not np.array_equal(t.table[row, n - k : n], blocks):
+            raise ReplayMismatch(f"sequence {seq.seq_id} does not hold {blocks} at its tail")
+        t.nblocks[row] = n - k
+        t.registered[row] = min(int(t.registered[row]), n - k)
+        t.computed[row] = min(int(t.computed[row]), (n - k) * self.block_size)
+
+    def _on_session_held(self, e: ev.SessionBlocksHeld) -> None:
+        session = self.sessions[e.session_id]
+        if len(session.held):
+            raise ReplayMismatch(f"session {e.session_id} already holds blocks")
+        seq = self.seq(e.seq_id)
+        t, row, k = self.seqs, seq.row, len(e.blocks)
+        n = int(t.nblocks[row])
+        if not np.array_equal(t.table[row, :k], e.blocks):
+            raise ReplayMismatch(f"sequence {e.seq_id} does not hold {e.blocks} at its head")
+        t.table[row, : n - k] = t.table[row, k:n].copy()
+        t.nblocks[row] = n - k
+        t.registered[row] = max(0, int(t.registered[row]) - k)
+        session.held = np.array(e.blocks, dtype=np.int32)
+
+    def _pending_rows(self, seq_ids: np.ndarray) -> np.ndarray:
+        seqs = self.seqs.seqs
+        return np.fromiter((seqs[s].row for s in seq_ids.tolist()), np.int64, len(seq_ids))
+
+    def _on_prefill(self, e: ev.PrefillScheduled) -> None:
+        rows = self._pending_rows(e.seq_ids)
+        self.pending.step = self.step
+        self.pending.add(rows, e.starts, e.ends)
+        self.stats.prefill_tokens += int((e.ends - e.starts).sum())
+        self.decode_turns = 0
+
+    def _on_decode(self, e: ev.DecodeScheduled) -> None:
+        rows = self._pending_rows(e.seq_ids)
+        starts = self.seqs.computed[rows]
+        self.pending.step = self.step
+        self.pending.add(rows, starts, starts + 1)
+        self.stats.decode_tokens += len(rows)
+        self.decode_turns += 1
+
+    def _release_row(self, seq: Seq) -> None:
+        if self.seqs.nblocks[seq.row]:
+            raise ReplayMismatch(f"sequence {seq.seq_id} left running with blocks held")
+        self.seqs.deactivate(seq)
+
+    def _on_preempted(self, e: ev.SequencePreempted) -> None:
+        seq = self.seq(e.seq_id)
+        seq.transition(SeqEvent.preempt)
+        self._release_row(seq)
+        self.seqs.requeue(seq)
+        seq.num_preemptions += 1
+        self.stats.preemptions += 1
+
+    def _on_finished(self, e: ev.SequenceFinished) -> None:
+        for seq_id, reason in zip(e.seq_ids.tolist(), e.reasons, strict=True):
+            seq = self.seq(seq_id)
+            seq.transition(SeqEvent.finish)
+            seq.finish_reason = reason
+            self._release_row(seq)
+            self._end_turn(seq)
+            self.seqs.retire(seq)
+            self.stats.requests_finished += 1
+
+    def _end_turn(self, seq: Seq) -> None:
+        session = self.sessions.get(seq.session_id) if seq.session_id >= 0 else None
+        if session is None:
+            return
+        session.tokens = seq.token_view().copy()
+        session.hashes = seq.hashes
+        session.active_seq = -1
+
+    def _on_aborted(self, e: ev.SequenceAborted) -> None:
+        seq = self.seq(e.seq_id)
+        if seq.state == SeqState.RUNNING:
+            self._release_row(seq)
+        seq.transition(SeqEvent.abort)
+        seq.finish_reason = e.reason
+        session = self.sessions.get(seq.session_id)
+        if session is not None:
+            session.active_seq = -1
+        self.seqs.retire(seq)
+        self.stats.requests_aborted += 1
+
+    def _on_session_closed(self, e: ev.SessionClosed) -> None:
+        session = self.sessions.pop(e.session_id)
+        if len(session.held) or session.active_seq >= 0:
+            raise ReplayMismatch(f"session {e.session_id} closed while holding resources")
+
+    def _on_drained(self, e: ev.Drained) -> None:
+        self.sleeping = True
+
+    def _on_woken(self, e: ev.Woken) -> None:
+        self.sleeping = False
+
+    # -------------------------------------------------------------------- invariants
+
+    def check_invariants(self) -> None:
+        """Cross-check every owner; raises InvariantError naming the first violation."""
+        try:
+            self.pool.check_invariants(self.holders())
+        except BlockPoolError as exc:
+            raise InvariantError(str(exc)) from exc
+        self._check_rows()
+        for seq in self.seqs.seqs.values():
+            self._check_seq(seq)
+        for session in self.sessions.values():
+            if session.active_seq >= 0 and session.active_seq not in self.seqs.seqs:
+                raise InvariantError(f"session {session.session_id} points at a retired seq")
+
+    def _check_rows(self) -> None:
+        t = self.seqs
+        used = set(t.running_rows().tolist())
+        if used & set(t.free_rows) or len(used) + len(t.free_rows) != t.max_batch:
+            raise InvariantError("batch rows are not partitioned into used and free")
+        for row in used:
+            seq = t.seqs.get(int(t.row_seq[row]))
+            if seq is None or seq.row != row or seq.state != SeqState.RUNNING:
+                raise InvariantError(f"row {row} holds a sequence that is not running there")
+
+    def _check_seq(self, seq: Seq) -> None:
+        t, bs = self.seqs, self.block_size
+        if len(seq.hashes) != seq.n_tokens // bs:
+            raise InvariantError(f"sequence {seq.seq_id}: {len(seq.hashes)} hashes")
+        if seq.state == SeqState.WAITING:
+            if seq.row != FREE_ROW or seq.seq_id not in t.waiting:
+                raise InvariantError(f"waiting sequence {seq.seq_id} holds a row or is unqueued")
+            return
+        if seq.state != SeqState.RUNNING:
+            raise InvariantError(f"sequence {seq.seq_id} is in state {seq.state.name}")
+        row = seq.row
+        if seq.seq_id in t.waiting:
+            raise InvariantError(f"running sequence {seq.seq_id} is also queued")
+        computed, nblocks = int(t.computed[row]), int(t.nblocks[row])
+        if not computed <= seq.n_tokens == t.ntokens[row] or computed > nblocks * bs:
+            raise InvariantError(f"sequence {seq.seq_id}: computed {computed} out of range")
+        for i in range(int(t.registered[row])):
+            block = int(t.table[row, i])
+            if self.pool.hash_of[block] != seq.hashes[i]:
+                raise InvariantError(f"sequence {seq.seq_id}: block {i} has another identity")

@@ -1,0 +1,251 @@
+"""The four lifecycle declarations (Sequence, KVLoad, KVSave, Checkpoint), compiled at import."""
+
+from __future__ import annotations
+
+from enum import IntEnum
+
+from kvsched.statemachines.declare import CompiledMachine, MachineSpec, Transition, compile_spec
+
+__all__ = [
+    "ALL_MACHINES",
+    "ALL_SPECS",
+    "CHECKPOINT",
+    "CHECKPOINT_SPEC",
+    "KVLOAD",
+    "KVLOAD_SPEC",
+    "KVSAVE",
+    "KVSAVE_SPEC",
+    "SEQUENCE",
+    "SEQUENCE_SPEC",
+    "CkptEvent",
+    "CkptState",
+    "LoadEvent",
+    "LoadState",
+    "SaveEvent",
+    "SaveState",
+    "SeqEvent",
+    "SeqState",
+]
+
+T = Transition
+
+
+# --------------------------------------------------------------------------- Sequence
+
+
+class SeqState(IntEnum):
+    """Lifecycle states of a request sequence."""
+
+    WAITING = 0
+    LOADING_KV = 1
+    RUNNING = 2
+    FINISHED = 3
+    ABORTED = 4
+    MIGRATING_IN = 5
+
+
+class SeqEvent(IntEnum):
+    """Events applied to a sequence."""
+
+    admit = 0
+    begin_load = 1
+    load_done = 2
+    load_failed = 3
+    abort = 4
+    schedule_chunk = 5
+    decode = 6
+    preempt = 7
+    finish = 8
+    admit_migrated = 9
+
+
+_S, _SE = SeqState, SeqEvent
+
+SEQUENCE_SPEC = MachineSpec(
+    name="Sequence",
+    states=SeqState,
+    events=SeqEvent,
+    initial=(_S.WAITING, _S.MIGRATING_IN),
+    terminal=(_S.FINISHED, _S.ABORTED),
+    transitions=(
+        T(_SE.admit, _S.WAITING, _S.RUNNING),
+        T(_SE.begin_load, _S.WAITING, _S.LOADING_KV),
+        T(_SE.load_done, _S.LOADING_KV, _S.WAITING),
+        T(_SE.load_failed, _S.LOADING_KV, _S.WAITING),
+        T(_SE.abort, _S.LOADING_KV, _S.ABORTED, "load_settled"),
+        T(_SE.schedule_chunk, _S.RUNNING, _S.RUNNING),
+        T(_SE.decode, _S.RUNNING, _S.RUNNING),
+        T(_SE.preempt, _S.RUNNING, _S.WAITING),
+        T(_SE.finish, _S.RUNNING, _S.FINISHED),
+        T(_SE.abort, _S.WAITING, _S.ABORTED),
+        T(_SE.abort, _S.RUNNING, _S.ABORTED),
+        T(_SE.admit_migrated, _S.MIGRATING_IN, _S.RUNNING),
+        T(_SE.abort, _S.MIGRATING_IN, _S.ABORTED),
+    ),
+    description=(
+        "A request from arrival to completion. MIGRATING_IN is the entry state of a sequence "
+        "migrated from another worker. An abort while KV is loading is deferred: it is legal "
+        "only once the load has settled (fact `load_settled`)."
+    ),
+)
+
+
+# --------------------------------------------------------------------------- KVLoad
+
+
+class LoadState(IntEnum):
+    """Lifecycle states of a KV-cache load from an external tier."""
+
+    LOOKUP_PENDING = 0
+    PLANNED = 1
+    ADMITTED = 2
+    ALLOCATED = 3
+    LOADING = 4
+    READY = 5
+    FAILED = 6
+    CANCELLED = 7
+
+
+class LoadEvent(IntEnum):
+    """Events applied to a KV load."""
+
+    lookup_hit = 0
+    lookup_miss = 1
+    lookup_pending = 2
+    admit = 3
+    allocate = 4
+    start = 5
+    finish = 6
+    fail = 7
+    cancel = 8
+
+
+_L, _LE = LoadState, LoadEvent
+
+KVLOAD_SPEC = MachineSpec(
+    name="KVLoad",
+    states=LoadState,
+    events=LoadEvent,
+    initial=(_L.LOOKUP_PENDING,),
+    terminal=(_L.READY, _L.FAILED, _L.CANCELLED),
+    transitions=(
+        T(_LE.lookup_hit, _L.LOOKUP_PENDING, _L.PLANNED),
+        T(_LE.lookup_miss, _L.LOOKUP_PENDING, _L.CANCELLED),
+        T(_LE.lookup_pending, _L.LOOKUP_PENDING, _L.LOOKUP_PENDING),
+        T(_LE.admit, _L.PLANNED, _L.ADMITTED),
+        T(_LE.allocate, _L.ADMITTED, _L.ALLOCATED),
+        T(_LE.start, _L.ALLOCATED, _L.LOADING),
+        T(_LE.finish, _L.LOADING, _L.READY),
+        T(_LE.fail, _L.LOADING, _L.FAILED),
+        T(_LE.cancel, _L.PLANNED, _L.CANCELLED),
+        T(_LE.cancel, _L.ADMITTED, _L.CANCELLED),
+        T(_LE.cancel, _L.ALLOCATED, _L.CANCELLED),
+    ),
+    description=(
+        "Loading a sequence's KV blocks from an external tier. A load can be cancelled "
+        "until its transfer starts; once LOADING it either finishes or fails."
+    ),
+)
+
+
+# --------------------------------------------------------------------------- KVSave
+
+
+class SaveState(IntEnum):
+    """Lifecycle states of a KV-cache save to an external tier."""
+
+    PENDING = 0
+    SAVING = 1
+    SAVED = 2
+    FAILED = 3
+    CANCELLED = 4
+
+
+class SaveEvent(IntEnum):
+    """Events applied to a KV save."""
+
+    start = 0
+    confirm = 1
+    fail = 2
+    cancel = 3
+
+
+_V, _VE = SaveState, SaveEvent
+
+KVSAVE_SPEC = MachineSpec(
+    name="KVSave",
+    states=SaveState,
+    events=SaveEvent,
+    initial=(_V.PENDING,),
+    terminal=(_V.SAVED, _V.FAILED, _V.CANCELLED),
+    transitions=(
+        T(_VE.start, _V.PENDING, _V.SAVING),
+        T(_VE.confirm, _V.SAVING, _V.SAVED),
+        T(_VE.fail, _V.SAVING, _V.FAILED),
+        T(_VE.cancel, _V.PENDING, _V.CANCELLED),
+    ),
+    description=(
+        "Saving KV blocks to an external tier. Only a save not yet started can be cancelled."
+    ),
+)
+
+
+# --------------------------------------------------------------------------- Checkpoint
+
+
+class CkptState(IntEnum):
+    """Lifecycle states of a cached checkpoint."""
+
+    RESERVED = 0
+    PUBLISHED = 1
+    PINNED = 2
+    RELEASED = 3
+    EVICTED = 4
+
+
+class CkptEvent(IntEnum):
+    """Events applied to a checkpoint."""
+
+    publish = 0
+    abandon = 1
+    pin = 2
+    unpin = 3
+    evict = 4
+    release = 5
+    drop_stale = 6
+
+
+_C, _CE = CkptState, CkptEvent
+
+CHECKPOINT_SPEC = MachineSpec(
+    name="Checkpoint",
+    states=CkptState,
+    events=CkptEvent,
+    initial=(_C.RESERVED,),
+    terminal=(_C.RELEASED, _C.EVICTED),
+    transitions=(
+        T(_CE.publish, _C.RESERVED, _C.PUBLISHED),
+        T(_CE.abandon, _C.RESERVED, _C.RELEASED),
+        T(_CE.pin, _C.PUBLISHED, _C.PINNED),
+        T(_CE.pin, _C.PINNED, _C.PINNED),
+        T(_CE.unpin, _C.PINNED, _C.PUBLISHED, "last_pin"),
+        T(_CE.unpin, _C.PINNED, _C.PINNED, "more_pins"),
+        T(_CE.evict, _C.PUBLISHED, _C.EVICTED),
+        T(_CE.release, _C.PUBLISHED, _C.RELEASED),
+        T(_CE.drop_stale, _C.PUBLISHED, _C.RELEASED),
+    ),
+    description=(
+        "A reusable checkpoint slot. `abandon` rolls back a reservation whose publish failed. "
+        "A PINNED checkpoint has no edge to EVICTED or RELEASED: it must be unpinned first."
+    ),
+)
+
+
+ALL_SPECS: tuple[MachineSpec, ...] = (SEQUENCE_SPEC, KVLOAD_SPEC, KVSAVE_SPEC, CHECKPOINT_SPEC)
+
+SEQUENCE: CompiledMachine = compile_spec(SEQUENCE_SPEC)
+KVLOAD: CompiledMachine = compile_spec(KVLOAD_SPEC)
+KVSAVE: CompiledMachine = compile_spec(KVSAVE_SPEC)
+CHECKPOINT: CompiledMachine = compile_spec(CHECKPOINT_SPEC)
+
+ALL_MACHINES: tuple[CompiledMachine, ...] = (SEQUENCE, KVLOAD, KVSAVE, CHECKPOINT)
