@@ -94,23 +94,21 @@ class Policy:
         return None
 
     def finish_finished(self, state: EngineState, outcome: ev.StepExecuted, emit: Emit) -> None:
-        """Retire the sequences whose newest token ends them."""
-        done: list[Seq] = []
-        reasons: list[str] = []
-        max_context = self.config.model.max_context
-        for seq_id, token in zip(outcome.seq_ids.tolist(), outcome.tokens.tolist(), strict=True):
-            seq = state.seq(seq_id)
-            if token == seq.eos_token_id:
-                reason = "stop"
-            elif seq.n_output >= seq.max_tokens or seq.n_tokens >= max_context:
-                reason = "length"
-            else:
-                continue
-            done.append(seq)
-            reasons.append(reason)
-        if done:
-            self._release(state, done, emit, keep_for_session=True)
-            emit(ev.SequenceFinished(_arr([s.seq_id for s in done]), tuple(reasons)))
+        """Retire the sequences whose newest token ends them (eos, max_tokens or context)."""
+        if not len(outcome.seq_ids):
+            return
+        t = state.seqs
+        rows = t.rows_of(outcome.seq_ids)
+        stop = outcome.tokens == t.eos[rows]
+        length = (t.ntokens[rows] - t.n_prompt[rows] >= t.max_tokens[rows]) | (
+            t.ntokens[rows] >= self.config.model.max_context
+        )
+        done = np.nonzero(stop | length)[0]
+        if len(done):
+            seqs = [state.seq(int(s)) for s in outcome.seq_ids[done]]
+            reasons = tuple("stop" if stop[i] else "length" for i in done.tolist())
+            self._release(state, seqs, emit, keep_for_session=True)
+            emit(ev.SequenceFinished(outcome.seq_ids[done].copy(), reasons))
 
     def abort(self, state: EngineState, seq_id: int, reason: str, emit: Emit) -> None:
         seq = state.seqs.seqs.get(seq_id)
@@ -300,30 +298,40 @@ class Policy:
             if verdict == "stop" and stop_on_failure:
                 return
 
+    def find_prefix(self, state: EngineState, seq: Seq) -> int:
+        """Tentative match: how many leading blocks of the sequence are cached (pure query).
+
+        A hit never covers the last token: it is recomputed to produce the next logits.
+        """
+        if not self.config.enable_prefix_caching:
+            return 0
+        return state.pool.find_prefix_len(seq.hashes, (seq.n_tokens - 1) // self.bs)
+
+    def attach_prefix(self, state: EngineState, seq: Seq, hit: np.ndarray, emit: Emit) -> None:
+        """Commit a match: take a batch row and attach the cached blocks (statistics counted
+        on the first admission only, not on a re-admission after preemption)."""
+        first = seq.num_preemptions == 0
+        emit(ev.SequenceAdmitted(seq.seq_id, state.seqs.peek_free_row()))
+        if len(hit) or first:
+            query = seq.n_prompt if first else 0
+            emit(ev.PrefixMatched(seq.seq_id, hit, len(hit) * self.bs, query))
+
     def _try_admit(self, state: EngineState, seq: Seq, budget: _StepBudget, emit: Emit) -> str:
         """Admit one waiting sequence, or return why not ('skip' or 'stop') leaving no trace."""
         pool, bs = state.pool, self.bs
-        hit_blocks = 0
-        if self.config.enable_prefix_caching:
-            hit_blocks = pool.find_prefix_len(seq.hashes, (seq.n_tokens - 1) // bs)
+        hit_blocks = self.find_prefix(state, seq)
         chunk = self.chunk_of(seq, hit_blocks * bs)
         if not self._long_gate_open(budget, chunk):
             return "skip"
         if not self._fits_budget(budget, chunk):
             return "stop"
-        hit = pool.find_blocks(seq.hashes, hit_blocks) if hit_blocks else np.zeros(0, I32)
+        hit = pool.find_blocks(seq.hashes, hit_blocks)
         need = _cdiv(chunk.end, bs) - hit_blocks
         if need > pool.num_available - pool.count_unheld(hit):
             self._reclaim_sessions(state, need + pool.count_unheld(hit), emit, seq.session_id)
             if need > pool.num_available - pool.count_unheld(hit):
                 return "stop"
-        first = seq.num_preemptions == 0
-        emit(ev.SequenceAdmitted(seq.seq_id, state.seqs.peek_free_row()))
-        if hit_blocks:
-            query = seq.n_prompt if first else 0
-            emit(ev.PrefixMatched(seq.seq_id, hit, hit_blocks * bs, query))
-        elif first:
-            emit(ev.PrefixMatched(seq.seq_id, hit, 0, seq.n_prompt))
+        self.attach_prefix(state, seq, hit, emit)
         if seq.session_id in state.sessions:
             self._free_session_hold(state, seq.session_id, emit)
         self._allocate(state, seq.seq_id, need, emit)

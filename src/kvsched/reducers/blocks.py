@@ -35,6 +35,11 @@ class BlockPool:
         self.ref = np.zeros(num_blocks, dtype=np.int32)
         self.hash_of: list[bytes | None] = [None] * num_blocks
         self.parent_of: list[bytes | None] = [None] * num_blocks
+        # For a cached block at depth i: (path, i), where path[: i + 1] are the cached blocks
+        # of its prefix, root first. The registering sequence's path array is shared, never
+        # copied; its first i + 1 entries never change while the block stays cached (a cached
+        # block's ancestors cannot be evicted before it).
+        self.path_of: list[tuple[np.ndarray, int] | None] = [None] * num_blocks
         self.index: dict[bytes, int] = {}
         # Stack: the top (end) is allocated first; block 1 comes out first.
         self.free: list[int] = list(range(num_blocks - 1, 0, -1))
@@ -56,9 +61,10 @@ class BlockPool:
     def find_prefix_len(self, hashes: list[bytes], limit: int) -> int:
         """Number of leading blocks of ``hashes[:limit]`` in the index (binary search)."""
         index = self.index
-        if limit <= 0 or hashes[0] not in index:
+        hi = min(limit, len(hashes))
+        if hi <= 0 or hashes[0] not in index:
             return 0
-        lo, hi = 1, min(limit, len(hashes))  # hashes[:lo] cached; answer in [lo, hi]
+        lo = 1  # hashes[:lo] cached; answer in [lo, hi]
         while lo < hi:
             mid = (lo + hi + 1) // 2
             if hashes[mid - 1] in index:
@@ -68,8 +74,15 @@ class BlockPool:
         return lo
 
     def find_blocks(self, hashes: list[bytes], count: int) -> np.ndarray:
-        """Block ids of the first ``count`` hashes (all must be cached)."""
-        return np.fromiter(map(self.index.__getitem__, hashes[:count]), np.int32, count)
+        """Block ids of the first ``count`` hashes, all cached: one lookup of the deepest hash
+        and a read-only view of its path (no walk over the prefix)."""
+        if count == 0:
+            return np.zeros(0, dtype=np.int32)
+        entry = self.path_of[self.index[hashes[count - 1]]]
+        assert entry is not None and entry[1] == count - 1
+        view = entry[0][:count]
+        view.flags.writeable = False
+        return view
 
     def count_unheld(self, blocks: np.ndarray) -> int:
         """How many of these cached blocks are evictable now (attaching them removes them)."""
@@ -141,8 +154,12 @@ class BlockPool:
         if len(cached) < len(zero):
             self.free.extend(b for b in zero if self.hash_of[b] is None)
 
-    def register(self, block: int, block_hash: bytes, parent: bytes | None) -> int:
+    def register(
+        self, block: int, block_hash: bytes, parent: bytes | None, path: np.ndarray, depth: int
+    ) -> int:
         """Give a held block its identity; returns the canonical block for the hash.
+
+        ``path[: depth + 1]`` must be the canonical blocks of the prefix ending at this block.
 
         If another block already carries the hash, that block is canonical and the caller
         swaps it in (deduplication) and releases its own copy.
@@ -153,8 +170,11 @@ class BlockPool:
         if parent is not None and parent not in self.index:
             raise BlockPoolError(f"block {block}: parent hash not cached (prefix closure)")
         self.index[block_hash] = block
+        if path[depth] != block:
+            raise BlockPoolError(f"block {block}: path entry {depth} is {path[depth]}")
         self.hash_of[block] = block_hash
         self.parent_of[block] = parent
+        self.path_of[block] = (path, depth)
         return block
 
     def _uncache(self, block: int) -> None:
@@ -163,6 +183,7 @@ class BlockPool:
         del self.index[h]
         self.hash_of[block] = None
         self.parent_of[block] = None
+        self.path_of[block] = None
 
     def _compact_lru(self) -> None:
         self.lru = deque((s, b) for s, b in self.lru if self._live(s, b))
@@ -195,6 +216,11 @@ class BlockPool:
             parent = self.parent_of[b]
             if parent is not None and parent not in self.index:
                 raise BlockPoolError(f"block {b} is cached but its parent is not")
+            entry = self.path_of[b]
+            if entry is None or entry[0][entry[1]] != b:
+                raise BlockPoolError(f"block {b}: its prefix path does not end at it")
+            if entry[1] and self.index.get(parent or b"") != entry[0][entry[1] - 1]:
+                raise BlockPoolError(f"block {b}: its prefix path disagrees with its parent")
         hashed = np.fromiter((h is not None for h in self.hash_of), bool, self.num_blocks)
         evictable = int(np.count_nonzero(hashed & (self.ref == 0)))
         if evictable != self.num_evictable:

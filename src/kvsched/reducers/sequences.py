@@ -40,6 +40,9 @@ class Seq:
     mm_spans: tuple[MultimodalSpan, ...] = ()
     root: bytes = b""
     hashes: list[bytes] = attrs.field(factory=list)
+    # path[: registered] are the canonical cached blocks of this sequence's prefix (shared
+    # with the block pool, which keeps (path, depth) per cached block; never rewritten).
+    path: np.ndarray = attrs.field(factory=lambda: np.zeros(0, dtype=np.int32))
     state: SeqState = SeqState.WAITING
     row: int = FREE_ROW
     num_preemptions: int = 0
@@ -51,13 +54,23 @@ class Seq:
     def n_output(self) -> int:
         return self.n_tokens - self.n_prompt
 
-    def append(self, token: int) -> None:
-        if self.n_tokens == len(self.tokens):
-            grown = np.empty(max(16, 2 * len(self.tokens)), dtype=np.int32)
+    def ensure_tokens(self, n: int) -> None:
+        if len(self.tokens) < n:
+            grown = np.empty(max(n, 16, 2 * len(self.tokens)), dtype=np.int32)
             grown[: self.n_tokens] = self.tokens[: self.n_tokens]
             self.tokens = grown
+
+    def append(self, token: int) -> None:
+        self.ensure_tokens(self.n_tokens + 1)
         self.tokens[self.n_tokens] = token
         self.n_tokens += 1
+
+    def ensure_path(self, n: int) -> None:
+        """Room for n path entries (a new array: the old one stays valid for its holders)."""
+        if len(self.path) < n:
+            grown = np.zeros(max(n, 2 * len(self.path), 16), dtype=np.int32)
+            grown[: len(self.path)] = self.path
+            self.path = grown
 
     def token_view(self) -> np.ndarray:
         return self.tokens[: self.n_tokens]
@@ -67,7 +80,11 @@ class Seq:
 
 
 class SequenceTable:
-    def __init__(self, max_batch: int, max_blocks_per_seq: int) -> None:
+    def __init__(self, max_batch: int, max_blocks_per_seq: int, block_size: int = 64) -> None:
+        self.block_size = block_size
+        # Sampled tokens not yet copied into their sequence's token array, by position % bs;
+        # copied ("flushed") whenever a block fills and when the sequence leaves its row.
+        self.tail = np.zeros((max_batch, block_size), dtype=np.int32)
         self.seqs: dict[int, Seq] = {}
         self.waiting: dict[int, Seq] = {}  # insertion-ordered
         self.max_batch = max_batch
@@ -77,6 +94,10 @@ class SequenceTable:
         self.nblocks = np.zeros(max_batch, dtype=np.int64)
         self.registered = np.zeros(max_batch, dtype=np.int64)
         self.last_token = np.zeros(max_batch, dtype=np.int32)
+        self.n_prompt = np.zeros(max_batch, dtype=np.int64)
+        self.max_tokens = np.zeros(max_batch, dtype=np.int64)
+        self.eos = np.full(max_batch, -1, dtype=np.int64)
+        self.objs: list[Seq | None] = [None] * max_batch
         self.temperature = np.zeros(max_batch, dtype=np.float32)
         self.seed = np.zeros(max_batch, dtype=np.int64)
         self.table = np.zeros((max_batch, max_blocks_per_seq), dtype=np.int32)
@@ -91,6 +112,18 @@ class SequenceTable:
 
     def running_rows(self) -> np.ndarray:
         return np.nonzero(self.row_seq != FREE_ROW)[0]
+
+    def rows_of(self, seq_ids: np.ndarray) -> np.ndarray:
+        """Rows of running sequences, vectorised (raises KeyError if one is not running)."""
+        order = np.argsort(self.row_seq, kind="stable")
+        sorted_ids = self.row_seq[order]
+        pos = np.searchsorted(sorted_ids, seq_ids)
+        pos = np.minimum(pos, len(order) - 1)
+        rows = order[pos]
+        if len(seq_ids) and not np.array_equal(self.row_seq[rows], seq_ids):
+            missing = seq_ids[self.row_seq[rows] != seq_ids]
+            raise KeyError(f"sequences not running: {missing[:8].tolist()}")
+        return rows
 
     def blocks_of(self, row: int) -> np.ndarray:
         return self.table[row, : self.nblocks[row]]
@@ -117,13 +150,30 @@ class SequenceTable:
         self.nblocks[row] = 0
         self.registered[row] = 0
         self.last_token[row] = seq.tokens[seq.n_tokens - 1]
+        self.n_prompt[row] = seq.n_prompt
+        self.max_tokens[row] = seq.max_tokens
+        self.eos[row] = seq.eos_token_id
+        self.objs[row] = seq
         self.temperature[row] = seq.temperature
         self.seed[row] = seq.seed
+
+    def flush(self, row: int) -> Seq:
+        """Copy the row's unflushed sampled tokens into its sequence; returns the sequence."""
+        seq = self.objs[row]
+        assert seq is not None
+        n0, n1 = seq.n_tokens, int(self.ntokens[row])
+        if n1 > n0:
+            seq.ensure_tokens(n1)
+            seq.tokens[n0:n1] = self.tail[row, np.arange(n0, n1) % self.block_size]
+            seq.n_tokens = n1
+        return seq
 
     def deactivate(self, seq: Seq) -> None:
         """Free the sequence's row (its blocks must have been released already)."""
         row = seq.row
+        self.flush(row)
         self.row_seq[row] = FREE_ROW
+        self.objs[row] = None
         self.nblocks[row] = 0
         self.computed[row] = 0
         self.registered[row] = 0

@@ -84,7 +84,7 @@ class EngineState:
         self.block_size = config.block_size
         max_blocks = -(-config.model.max_context // config.block_size) + 1
         self.pool = BlockPool(config.num_blocks)
-        self.seqs = SequenceTable(config.max_batch, max_blocks)
+        self.seqs = SequenceTable(config.max_batch, max_blocks, config.block_size)
         self.sessions: dict[int, Session] = {}
         self.stats = Stats()
         self.pending = Pending()
@@ -191,19 +191,22 @@ class EngineState:
         if len(rows):
             table.computed[rows] = ends
             self._register_computed(rows)
-        bs = self.block_size
-        seqs = table.seqs
-        for seq_id, token in zip(e.seq_ids.tolist(), e.tokens.tolist(), strict=True):
-            seq = seqs[seq_id]
-            seq.append(token)
-            if seq.n_tokens % bs == 0:
-                start = seq.n_tokens - bs
-                parent = seq.hashes[-1] if seq.hashes else seq.root
-                seq.hashes.extend(chain_hashes(parent, seq.tokens[start : seq.n_tokens], bs))
-            row = seq.row
-            table.ntokens[row] = seq.n_tokens
-            table.last_token[row] = token
+        if len(e.seq_ids):
+            self._append_sampled(table.rows_of(e.seq_ids), e.tokens)
         self.stats.generated_tokens += len(e.seq_ids)
+
+    def _append_sampled(self, rows: np.ndarray, tokens: np.ndarray) -> None:
+        """Append each row's sampled token (vectorised, into the row's tail buffer); flush and
+        hash the blocks that the tokens filled."""
+        table, bs = self.seqs, self.block_size
+        table.tail[rows, table.ntokens[rows] % bs] = tokens
+        table.ntokens[rows] += 1
+        table.last_token[rows] = tokens
+        for row in rows[table.ntokens[rows] % bs == 0].tolist():
+            seq = table.flush(row)
+            start = seq.n_tokens - bs
+            parent = seq.hashes[-1] if seq.hashes else seq.root
+            seq.hashes.extend(chain_hashes(parent, seq.tokens[start : seq.n_tokens], bs))
 
     def _register_computed(self, rows: np.ndarray) -> None:
         """Give identity to blocks that became full and computed; deduplicate copies."""
@@ -211,12 +214,16 @@ class EngineState:
         full = table.computed[rows] // self.block_size
         grown = rows[full > table.registered[rows]]
         for row in grown.tolist():
-            seq = self.seq(int(table.row_seq[row]))
+            seq = table.objs[row]
+            assert seq is not None
             first, last = int(table.registered[row]), int(table.computed[row] // self.block_size)
+            seq.ensure_path(last)
             for i in range(first, last):
                 block = int(table.table[row, i])
                 parent = seq.hashes[i - 1] if i else None
-                canonical = self.pool.register(block, seq.hashes[i], parent)
+                seq.path[i] = block
+                canonical = self.pool.register(block, seq.hashes[i], parent, seq.path, i)
+                seq.path[i] = canonical
                 if canonical != block:
                     swap = np.asarray([canonical], dtype=np.int32)
                     self.pool.attach(swap)
@@ -250,6 +257,9 @@ class EngineState:
         self.pool.attach(e.blocks)
         t = self.seqs
         t.table[row, :k] = e.blocks
+        seq.path = np.zeros(0, dtype=np.int32)  # a fresh path: the old one stays shared
+        seq.ensure_path(k)
+        seq.path[:k] = e.blocks
         t.nblocks[row] = k
         t.computed[row] = e.num_tokens
         t.registered[row] = k
@@ -307,8 +317,10 @@ class EngineState:
         session.held = np.array(e.blocks, dtype=np.int32)
 
     def _pending_rows(self, seq_ids: np.ndarray) -> np.ndarray:
-        seqs = self.seqs.seqs
-        return np.fromiter((seqs[s].row for s in seq_ids.tolist()), np.int64, len(seq_ids))
+        try:
+            return self.seqs.rows_of(seq_ids)
+        except KeyError as exc:
+            raise ReplayMismatch(f"work scheduled for {exc.args[0]}") from exc
 
     def _on_prefill(self, e: ev.PrefillScheduled) -> None:
         rows = self._pending_rows(e.seq_ids)
@@ -406,7 +418,8 @@ class EngineState:
 
     def _check_seq(self, seq: Seq) -> None:
         t, bs = self.seqs, self.block_size
-        if len(seq.hashes) != seq.n_tokens // bs:
+        n_tokens = int(t.ntokens[seq.row]) if seq.row != FREE_ROW else seq.n_tokens
+        if len(seq.hashes) != n_tokens // bs:
             raise InvariantError(f"sequence {seq.seq_id}: {len(seq.hashes)} hashes")
         if seq.state == SeqState.WAITING:
             if seq.row != FREE_ROW or seq.seq_id not in t.waiting:
@@ -418,7 +431,9 @@ class EngineState:
         if seq.seq_id in t.waiting:
             raise InvariantError(f"running sequence {seq.seq_id} is also queued")
         computed, nblocks = int(t.computed[row]), int(t.nblocks[row])
-        if not computed <= seq.n_tokens == t.ntokens[row] or computed > nblocks * bs:
+        if not seq.n_tokens <= n_tokens < seq.n_tokens + bs:
+            raise InvariantError(f"sequence {seq.seq_id}: token count disagrees with its row")
+        if computed > n_tokens or computed > nblocks * bs:
             raise InvariantError(f"sequence {seq.seq_id}: computed {computed} out of range")
         for i in range(int(t.registered[row])):
             block = int(t.table[row, i])

@@ -1,0 +1,1 @@
+"""Benchmarks: prefix match (the lmdeploy anchor's workload) and one scheduler step."""

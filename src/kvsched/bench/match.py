@@ -1,0 +1,99 @@
+"""``kvsched bench match``: prefix matching on lmdeploy's "aligned exact hit" workload.
+
+Reproduces ../shared/bench/lmdeploy/README.md: block 64; B prompts of L tokens drawn with
+``numpy.random.default_rng(0).integers(1, 150000, size=L)`` in order; each prefilled once by a
+producer through the engine (simulated executor) and finished, leaving its blocks cached; then
+B consumers (the same L tokens plus one) are matched, one call per request, the batch timed
+together. Scope of one match: the hash-chain lookup (identity check included: 128-bit chained
+digests), reference counts, LRU state, attaching blocks to the request's block table, moving
+its computed-token count to L, and hit statistics — through the policy's own ``find_prefix``
+and ``attach_prefix`` and the reducers. Matches are undone (untimed) between samples.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+
+from kvsched.bench.stats import summarize, time_samples
+from kvsched.config import ModelSpec, SchedulerConfig
+from kvsched.engine import Engine
+from kvsched.events import types as ev
+from kvsched.gpu.sim import SimulatedExecutor
+
+VOCAB = 150_000
+
+
+def _config(batch: int, context: int, block_size: int) -> SchedulerConfig:
+    per_seq = context // block_size + 2
+    return SchedulerConfig(
+        model=ModelSpec(vocab_size=VOCAB, max_context=context + 64),
+        block_size=block_size,
+        num_blocks=batch * per_seq * 2 + 16,
+        max_batch=batch,
+        max_prefill_tokens=context + 16,
+    )
+
+
+def _prefill_producers(engine: Engine, prompts: list[np.ndarray]) -> None:
+    executor = SimulatedExecutor(VOCAB)
+    inputs: list[ev.Event] = [
+        ev.RequestArrived(seq_id=i, prompt=p, max_tokens=1) for i, p in enumerate(prompts)
+    ]
+    step = 0
+    while inputs or engine.has_work:
+        result = engine.step(inputs, float(step))
+        inputs = [] if result.plan.is_empty else [executor.execute(result.plan)]
+        step += 1
+
+
+def run_match_bench(
+    *, mode: str, batch: int, context: int, block_size: int = 64, warmup: int = 2, samples: int = 10
+) -> dict[str, Any]:
+    if mode != "ar":
+        raise ValueError(f"mode {mode!r} is not supported yet (only 'ar')")
+    if context % block_size:
+        raise ValueError("aligned workload: context must be a multiple of the block size")
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(1, VOCAB, size=context, dtype=np.int64) for _ in range(batch)]
+    engine = Engine(_config(batch, context, block_size))
+    t0 = time.perf_counter()
+    _prefill_producers(engine, [p.astype(np.int32) for p in prompts])
+    build_s = time.perf_counter() - t0
+    state, policy = engine.state, engine.policy
+    emit = engine._emit  # the engine's fold-and-record hook, as the policy uses it
+    consumers = []
+    for i, p in enumerate(prompts):
+        arrived = ev.RequestArrived(
+            seq_id=10_000 + i, prompt=np.append(p, 7).astype(np.int32), max_tokens=1
+        )
+        state.apply(arrived)
+        consumers.append(state.seq(arrived.seq_id))
+
+    def match_all() -> None:
+        for seq in consumers:
+            hit_blocks = policy.find_prefix(state, seq)
+            policy.attach_prefix(state, seq, state.pool.find_blocks(seq.hashes, hit_blocks), emit)
+
+    def undo() -> None:
+        hits = sum(int(state.seqs.computed[s.row] == context) for s in consumers)
+        if hits != len(consumers):
+            raise AssertionError(f"expected {len(consumers)} full hits, got {hits}")
+        for seq in consumers:
+            blocks = state.seqs.blocks_of(seq.row).copy()
+            emit(ev.BlocksFreed(np.array([seq.seq_id]), np.array([len(blocks)], np.int32), blocks))
+            emit(ev.SequencePreempted(seq.seq_id, "bench undo"))
+        state.check_invariants() if batch * context <= 1 << 22 else None
+
+    times = time_samples(match_all, undo, warmup, samples)
+    return {
+        "impl": "kvsched",
+        "mode": mode,
+        "batch": batch,
+        "context": context,
+        "block_size": block_size,
+        "build_s": round(build_s, 2),
+        **summarize(times),
+    }
