@@ -93,6 +93,52 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    if args.bench == "match":
+        from kvsched.bench.match import run_match_bench
+
+        try:
+            out = run_match_bench(
+                mode=args.mode,
+                batch=args.batch,
+                context=args.context,
+                block_size=args.block_size,
+                warmup=args.warmup,
+                samples=args.samples,
+            )
+        except ValueError as exc:
+            return _fail(str(exc))
+    else:
+        from kvsched.bench.step import run_step_bench
+
+        out = run_step_bench(running=args.running, warmup=args.warmup, samples=args.samples)
+    if args.json:
+        print(json.dumps(out))
+    else:
+        for key, value in out.items():
+            print(f"  {key:<12}{value}")
+    return 0
+
+
+def _add_bench(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    bench = sub.add_parser("bench", help="benchmarks (prefix match, scheduler step)")
+    kinds = bench.add_subparsers(dest="bench", required=True)
+    match = kinds.add_parser("match", help="prefix match on lmdeploy's aligned exact-hit workload")
+    match.add_argument("--mode", choices=["ar", "ssm"], default="ar")
+    match.add_argument("--batch", type=int, default=128)
+    match.add_argument("--context", type=int, default=65536)
+    match.add_argument("--block-size", type=int, default=64)
+    match.add_argument("--warmup", type=int, default=2)
+    match.add_argument("--samples", type=int, default=10)
+    match.add_argument("--json", action="store_true")
+    step = kinds.add_parser("step", help="one scheduler step with N running decode sequences")
+    step.add_argument("--running", type=int, default=1024)
+    step.add_argument("--warmup", type=int, default=5)
+    step.add_argument("--samples", type=int, default=200)
+    step.add_argument("--json", action="store_true")
+    bench.set_defaults(func=cmd_bench)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvsched", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -111,6 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
     verify.add_argument("log")
     verify.add_argument("--quiet", action="store_true")
     verify.set_defaults(func=cmd_verify)
+    _add_bench(sub)
     return p
 
 

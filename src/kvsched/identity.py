@@ -33,7 +33,7 @@ def namespace_root(model: ModelSpec, block_size: int, adapter: str = "", salt: s
 def span_extras(
     spans: Sequence[MultimodalSpan], block_size: int, first_block: int, last_block: int
 ) -> dict[int, bytes]:
-    """Per block index in [first_block, last_block): the concatenated hashes of spans it overlaps."""
+    """Per block index in [first_block, last_block): hashes of the spans overlapping it."""
     extras: dict[int, bytes] = {}
     for span in spans:
         lo = max(first_block, span.start // block_size)

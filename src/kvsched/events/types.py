@@ -36,7 +36,7 @@ class MultimodalSpan(msgspec.Struct, frozen=True, array_like=True):
 # ---------------------------------------------------------------------------- inputs
 
 
-class RequestArrived(Event, tag="arrived"):
+class RequestArrived(Event, frozen=True, tag="arrived"):
     seq_id: int
     prompt: np.ndarray  # int32 token ids (for a session turn: the new tokens only)
     max_tokens: int
@@ -51,24 +51,24 @@ class RequestArrived(Event, tag="arrived"):
     mm_spans: tuple[MultimodalSpan, ...] = ()
 
 
-class RequestAborted(Event, tag="aborted"):
+class RequestAborted(Event, frozen=True, tag="aborted"):
     seq_id: int
     reason: str = "client abort"
 
 
-class SessionEnded(Event, tag="session_end"):
+class SessionEnded(Event, frozen=True, tag="session_end"):
     session_id: int
 
 
-class DrainRequested(Event, tag="drain"):
+class DrainRequested(Event, frozen=True, tag="drain"):
     """Release everything held (sleep); no admissions until ``WakeRequested``."""
 
 
-class WakeRequested(Event, tag="wake"):
+class WakeRequested(Event, frozen=True, tag="wake"):
     pass
 
 
-class StepExecuted(Event, tag="executed"):
+class StepExecuted(Event, frozen=True, tag="executed"):
     """Outcome of a step: the tokens sampled for the sequences that sampled."""
 
     step: int
@@ -77,30 +77,30 @@ class StepExecuted(Event, tag="executed"):
     duration_s: float = 0.0
 
 
-class StepFailed(Event, tag="step_failed"):
+class StepFailed(Event, frozen=True, tag="step_failed"):
     """The executor raised while running a step's plan."""
 
     step: int
     reason: str
 
 
-class KVLookupAnswered(Event, tag="kv_lookup"):
+class KVLookupAnswered(Event, frozen=True, tag="kv_lookup"):
     seq_id: int
     num_blocks: int
     pending: bool = False
 
 
-class KVLoadFinished(Event, tag="kv_load_done"):
+class KVLoadFinished(Event, frozen=True, tag="kv_load_done"):
     seq_id: int
 
 
-class KVLoadFailed(Event, tag="kv_load_failed"):
+class KVLoadFailed(Event, frozen=True, tag="kv_load_failed"):
     seq_id: int
     num_good_blocks: int
     reason: str
 
 
-class KVSaveFinished(Event, tag="kv_save_done"):
+class KVSaveFinished(Event, frozen=True, tag="kv_save_done"):
     save_id: int
     ok: bool = True
 
@@ -108,22 +108,22 @@ class KVSaveFinished(Event, tag="kv_save_done"):
 # ------------------------------------------------------------------------- decisions
 
 
-class StepStarted(Event, tag="step"):
+class StepStarted(Event, frozen=True, tag="step"):
     step: int
     clock: float
 
 
-class RequestRejected(Event, tag="rejected"):
+class RequestRejected(Event, frozen=True, tag="rejected"):
     seq_id: int
     reason: str
 
 
-class SequenceAdmitted(Event, tag="admitted"):
+class SequenceAdmitted(Event, frozen=True, tag="admitted"):
     seq_id: int
     row: int  # batch slot
 
 
-class PrefixMatched(Event, tag="matched"):
+class PrefixMatched(Event, frozen=True, tag="matched"):
     """Cached blocks attached to a sequence at admission (the first ``num_tokens`` tokens)."""
 
     seq_id: int
@@ -132,13 +132,13 @@ class PrefixMatched(Event, tag="matched"):
     num_query_tokens: int
 
 
-class BlocksAllocated(Event, tag="alloc"):
+class BlocksAllocated(Event, frozen=True, tag="alloc"):
     seq_ids: np.ndarray  # int64
     counts: np.ndarray  # int32, blocks per sequence
     blocks: np.ndarray  # int32, concatenated
 
 
-class BlocksFreed(Event, tag="free"):
+class BlocksFreed(Event, frozen=True, tag="free"):
     """References dropped by sequences (or sessions, ``seq_ids`` < 0 is ``-session_id - 1``)."""
 
     seq_ids: np.ndarray
@@ -146,7 +146,7 @@ class BlocksFreed(Event, tag="free"):
     blocks: np.ndarray
 
 
-class SessionBlocksHeld(Event, tag="session_hold"):
+class SessionBlocksHeld(Event, frozen=True, tag="session_hold"):
     """A finished turn hands its full blocks to its session for the next turn."""
 
     session_id: int
@@ -154,7 +154,7 @@ class SessionBlocksHeld(Event, tag="session_hold"):
     blocks: np.ndarray
 
 
-class PrefillScheduled(Event, tag="prefill"):
+class PrefillScheduled(Event, frozen=True, tag="prefill"):
     """Compute tokens [start, end) of each sequence this step."""
 
     seq_ids: np.ndarray
@@ -162,82 +162,82 @@ class PrefillScheduled(Event, tag="prefill"):
     ends: np.ndarray
 
 
-class DecodeScheduled(Event, tag="decode"):
+class DecodeScheduled(Event, frozen=True, tag="decode"):
     seq_ids: np.ndarray
 
 
-class SequencePreempted(Event, tag="preempted"):
+class SequencePreempted(Event, frozen=True, tag="preempted"):
     seq_id: int
     reason: str = "blocks"
 
 
-class SequenceFinished(Event, tag="finished"):
+class SequenceFinished(Event, frozen=True, tag="finished"):
     seq_ids: np.ndarray
     reasons: tuple[str, ...]
 
 
-class SequenceAborted(Event, tag="seq_aborted"):
+class SequenceAborted(Event, frozen=True, tag="seq_aborted"):
     seq_id: int
     reason: str
 
 
-class SessionClosed(Event, tag="session_closed"):
+class SessionClosed(Event, frozen=True, tag="session_closed"):
     session_id: int
 
 
-class Drained(Event, tag="drained"):
+class Drained(Event, frozen=True, tag="drained"):
     pass
 
 
-class Woken(Event, tag="woken"):
+class Woken(Event, frozen=True, tag="woken"):
     pass
 
 
-class CheckpointReserved(Event, tag="ckpt_reserved"):
+class CheckpointReserved(Event, frozen=True, tag="ckpt_reserved"):
     ckpt_id: int
     seq_id: int
     slot: int
     num_tokens: int
 
 
-class CheckpointPublished(Event, tag="ckpt_published"):
+class CheckpointPublished(Event, frozen=True, tag="ckpt_published"):
     ckpt_id: int
 
 
-class CheckpointPinned(Event, tag="ckpt_pinned"):
-    ckpt_id: int
-    seq_id: int
-
-
-class CheckpointUnpinned(Event, tag="ckpt_unpinned"):
+class CheckpointPinned(Event, frozen=True, tag="ckpt_pinned"):
     ckpt_id: int
     seq_id: int
 
 
-class CheckpointReleased(Event, tag="ckpt_released"):
+class CheckpointUnpinned(Event, frozen=True, tag="ckpt_unpinned"):
+    ckpt_id: int
+    seq_id: int
+
+
+class CheckpointReleased(Event, frozen=True, tag="ckpt_released"):
     ckpt_id: int
     reason: str
 
 
-class CheckpointEvicted(Event, tag="ckpt_evicted"):
+class CheckpointEvicted(Event, frozen=True, tag="ckpt_evicted"):
     ckpt_id: int
 
 
-class KVLookupStarted(Event, tag="kv_lookup_started"):
+class KVLookupStarted(Event, frozen=True, tag="kv_lookup_started"):
     seq_id: int
 
 
-class KVLoadAdmitted(Event, tag="kv_load_admitted"):
+class KVLoadAdmitted(Event, frozen=True, tag="kv_load_admitted"):
     seq_id: int
     num_blocks: int
 
 
-class KVLoadStarted(Event, tag="kv_load_started"):
+class KVLoadStarted(Event, frozen=True, tag="kv_load_started"):
     seq_id: int
     blocks: np.ndarray
 
 
-class KVSaveStarted(Event, tag="kv_save_started"):
+class KVSaveStarted(Event, frozen=True, tag="kv_save_started"):
     save_id: int
     seq_id: int
     blocks: np.ndarray

@@ -170,17 +170,39 @@ class Policy:
         self._release(state, [seq], emit)
         emit(ev.SequencePreempted(seq.seq_id, reason))
 
-    def _reclaim_sessions(self, state: EngineState, need: int, emit: Emit, keep: int) -> None:
-        """Free idle sessions' held blocks (oldest session first) until ``need`` are available."""
+    def _reclaim_sessions(
+        self, state: EngineState, need: int, emit: Emit, keep: int, hit: np.ndarray | None = None
+    ) -> None:
+        """Free idle sessions' held blocks (oldest session first) until ``need`` are available
+        (not counting the cached ``hit`` blocks, which an admission attaches rather than takes)."""
+        pool = state.pool
         for session_id in sorted(state.sessions):
-            if state.pool.num_available >= need:
+            unheld = pool.count_unheld(hit) if hit is not None and len(hit) else 0
+            if pool.num_available - unheld >= need:
                 return
             if session_id != keep:
                 self._free_session_hold(state, session_id, emit)
 
+    def _reclaim_gain(self, state: EngineState, keep: int, hit: np.ndarray) -> int:
+        """How many blocks freeing every idle session's hold but ``keep``'s would make
+        available to an admission attaching ``hit`` (pure query)."""
+        pool = state.pool
+        drops = np.zeros(pool.num_blocks, dtype=np.int64)
+        for session_id, session in state.sessions.items():
+            if session_id != keep and len(session.held):
+                drops[session.held] += 1  # a holder never holds a block twice
+        freed = (drops > 0) & (pool.ref == drops)
+        freed[hit] = False  # a hit block set loose is attached again: no gain
+        return int(np.count_nonzero(freed))
+
     def _victim_key(self, state: EngineState, row: int) -> tuple[int, float, int]:
         seq = state.seq(int(state.seqs.row_seq[row]))
         return (seq.priority, -seq.arrival_time, -seq.seq_id)
+
+    def _victims(self, state: EngineState) -> list[int]:
+        """Running rows in preemption order: lowest priority, then latest arrival."""
+        rows = state.seqs.running_rows().tolist()
+        return sorted(rows, key=lambda r: self._victim_key(state, r))
 
     def _make_room(self, state: EngineState, need_rows: np.ndarray, emit: Emit) -> np.ndarray:
         """Preempt victims until every remaining row in ``need_rows`` can get one block.
@@ -190,7 +212,7 @@ class Policy:
         """
         self._reclaim_sessions(state, len(need_rows), emit, keep=-1)
         need = set(need_rows.tolist())
-        running = sorted(state.seqs.running_rows().tolist(), key=lambda r: self._victim_key(state, r))
+        running = self._victims(state)
         while state.pool.num_available < len(need) and running:
             victim = running.pop(0)
             need.discard(victim)
@@ -211,6 +233,7 @@ class Policy:
             self._schedule_decode(state, decode_rows, emit)
         budget = _StepBudget()
         if prefill_turn:
+            chunk_rows = chunk_rows[table.row_seq[chunk_rows] >= 0]  # not preempted by decode
             self._schedule_chunks(state, chunk_rows, budget, emit)
             self._admit_waiting(state, budget, emit)
         if budget.seq_ids:
@@ -260,6 +283,8 @@ class Policy:
         table = state.seqs
         seqs = sorted((state.seq(int(table.row_seq[r])) for r in rows), key=_arrival_key)
         for seq in seqs:
+            if seq.state != SeqState.RUNNING:
+                continue  # preempted for an earlier sequence's chunk this step
             chunk = self.chunk_of(seq, int(table.computed[seq.row]))
             if not (self._fits_budget(budget, chunk) and self._long_gate_open(budget, chunk)):
                 continue
@@ -275,7 +300,7 @@ class Policy:
 
     def _preempt_for_chunk(self, state: EngineState, seq: Seq, need: int, emit: Emit) -> None:
         """Nothing else can progress: preempt the policy's victims (maybe ``seq`` itself)."""
-        running = sorted(state.seqs.running_rows().tolist(), key=lambda r: self._victim_key(state, r))
+        running = self._victims(state)
         while state.pool.num_available < need and running and seq.row >= 0:
             victim = state.seq(int(state.seqs.row_seq[running.pop(0)]))
             self._preempt(state, victim, emit, "blocks")
@@ -327,10 +352,14 @@ class Policy:
             return "stop"
         hit = pool.find_blocks(seq.hashes, hit_blocks)
         need = _cdiv(chunk.end, bs) - hit_blocks
-        if need > pool.num_available - pool.count_unheld(hit):
-            self._reclaim_sessions(state, need + pool.count_unheld(hit), emit, seq.session_id)
-            if need > pool.num_available - pool.count_unheld(hit):
+        shortfall = need - (pool.num_available - pool.count_unheld(hit))
+        if shortfall > 0:
+            # Release other sessions' holds only when that makes the admission fit: a
+            # rejected admission leaves no trace.
+            if shortfall > self._reclaim_gain(state, seq.session_id, hit):
                 return "stop"
+            self._reclaim_sessions(state, need, emit, seq.session_id, hit)
+            assert need <= pool.num_available - pool.count_unheld(hit)
         self.attach_prefix(state, seq, hit, emit)
         if seq.session_id in state.sessions:
             self._free_session_hold(state, seq.session_id, emit)

@@ -47,7 +47,8 @@ class RunSummary:
     def as_dict(self) -> dict[str, float]:
         out: dict[str, float] = attrs.asdict(self)
         out["token_hit_rate"] = self.hit_rate
-        out["throughput_tok_s"] = self.generated_tokens / self.sim_time_s if self.sim_time_s else 0.0
+        sim = self.sim_time_s
+        out["throughput_tok_s"] = self.generated_tokens / sim if sim else 0.0
         return out
 
 

@@ -86,8 +86,8 @@ def verify_log(
         try:
             new = list(engine.step(record.inputs, record.clock).decisions)
         except ReplayMismatch as exc:
-            div = Divergence(record.step, -1, "engine", {"error": str(exc)}, None)
-            return VerifyResult(steps, div, torn, config)
+            failed = Divergence(record.step, -1, "engine", {"error": str(exc)}, None)
+            return VerifyResult(steps, failed, torn, config)
         div = first_difference(record.step, list(record.decisions), new)
         if div is not None:
             return VerifyResult(steps, div, torn, config)

@@ -1,0 +1,409 @@
+"""BlockPool behaviour: reference counts, free stack, prefix index and leaf-first LRU reuse."""
+
+from __future__ import annotations
+
+from hashlib import blake2b
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    Bundle,
+    RuleBasedStateMachine,
+    consumes,
+    initialize,
+    invariant,
+    rule,
+)
+
+from kvsched.reducers.blocks import NULL_BLOCK, BlockPool, BlockPoolError
+
+ROOT = b"root" * 4
+
+
+def chain(contents: list[int], parent: bytes = ROOT) -> list[bytes]:
+    """A hash chain: block i's hash depends on every block content before it."""
+    out = []
+    for c in contents:
+        parent = blake2b(parent + bytes([c]), digest_size=16).digest()
+        out.append(parent)
+    return out
+
+
+def arr(*blocks: int) -> np.ndarray:
+    return np.asarray(blocks, dtype=np.int32)
+
+
+def linear_prefix_len(pool: BlockPool, hashes: list[bytes], limit: int) -> int:
+    n = 0
+    for h in hashes[: max(0, limit)]:
+        if h not in pool.index:
+            break
+        n += 1
+    return n
+
+
+def register(pool: BlockPool, path: np.ndarray, hashes: list[bytes], i: int, block: int) -> int:
+    """Register block ``i`` of a chain the way the engine does (``path`` holds its prefix)."""
+    path[i] = block
+    canonical = pool.register(block, hashes[i], hashes[i - 1] if i else None, path, i)
+    path[i] = canonical
+    return canonical
+
+
+def cache_chain(pool: BlockPool, hashes: list[bytes]) -> np.ndarray:
+    """Allocate and register a chain, leaving it held (root first)."""
+    blocks = pool.allocate(len(hashes))
+    path = np.zeros(len(hashes), dtype=np.int32)
+    for i, b in enumerate(blocks.tolist()):
+        assert register(pool, path, hashes, i, b) == b
+    return blocks
+
+
+# ----------------------------------------------------------------------- unit tests
+
+
+def test_a_fresh_pool_hands_out_blocks_from_one_upwards_and_never_the_null_block():
+    pool = BlockPool(5)
+    assert pool.num_available == 4
+    assert pool.allocate(4).tolist() == [1, 2, 3, 4]
+    assert pool.ref[NULL_BLOCK] == 0
+    assert pool.num_available == 0
+    pool.check_invariants([arr(1, 2, 3, 4)])
+
+
+def test_an_allocation_larger_than_what_is_available_fails_and_changes_nothing():
+    pool = BlockPool(4)
+    held = pool.allocate(2)
+    before = pool.snapshot()
+    with pytest.raises(BlockPoolError):
+        pool.allocate(2)
+    assert pool.peek_allocate(2) is None
+    assert pool.snapshot() == before
+    pool.check_invariants([held])
+
+
+def test_releasing_an_unreferenced_block_is_an_error():
+    pool = BlockPool(4)
+    pool.allocate(1)
+    pool.release(arr(1))
+    with pytest.raises(BlockPoolError):
+        pool.release(arr(1))
+
+
+def test_released_private_blocks_return_to_the_free_stack_and_are_reused_root_first():
+    pool = BlockPool(8)
+    blocks = pool.allocate(3)  # 1, 2, 3
+    pool.release(blocks)
+    assert pool.num_evictable == 0
+    # Released leaf first onto the stack, so the root-most block is on top again.
+    assert pool.allocate(3).tolist() == [1, 2, 3]
+
+
+def test_registering_a_block_whose_parent_is_not_cached_breaks_prefix_closure_and_is_refused():
+    pool = BlockPool(4)
+    [a, b] = pool.allocate(2).tolist()
+    h = chain([1, 2])
+    path = np.zeros(2, dtype=np.int32)
+    with pytest.raises(BlockPoolError):
+        register(pool, path, h, 1, b)
+    assert pool.index == {}
+    assert register(pool, path, h, 0, a) == a
+    assert register(pool, path, h, 1, b) == b
+    assert pool.find_blocks(h, 2).tolist() == [a, b]
+
+
+def test_registering_a_hash_that_is_already_cached_returns_the_canonical_block():
+    pool = BlockPool(4)
+    h = chain([7])
+    first = cache_chain(pool, h)
+    copy = pool.allocate(1)
+    path = np.zeros(1, dtype=np.int32)
+    assert register(pool, path, h, 0, int(copy[0])) == int(first[0])
+    assert pool.hash_of[int(copy[0])] is None
+    pool.check_invariants([first, copy])
+
+
+def test_peek_allocate_predicts_allocate_exactly_and_changes_nothing():
+    pool = BlockPool(6)
+    cached = cache_chain(pool, chain([1, 2, 3]))
+    pool.release(cached)
+    before = pool.snapshot()
+    predicted = pool.peek_allocate(4)
+    assert pool.snapshot() == before
+    assert predicted is not None
+    assert pool.allocate(4).tolist() == predicted.tolist()
+
+
+def test_a_released_cached_chain_is_evicted_leaf_first_and_the_index_stays_prefix_closed():
+    pool = BlockPool(4)
+    hashes = chain([1, 2, 3])
+    blocks = cache_chain(pool, hashes)
+    pool.release(blocks)
+    assert pool.num_available == 3
+    assert pool.find_prefix_len(hashes, 3) == 3
+    for remaining in (2, 1, 0):
+        [taken] = pool.allocate(1).tolist()
+        assert taken == int(blocks[remaining])  # the leaf goes first
+        assert pool.find_prefix_len(hashes, 3) == remaining
+        pool.check_invariants([arr(*blocks[remaining:].tolist())])
+        for h in pool.index:
+            parent = pool.parent_of[pool.index[h]]
+            assert parent is None or parent in pool.index
+
+
+def test_the_least_recently_released_chain_is_evicted_before_a_newer_one():
+    pool = BlockPool(5)
+    old, new = chain([1, 1]), chain([2, 2])
+    old_blocks, new_blocks = cache_chain(pool, old), cache_chain(pool, new)
+    pool.release(old_blocks)
+    pool.release(new_blocks)
+    assert pool.allocate(2).tolist() == old_blocks[::-1].tolist()
+    assert pool.find_prefix_len(old, 2) == 0
+    assert pool.find_prefix_len(new, 2) == 2
+
+
+def test_attaching_a_cached_block_takes_it_off_the_lru_and_a_second_release_requeues_it():
+    pool = BlockPool(4)
+    hashes = chain([5, 6])
+    blocks = cache_chain(pool, hashes)
+    pool.release(blocks)
+    assert pool.num_evictable == 2
+    hit = pool.find_blocks(hashes, 1)
+    assert pool.count_unheld(hit) == 1
+    pool.attach(hit)
+    assert pool.num_evictable == 1
+    assert pool.count_unheld(hit) == 0
+    pool.check_invariants([hit])
+    # Only the child is evictable; it goes, the attached root stays cached.
+    fresh = pool.allocate(2)
+    assert int(blocks[1]) in fresh.tolist() and int(blocks[0]) not in fresh.tolist()
+    assert pool.find_prefix_len(hashes, 2) == 1
+    pool.release(hit)
+    pool.check_invariants([fresh])
+    assert pool.allocate(1).tolist() == [int(blocks[0])]
+
+
+def test_a_parent_released_after_its_child_is_evicted_after_the_child():
+    pool = BlockPool(4)
+    hashes = chain([1, 2])
+    blocks = cache_chain(pool, hashes)
+    root = blocks[:1].copy()
+    pool.attach(root)  # a second holder shares only the root
+    pool.release(blocks)  # the child reaches zero first
+    pool.release(root)
+    order = pool.allocate(3).tolist()
+    assert order.index(int(blocks[1])) < order.index(int(blocks[0]))
+
+
+def test_find_prefix_len_respects_the_limit_and_an_empty_chain():
+    pool = BlockPool(8)
+    hashes = chain([1, 2, 3, 4])
+    cache_chain(pool, hashes)
+    assert pool.find_prefix_len(hashes, 0) == 0
+    assert pool.find_prefix_len(hashes, 2) == 2
+    assert pool.find_prefix_len(hashes, 10) == 4
+    assert pool.find_prefix_len(chain([1, 2, 9]), 3) == 2
+    assert pool.find_prefix_len(chain([9]), 1) == 0
+    assert pool.find_prefix_len([], 3) == 0
+
+
+def test_check_invariants_detects_a_holder_the_pool_does_not_count():
+    pool = BlockPool(4)
+    held = pool.allocate(2)
+    with pytest.raises(BlockPoolError):
+        pool.check_invariants([held, held[:1]])
+    with pytest.raises(BlockPoolError):
+        pool.check_invariants([])
+    pool.check_invariants([held])
+
+
+def test_the_lru_queue_stays_bounded_under_repeated_attach_and_release():
+    pool = BlockPool(4)
+    hashes = chain([3])
+    block = cache_chain(pool, hashes)
+    pool.release(block)
+    for _ in range(100):
+        pool.attach(block)
+        pool.release(block)
+    assert len(pool.lru) <= 4 * pool.num_blocks + 1
+    pool.check_invariants([])
+    assert pool.num_evictable == 1
+
+
+# ------------------------------------------------------------------- state machine
+
+CONTENT = st.lists(st.integers(0, 2), min_size=1, max_size=4)
+
+
+class BlockPoolMachine(RuleBasedStateMachine):
+    """BlockPool against a plain model of its references, free stack and LRU order.
+
+    Holders mimic sequences: each holds a chain of blocks (root first), attaches the cached
+    prefix of its content, allocates the rest, and registers its blocks root first.
+    """
+
+    holders = Bundle("holders")
+
+    @initialize(num_blocks=st.integers(3, 10))
+    def setup(self, num_blocks: int) -> None:
+        self.pool = BlockPool(num_blocks)
+        self.live: dict[int, dict] = {}
+        self.next_id = 0
+        self.chains: list[list[bytes]] = []
+        # The model.
+        self.ref = [0] * num_blocks
+        self.ident: dict[int, bytes] = {}
+        self.free = list(range(num_blocks - 1, 0, -1))
+        self.lru: list[int] = []
+
+    # ------------------------------------------------------------------- model ops
+
+    def _model_allocate(self, n: int) -> list[int]:
+        take = min(n, len(self.free))
+        out = self.free[len(self.free) - take :][::-1]
+        del self.free[len(self.free) - take :]
+        while len(out) < n:
+            b = self.lru.pop(0)
+            del self.ident[b]
+            out.append(b)
+        for b in out:
+            self.ref[b] = 1
+        return out
+
+    def _model_attach(self, blocks: list[int]) -> None:
+        for b in blocks:
+            if self.ref[b] == 0:
+                self.lru.remove(b)
+            self.ref[b] += 1
+
+    def _model_release(self, blocks: list[int]) -> None:
+        zero = []
+        for b in blocks:
+            self.ref[b] -= 1
+            if self.ref[b] == 0:
+                zero.append(b)
+        for b in reversed(zero):
+            (self.lru if b in self.ident else self.free).append(b)
+
+    # ----------------------------------------------------------------------- rules
+
+    @rule(target=holders, content=CONTENT)
+    def arrive(self, content: list[int]):
+        pool = self.pool
+        hashes = chain(content)
+        self.chains.append(hashes)
+        hit = pool.find_prefix_len(hashes, len(hashes))
+        assert hit == linear_prefix_len(pool, hashes, len(hashes))
+        blocks = pool.find_blocks(hashes, hit)
+        assert [self.ident.get(b) for b in blocks.tolist()] == hashes[:hit]
+        need = len(hashes) - hit
+        if need > pool.num_available - pool.count_unheld(blocks):
+            return None  # does not fit: a tentative match is simply not acted on
+        pool.attach(blocks)
+        self._model_attach(blocks.tolist())
+        predicted = pool.peek_allocate(need)
+        fresh = pool.allocate(need)
+        assert predicted is not None and predicted.tolist() == fresh.tolist()
+        assert fresh.tolist() == self._model_allocate(need)
+        holder_id = self.next_id
+        self.next_id += 1
+        path = np.zeros(len(hashes), dtype=np.int32)
+        path[:hit] = blocks
+        self.live[holder_id] = {
+            "blocks": blocks.tolist() + fresh.tolist(),
+            "hashes": hashes,
+            "registered": hit,
+            "path": path,
+        }
+        return holder_id
+
+    @rule(holder=holders)
+    def register_next(self, holder):
+        h = self.live.get(holder)
+        if h is None or h["registered"] == len(h["blocks"]):
+            return
+        i = h["registered"]
+        block, digest = h["blocks"][i], h["hashes"][i]
+        canonical = register(self.pool, h["path"], h["hashes"], i, block)
+        if canonical == block:
+            assert digest not in self.ident.values()
+            self.ident[block] = digest
+        else:
+            assert self.ident[canonical] == digest
+            if canonical in h["blocks"]:
+                # Cannot happen with chained hashes: one chain never repeats a digest.
+                raise AssertionError("canonical block already in the holder's table")
+            swap = np.asarray([canonical], dtype=np.int32)
+            self.pool.attach(swap)
+            self._model_attach([canonical])
+            self.pool.release(np.asarray([block], dtype=np.int32))
+            self._model_release([block])
+            h["blocks"][i] = canonical
+        h["registered"] = i + 1
+
+    @rule(holder=consumes(holders))
+    def release(self, holder):
+        h = self.live.pop(holder, None)
+        if h is None:
+            return
+        self.pool.release(np.asarray(h["blocks"], dtype=np.int32))
+        self._model_release(h["blocks"])
+
+    @rule(n=st.integers(1, 4))
+    def allocate_and_release_private(self, n: int):
+        """Pressure: a transient private allocation evicts cached blocks."""
+        if n > self.pool.num_available:
+            with pytest.raises(BlockPoolError):
+                self.pool.allocate(n)
+            return
+        got = self.pool.allocate(n)
+        assert got.tolist() == self._model_allocate(n)
+        self.pool.release(got)
+        self._model_release(got.tolist())
+
+    @rule(data=st.data())
+    def prefix_search_matches_linear_scan(self, data):
+        if not self.chains:
+            return
+        hashes = data.draw(st.sampled_from(self.chains))
+        limit = data.draw(st.integers(0, len(hashes) + 1))
+        got = self.pool.find_prefix_len(hashes, limit)
+        assert got == linear_prefix_len(self.pool, hashes, limit)
+        blocks = self.pool.find_blocks(hashes, got)
+        assert blocks.tolist() == [self.pool.index[h] for h in hashes[:got]]
+
+    # ------------------------------------------------------------------ invariants
+
+    @invariant()
+    def pool_agrees_with_holders_and_model(self):
+        pool = self.pool
+        holders = [np.asarray(h["blocks"], dtype=np.int32) for h in self.live.values()]
+        pool.check_invariants(holders)
+        assert pool.ref.tolist() == self.ref
+        assert pool.free == self.free
+        live_lru = [b for s, b in pool.lru if pool._live(s, b)]
+        assert live_lru == self.lru
+        assert {h: b for b, h in self.ident.items()} == pool.index
+
+    @invariant()
+    def index_is_prefix_closed_and_parents_outlive_children(self):
+        pool = self.pool
+        for b in pool.index.values():
+            parent = pool.parent_of[b]
+            if parent is not None:
+                assert parent in pool.index
+                assert pool.ref[pool.index[parent]] >= pool.ref[b]
+                # An evictable parent is evicted after its child.
+                if pool.ref[pool.index[parent]] == 0:
+                    assert self.lru.index(b) < self.lru.index(pool.index[parent])
+
+
+BlockPoolMachine.TestCase.settings = settings(
+    max_examples=60,
+    stateful_step_count=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+TestBlockPoolMachine = BlockPoolMachine.TestCase
