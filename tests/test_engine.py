@@ -286,12 +286,6 @@ def test_a_step_plan_is_not_changed_by_later_steps():
 # ------------------------------------------------------------------ known policy bug
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="policy bug: in 'alternate' turn mode a prefill turn that can admit nothing (batch "
-    "full) schedules no decode either and does not end the prefill turn, so the engine stalls",
-)
 def test_alternate_turn_mode_keeps_decoding_when_the_batch_is_full():
     config = attrs.evolve(CONFIG, max_batch=1, turn_mode="alternate", prefill_interval=1)
     engine = new_engine(config)

@@ -77,6 +77,9 @@ def arrive(seq_id: int, prompt: np.ndarray, max_tokens: int, **kw: object) -> ev
 # --------------------------------------------------------------- (a) property
 
 
+MAX_TOKENS = 24
+
+
 @st.composite
 def workloads(draw: st.DrawFn) -> tuple[SchedulerConfig, dict[int, list[ev.Event]]]:
     vocab = 64
@@ -88,9 +91,7 @@ def workloads(draw: st.DrawFn) -> tuple[SchedulerConfig, dict[int, list[ev.Event
         max_batch=draw(st.integers(1, 5)),
         max_prefill_tokens=bs * draw(st.integers(1, 4)),
         order=draw(st.sampled_from(["fcfs", "priority", "ttft"])),
-        # "alternate" stalls when a prefill turn can admit nothing (policy bug, see
-        # test_engine.py::test_alternate_turn_mode_keeps_decoding_when_the_batch_is_full).
-        turn_mode="mixed",
+        turn_mode=draw(st.sampled_from(["mixed", "alternate"])),
         enable_prefix_caching=draw(st.booleans()),
     )
     token = st.integers(0, vocab - 1)
@@ -104,7 +105,7 @@ def workloads(draw: st.DrawFn) -> tuple[SchedulerConfig, dict[int, list[ev.Event
         request = arrive(
             seq_id,
             np.array(prefix + suffix),
-            draw(st.integers(1, 12)),
+            draw(st.integers(1, MAX_TOKENS)),
             priority=draw(st.integers(0, 2)),
             session_id=draw(st.sampled_from([-1, -1, 0, 1])),
             eos_token_id=draw(st.sampled_from([-1, -1, 7])),

@@ -35,6 +35,7 @@ def _cdiv(a: int, b: int) -> int:
 class _StepBudget:
     """What this step has committed so far."""
 
+    busy: bool = False  # decode work is scheduled this step
     tokens: int = 0
     prefills: int = 0
     long_chunks: int = 0
@@ -88,6 +89,13 @@ class Policy:
             return f"prompt of {total} tokens exceeds the maximum context {model.max_context}"
         if _cdiv(total + 1, self.bs) > self.config.num_blocks - 1:
             return f"prompt of {total} tokens needs more KV blocks than the cache has"
+        longest = min(total + e.max_tokens, model.max_context)
+        if _cdiv(longest, self.bs) > self.config.num_blocks - 1:
+            # It could never finish alone: it would be preempted and recomputed forever.
+            return (
+                f"prompt of {total} tokens plus max_tokens {e.max_tokens} needs more KV blocks"
+                f" than the cache has ({self.config.num_blocks - 1})"
+            )
         for span in e.mm_spans:
             if not 0 <= span.start < span.end <= len(prompt):
                 return f"multimodal span [{span.start}, {span.end}) outside the prompt"
@@ -228,26 +236,35 @@ class Policy:
         rows = table.running_rows()
         decode_mask = table.computed[rows] == table.ntokens[rows] - 1
         decode_rows, chunk_rows = rows[decode_mask], rows[~decode_mask]
+        alternate = self.config.turn_mode == "alternate"
         prefill_turn = self._is_prefill_turn(state, len(decode_rows), len(chunk_rows))
-        if len(decode_rows) and not (prefill_turn and self.config.turn_mode == "alternate"):
-            self._schedule_decode(state, decode_rows, emit)
         budget = _StepBudget()
+        if len(decode_rows) and not (alternate and prefill_turn):
+            budget.busy = self._schedule_decode(state, decode_rows, emit)
         if prefill_turn:
             chunk_rows = chunk_rows[table.row_seq[chunk_rows] >= 0]  # not preempted by decode
             self._schedule_chunks(state, chunk_rows, budget, emit)
             self._admit_waiting(state, budget, emit)
         if budget.seq_ids:
             emit(ev.PrefillScheduled(_arr(budget.seq_ids), _arr(budget.starts), _arr(budget.ends)))
+        elif alternate and prefill_turn and len(decode_rows):
+            # The prefill turn found nothing it could run: decode rather than idle.
+            self._schedule_decode(state, decode_rows[table.row_seq[decode_rows] >= 0], emit)
 
     def _is_prefill_turn(self, state: EngineState, n_decode: int, n_chunks: int) -> bool:
         if self.config.turn_mode == "mixed" or n_decode == 0:
             return True
         if not state.seqs.waiting and not n_chunks:
             return False
+        # Every prefill turn is followed by at least one decode turn, so decoding sequences
+        # always progress (otherwise admissions could starve them and thrash preemption).
+        if state.decode_turns == 0:
+            return False
         half_empty = state.seqs.num_running < 0.5 * self.config.max_batch
         return half_empty or state.decode_turns >= self.config.prefill_interval
 
-    def _schedule_decode(self, state: EngineState, rows: np.ndarray, emit: Emit) -> None:
+    def _schedule_decode(self, state: EngineState, rows: np.ndarray, emit: Emit) -> bool:
+        """Grow and schedule the decoding rows; returns whether any decode was scheduled."""
         table = state.seqs
         needing = rows[table.computed[rows] // self.bs >= table.nblocks[rows]]
         if len(needing) > state.pool.num_available:
@@ -260,6 +277,7 @@ class Policy:
             emit(ev.BlocksAllocated(seq_ids, np.ones(len(needing), I32), blocks))
         if len(rows):
             emit(ev.DecodeScheduled(table.row_seq[rows].copy()))
+        return bool(len(rows))
 
     def chunk_of(self, seq: Seq, start: int) -> Chunk:
         """The canonical chunk starting at ``start``: it ends at the next multiple of the
@@ -292,7 +310,7 @@ class Policy:
             if need > state.pool.num_available:
                 self._reclaim_sessions(state, need, emit, keep=-1)
             if need > state.pool.num_available:
-                if budget.prefills == 0 and not table.waiting:
+                if not budget.busy and budget.prefills == 0:
                     self._preempt_for_chunk(state, seq, need, emit)
                 continue
             self._allocate(state, seq.seq_id, need, emit)
@@ -319,6 +337,8 @@ class Policy:
         for seq in order_waiting(self.config, list(table.waiting.values()), state.clock):
             if table.num_running >= self.config.max_batch:
                 return
+            if seq.preempted_at == state.step:
+                continue  # preempted to make room this step: not readmitted in the same step
             verdict = self._try_admit(state, seq, budget, emit)
             if verdict == "stop" and stop_on_failure:
                 return

@@ -46,6 +46,7 @@ class Seq:
     state: SeqState = SeqState.WAITING
     row: int = FREE_ROW
     num_preemptions: int = 0
+    preempted_at: int = -1  # the step of the latest preemption
     finish_reason: str = ""
     # Statistics of the prefix match at the latest admission.
     num_hit_tokens: int = 0

@@ -348,6 +348,7 @@ class EngineState:
         self._release_row(seq)
         self.seqs.requeue(seq)
         seq.num_preemptions += 1
+        seq.preempted_at = self.step
         self.stats.preemptions += 1
 
     def _on_finished(self, e: ev.SequenceFinished) -> None:
