@@ -631,3 +631,21 @@ def test_plans_slot_mapping_positions_and_block_tables_agree_with_the_sequences(
             break
     assert h.state.stats.requests_finished == 12
     assert checked > 50
+
+
+def test_the_plan_counts_the_prefix_hit_tokens_of_the_steps_admissions() -> None:
+    from kvsched.config import SchedulerConfig
+    from kvsched.engine import Engine
+    from kvsched.events import types as ev
+    from kvsched.gpu.sim import SimulatedExecutor
+
+    config = SchedulerConfig(block_size=16, num_blocks=64, max_batch=4, max_prefill_tokens=256)
+    engine = Engine(config, check_invariants=True)
+    executor = SimulatedExecutor(config.model.vocab_size)
+    prompt = np.arange(1, 50, dtype=np.int32)
+    first = engine.step([ev.RequestArrived(0, prompt, 1)], 0.0)
+    assert (first.plan.num_hit_tokens, first.plan.num_query_tokens) == (0, 49)
+    done = engine.step([executor.execute(first.plan)], 1.0)
+    assert done.plan.is_empty
+    second = engine.step([ev.RequestArrived(1, prompt, 1)], 2.0)
+    assert (second.plan.num_hit_tokens, second.plan.num_query_tokens) == (48, 49)

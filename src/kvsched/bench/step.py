@@ -23,11 +23,11 @@ def run_step_bench(
     *, running: int, prompt: int = 512, warmup: int = 5, samples: int = 200
 ) -> dict[str, Any]:
     bs = 64
-    max_tokens = 1 << 20
+    max_tokens = warmup + samples + 256  # never finishes while timed
     config = SchedulerConfig(
         model=ModelSpec(max_context=1 << 21),
         block_size=bs,
-        num_blocks=running * ((prompt + warmup + samples + 64) // bs + 2) + 16,
+        num_blocks=running * ((prompt + max_tokens) // bs + 2) + 16,
         max_batch=running,
         max_prefill_tokens=max(8192, prompt),
     )

@@ -37,6 +37,8 @@ class StepPlan:
     seeds: np.ndarray  # int64 [n]
     num_prefill_tokens: int
     num_decode_tokens: int
+    num_hit_tokens: int  # prompt tokens served from the prefix cache by this step's admissions
+    num_query_tokens: int  # prompt tokens of this step's first admissions
 
     @property
     def num_seqs(self) -> int:
@@ -97,4 +99,6 @@ def plan_step(state: EngineState) -> StepPlan:
         seeds=_frozen(table.seed[rows].copy()),
         num_prefill_tokens=int(lens[~decode].sum()),
         num_decode_tokens=int(decode.sum()),
+        num_hit_tokens=state.step_hit_tokens,
+        num_query_tokens=state.step_query_tokens,
     )

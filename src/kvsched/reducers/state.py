@@ -91,6 +91,8 @@ class EngineState:
         self.step = 0
         self.clock = 0.0
         self.sleeping = False
+        self.step_hit_tokens = 0  # prefix-hit statistics of the current step's admissions
+        self.step_query_tokens = 0
         self.decode_turns = 0  # consecutive decode-only steps (alternate turn mode)
         self._roots: dict[tuple[str, str], bytes] = {}
         self._handlers: dict[type, Callable[[Any], None]] = {
@@ -239,6 +241,8 @@ class EngineState:
     # --------------------------------------------------------------- decision folds
 
     def _on_step_started(self, e: ev.StepStarted) -> None:
+        self.step_hit_tokens = 0
+        self.step_query_tokens = 0
         self.step = e.step
         self.clock = e.clock
         self.stats.steps += 1
@@ -267,6 +271,8 @@ class EngineState:
         if e.num_query_tokens:  # re-admissions after preemption are not counted
             self.stats.query_tokens += e.num_query_tokens
             self.stats.hit_tokens += e.num_tokens
+            self.step_query_tokens += e.num_query_tokens
+            self.step_hit_tokens += e.num_tokens
 
     def _on_allocated(self, e: ev.BlocksAllocated) -> None:
         blocks = self.pool.allocate(len(e.blocks))
