@@ -34,6 +34,12 @@ class SchedulerConfig:
     turn_mode: TurnMode = "mixed"
     prefill_interval: int = 16
     enable_prefix_caching: bool = True
+    # Hybrid models (attention + gated DeltaNet / Mamba): one recurrent state per running
+    # sequence, prefix hits usable only at published state checkpoints.
+    hybrid: bool = False
+    checkpoint_budget: int = 256  # checkpoint state slots (besides one runtime slot per row)
+    decode_checkpoint_interval: int = 0  # tokens between decode checkpoints (0: none)
+    num_speculative_tokens: int = 0  # MTP: the last k cached blocks of a hit are recomputed
 
     def __attrs_post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -46,8 +52,15 @@ class SchedulerConfig:
             raise ValueError("max_prefill_tokens must be at least one block")
         if self.order not in ("fcfs", "priority", "ttft"):
             raise ValueError(f"unknown order policy {self.order!r}")
+        if self.decode_checkpoint_interval % self.block_size:
+            raise ValueError("decode_checkpoint_interval must be a multiple of block_size")
         if self.turn_mode not in ("mixed", "alternate"):
             raise ValueError(f"unknown turn mode {self.turn_mode!r}")
+
+    @property
+    def num_state_slots(self) -> int:
+        """State pool rows: the null slot 0, one runtime slot per batch row, the checkpoints."""
+        return 1 + self.max_batch + self.checkpoint_budget if self.hybrid else 1
 
     @property
     def chunk_tokens(self) -> int:

@@ -33,6 +33,12 @@ class StepPlan:
     num_blocks: np.ndarray  # int32 [n]: blocks covering [0, end)
     copy_blocks: np.ndarray  # int32 [k, 2]: (src, dst) pairs to copy before the forward
     zero_blocks: np.ndarray  # int32 [k]
+    # Hybrid models (all empty / zero for attention-only models). State slot 0 is the null slot.
+    state_slots: np.ndarray  # int32 [n]: each sequence's runtime state slot
+    state_zero: np.ndarray  # int32 [k]: runtime slots reset to zero before the forward
+    state_restore: np.ndarray  # int32 [k, 2]: (checkpoint slot -> runtime slot) before forward
+    state_save: np.ndarray  # int32 [k, 2]: (runtime slot -> checkpoint slot) after the forward
+    copy_blocks_after: np.ndarray  # int32 [k, 2]: (src, dst) block copies after the forward
     temperature: np.ndarray  # float32 [n]
     seeds: np.ndarray  # int64 [n]
     num_prefill_tokens: int
@@ -95,6 +101,11 @@ def plan_step(state: EngineState) -> StepPlan:
         num_blocks=_frozen(nblocks.astype(np.int32)),
         copy_blocks=_frozen(np.zeros((0, 2), dtype=np.int32)),
         zero_blocks=_frozen(np.zeros(0, dtype=np.int32)),
+        state_slots=_frozen(np.zeros(len(rows), dtype=np.int32)),
+        state_zero=_frozen(np.zeros(0, dtype=np.int32)),
+        state_restore=_frozen(np.zeros((0, 2), dtype=np.int32)),
+        state_save=_frozen(np.zeros((0, 2), dtype=np.int32)),
+        copy_blocks_after=_frozen(np.zeros((0, 2), dtype=np.int32)),
         temperature=_frozen(table.temperature[rows].copy()),
         seeds=_frozen(table.seed[rows].copy()),
         num_prefill_tokens=int(lens[~decode].sum()),
