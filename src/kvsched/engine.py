@@ -101,7 +101,11 @@ class Engine:
             state.apply(event)
         elif isinstance(event, ev.StepExecuted):
             state.apply(event)
+            policy.publish_checkpoints(state, emit)
             policy.finish_finished(state, event, emit)
+        elif isinstance(event, ev.StepFailed):
+            state.apply(event)
+            policy.abandon_checkpoints(state, emit)
         elif isinstance(event, ev.RequestAborted):
             policy.abort(state, event.seq_id, event.reason, emit)
         elif isinstance(event, ev.SessionEnded):

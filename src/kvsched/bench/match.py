@@ -1,5 +1,10 @@
 """``kvsched bench match``: prefix matching on lmdeploy's "aligned exact hit" workload.
 
+``--mode ssm`` (hybrid models): each producer's prompt end (step L, block-aligned) publishes a
+state checkpoint; a consumer's match finds it on its hash chain, pins it (the checkpoint's
+references cover the whole prefix, so no per-block reference update is needed), attaches the
+prefix and selects the checkpoint to restore.
+
 Reproduces ../shared/bench/lmdeploy/README.md: block 64; B prompts of L tokens drawn with
 ``numpy.random.default_rng(0).integers(1, 150000, size=L)`` in order; each prefilled once by a
 producer through the engine (simulated executor) and finished, leaving its blocks cached; then
@@ -26,9 +31,11 @@ from kvsched.gpu.sim import SimulatedExecutor
 VOCAB = 150_000
 
 
-def _config(batch: int, context: int, block_size: int) -> SchedulerConfig:
+def _config(batch: int, context: int, block_size: int, hybrid: bool) -> SchedulerConfig:
     per_seq = context // block_size + 2
     return SchedulerConfig(
+        hybrid=hybrid,
+        checkpoint_budget=batch + 2,
         model=ModelSpec(vocab_size=VOCAB, max_context=context + 64),
         block_size=block_size,
         num_blocks=batch * per_seq * 2 + 16,
@@ -52,13 +59,13 @@ def _prefill_producers(engine: Engine, prompts: list[np.ndarray]) -> None:
 def run_match_bench(
     *, mode: str, batch: int, context: int, block_size: int = 64, warmup: int = 2, samples: int = 10
 ) -> dict[str, Any]:
-    if mode != "ar":
-        raise ValueError(f"mode {mode!r} is not supported yet (only 'ar')")
+    if mode not in ("ar", "ssm"):
+        raise ValueError(f"unknown mode {mode!r} (ar or ssm)")
     if context % block_size:
         raise ValueError("aligned workload: context must be a multiple of the block size")
     rng = np.random.default_rng(0)
     prompts = [rng.integers(1, VOCAB, size=context, dtype=np.int64) for _ in range(batch)]
-    engine = Engine(_config(batch, context, block_size))
+    engine = Engine(_config(batch, context, block_size, hybrid=mode == "ssm"))
     t0 = time.perf_counter()
     _prefill_producers(engine, [p.astype(np.int32) for p in prompts])
     build_s = time.perf_counter() - t0
@@ -74,17 +81,16 @@ def run_match_bench(
 
     def match_all() -> None:
         for seq in consumers:
-            hit_blocks = policy.find_prefix(state, seq)
-            policy.attach_prefix(state, seq, state.pool.find_blocks(seq.hashes, hit_blocks), emit)
+            policy.attach_prefix(state, seq, policy.find_prefix(state, seq), emit)
 
     def undo() -> None:
         hits = sum(int(state.seqs.computed[s.row] == context) for s in consumers)
         if hits != len(consumers):
             raise AssertionError(f"expected {len(consumers)} full hits, got {hits}")
+        if mode == "ssm" and any(s.pinned_ckpt < 0 for s in consumers):
+            raise AssertionError("an ssm match did not restore a checkpoint")
         for seq in consumers:
-            blocks = state.seqs.blocks_of(seq.row).copy()
-            emit(ev.BlocksFreed(np.array([seq.seq_id]), np.array([len(blocks)], np.int32), blocks))
-            emit(ev.SequencePreempted(seq.seq_id, "bench undo"))
+            policy.preempt(state, seq, emit, "bench undo")
         state.check_invariants() if batch * context <= 1 << 22 else None
 
     times = time_samples(match_all, undo, warmup, samples)

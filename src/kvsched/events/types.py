@@ -130,6 +130,8 @@ class PrefixMatched(Event, frozen=True, tag="matched"):
     blocks: np.ndarray  # int32
     num_tokens: int
     num_query_tokens: int
+    ckpt_id: int = -1  # hybrid: the pinned checkpoint whose path covers ``blocks``
+    kv_hit_tokens: int = -1  # hybrid: tokens the KV cache alone would have matched
 
 
 class BlocksAllocated(Event, frozen=True, tag="alloc"):
@@ -194,10 +196,14 @@ class Woken(Event, frozen=True, tag="woken"):
 
 
 class CheckpointReserved(Event, frozen=True, tag="ckpt_reserved"):
+    """Save the state of ``seq_id`` after ``num_tokens`` tokens into ``slot`` after this
+    step's forward (and, for a non-aligned step, its partial block into ``frozen_block``)."""
+
     ckpt_id: int
     seq_id: int
     slot: int
     num_tokens: int
+    frozen_block: int = 0
 
 
 class CheckpointPublished(Event, frozen=True, tag="ckpt_published"):
@@ -215,6 +221,9 @@ class CheckpointUnpinned(Event, frozen=True, tag="ckpt_unpinned"):
 
 
 class CheckpointReleased(Event, frozen=True, tag="ckpt_released"):
+    """A reserved checkpoint abandoned (its save failed or was superseded), or a published
+    one released."""
+
     ckpt_id: int
     reason: str
 

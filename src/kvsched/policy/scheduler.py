@@ -15,6 +15,7 @@ import numpy as np
 from kvsched.config import SchedulerConfig
 from kvsched.events import types as ev
 from kvsched.policy.ordering import order_waiting
+from kvsched.reducers.checkpoints import Checkpoint, partial_key
 from kvsched.reducers.sequences import Seq
 from kvsched.reducers.state import EngineState
 from kvsched.statemachines import SeqState
@@ -50,6 +51,19 @@ class _StepBudget:
         self.tokens += end - start
         self.prefills += 1
         self.long_chunks += 0 if final else 1
+
+
+@attrs.frozen
+class Match:
+    """A tentative prefix match: tokens served, their blocks, the checkpoint to restore."""
+
+    num_tokens: int
+    blocks: np.ndarray
+    ckpt_id: int = -1
+    kv_tokens: int = -1  # hybrid: what the KV cache alone matched
+
+
+NO_MATCH = Match(0, np.zeros(0, dtype=np.int32))
 
 
 @attrs.frozen
@@ -136,13 +150,16 @@ class Policy:
         emit(ev.SessionClosed(session_id))
 
     def drain(self, state: EngineState, emit: Emit) -> None:
-        """Preempt everything running and drop session holds: afterwards nothing is held."""
+        """Preempt everything running, drop session holds and checkpoints, clear the prefix
+        cache (sleep releases the device memory): afterwards nothing is held or cached."""
         running = [state.seq(int(state.seqs.row_seq[r])) for r in state.seqs.running_rows()]
         for seq in running:
-            self._preempt(state, seq, emit, reason="drain")
+            self.preempt(state, seq, emit, reason="drain")
         for session_id in sorted(state.sessions):
             self._free_session_hold(state, session_id, emit)
-        emit(ev.Drained())
+        for ckpt_id in sorted(state.ckpts.ckpts):
+            emit(ev.CheckpointReleased(ckpt_id, "drain"))
+        emit(ev.Drained())  # the device memory goes away: the prefix cache is cleared too
 
     # --------------------------------------------------------------------- releases
 
@@ -154,10 +171,13 @@ class Policy:
         holders: list[int] = []
         counts: list[int] = []
         blocks: list[np.ndarray] = []
+        unpins: list[Seq] = []
         for seq in seqs:
             row = seq.row
-            held = table.blocks_of(row)
-            if keep_for_session and seq.session_id in state.sessions:
+            held = table.blocks_of(row)[seq.n_pinned :]
+            if seq.pinned_ckpt >= 0:
+                unpins.append(seq)
+            if keep_for_session and not state.hybrid and seq.session_id in state.sessions:
                 keep = int(table.registered[row])
                 if keep:
                     emit(ev.SessionBlocksHeld(seq.session_id, seq.seq_id, held[:keep].copy()))
@@ -168,13 +188,15 @@ class Policy:
                 blocks.append(held.copy())
         if holders:
             emit(ev.BlocksFreed(_arr(holders), _arr(counts, I32), np.concatenate(blocks)))
+        for seq in unpins:
+            emit(ev.CheckpointUnpinned(seq.pinned_ckpt, seq.seq_id))
 
     def _free_session_hold(self, state: EngineState, session_id: int, emit: Emit) -> None:
         held = state.sessions[session_id].held
         if len(held):
             emit(ev.BlocksFreed(_arr([-session_id - 1]), _arr([len(held)], I32), held.copy()))
 
-    def _preempt(self, state: EngineState, seq: Seq, emit: Emit, reason: str) -> None:
+    def preempt(self, state: EngineState, seq: Seq, emit: Emit, reason: str) -> None:
         self._release(state, [seq], emit)
         emit(ev.SequencePreempted(seq.seq_id, reason))
 
@@ -219,12 +241,14 @@ class Policy:
         the block. Returns the rows that still need (and can now get) a block.
         """
         self._reclaim_sessions(state, len(need_rows), emit, keep=-1)
+        if state.hybrid:
+            self._evict_checkpoints_for(state, len(need_rows), emit, keep=-1)
         need = set(need_rows.tolist())
         running = self._victims(state)
         while state.pool.num_available < len(need) and running:
             victim = running.pop(0)
             need.discard(victim)
-            self._preempt(state, state.seq(int(state.seqs.row_seq[victim])), emit, "blocks")
+            self.preempt(state, state.seq(int(state.seqs.row_seq[victim])), emit, "blocks")
         return np.asarray(sorted(need), dtype=np.int64)
 
     # --------------------------------------------------------------------- schedule
@@ -277,6 +301,13 @@ class Policy:
             emit(ev.BlocksAllocated(seq_ids, np.ones(len(needing), I32), blocks))
         if len(rows):
             emit(ev.DecodeScheduled(table.row_seq[rows].copy()))
+            interval = self.config.decode_checkpoint_interval
+            if state.hybrid and interval:
+                saving = rows[(table.computed[rows] + 1) % interval == 0]
+                for row in saving.tolist():
+                    seq = table.objs[row]
+                    assert seq is not None
+                    self._reserve_checkpoint(state, seq, int(table.computed[row]) + 1, emit)
         return bool(len(rows))
 
     def chunk_of(self, seq: Seq, start: int) -> Chunk:
@@ -309,19 +340,21 @@ class Policy:
             need = _cdiv(chunk.end, self.bs) - int(table.nblocks[seq.row])
             if need > state.pool.num_available:
                 self._reclaim_sessions(state, need, emit, keep=-1)
+            if need > state.pool.num_available and state.hybrid:
+                self._evict_checkpoints_for(state, need, emit, keep=-1)
             if need > state.pool.num_available:
                 if not budget.busy and budget.prefills == 0:
                     self._preempt_for_chunk(state, seq, need, emit)
                 continue
             self._allocate(state, seq.seq_id, need, emit)
-            budget.add(seq.seq_id, chunk.start, chunk.end, chunk.final)
+            self._add_prefill(state, seq, chunk, budget, emit)
 
     def _preempt_for_chunk(self, state: EngineState, seq: Seq, need: int, emit: Emit) -> None:
         """Nothing else can progress: preempt the policy's victims (maybe ``seq`` itself)."""
         running = self._victims(state)
         while state.pool.num_available < need and running and seq.row >= 0:
             victim = state.seq(int(state.seqs.row_seq[running.pop(0)]))
-            self._preempt(state, victim, emit, "blocks")
+            self.preempt(state, victim, emit, "blocks")
 
     def _allocate(self, state: EngineState, seq_id: int, need: int, emit: Emit) -> None:
         if need > 0:
@@ -343,49 +376,170 @@ class Policy:
             if verdict == "stop" and stop_on_failure:
                 return
 
-    def find_prefix(self, state: EngineState, seq: Seq) -> int:
-        """Tentative match: how many leading blocks of the sequence are cached (pure query).
+    def find_prefix(self, state: EngineState, seq: Seq) -> Match:
+        """Tentative match (a pure query): the longest usable cached prefix.
 
-        A hit never covers the last token: it is recomputed to produce the next logits.
+        A hit never covers the last known token (it is recomputed for the next logits). For a
+        hybrid model a prefix is usable only up to the deepest published state checkpoint on
+        the request's hash chain: KV without a state is a miss.
         """
         if not self.config.enable_prefix_caching:
-            return 0
-        return state.pool.find_prefix_len(seq.hashes, (seq.n_tokens - 1) // self.bs)
+            return NO_MATCH
+        pool, bs = state.pool, self.bs
+        if not state.hybrid:
+            depth = pool.find_prefix_len(seq.hashes, (seq.n_tokens - 1) // bs)
+            return Match(depth * bs, pool.find_blocks(seq.hashes, depth))
+        return self._find_checkpoint(state, seq)
 
-    def attach_prefix(self, state: EngineState, seq: Seq, hit: np.ndarray, emit: Emit) -> None:
-        """Commit a match: take a batch row and attach the cached blocks (statistics counted
-        on the first admission only, not on a re-admission after preemption)."""
+    def _find_checkpoint(self, state: EngineState, seq: Seq) -> Match:
+        limit = seq.n_tokens - 1
+        top = limit // self.bs
+        hit = self._checkpoint_at(state, seq, top, limit)
+        kv_depth = top
+        if hit is None:
+            kv_depth = state.pool.find_prefix_len(seq.hashes, top)
+            for depth in range(min(kv_depth, top - 1), -1, -1):
+                hit = self._checkpoint_at(state, seq, depth, limit)
+                if hit is not None:
+                    break
+        if hit is None:
+            return Match(0, NO_MATCH.blocks, -1, kv_depth * self.bs)
+        return Match(hit.step, hit.path, hit.ckpt_id, kv_depth * self.bs)
+
+    def _checkpoint_at(
+        self, state: EngineState, seq: Seq, depth: int, limit: int
+    ) -> Checkpoint | None:
+        """The deepest usable checkpoint anchored at block ``depth`` (partial tails first)."""
+        ckpts, bs = state.ckpts, self.bs
+        anchor = seq.hashes[depth - 1] if depth else seq.root
+        tails = ckpts.find_partials(anchor)
+        for step in sorted(tails, reverse=True) if tails else ():
+            if step <= limit and self._boundary_safe(seq, step):
+                partial = ckpts.get(tails[step])
+                if partial.key == partial_key(anchor, seq.tokens[depth * bs : step]):
+                    return partial
+        if depth:
+            aligned = ckpts.find(anchor)
+            if aligned is not None and (not seq.mm_spans or self._boundary_safe(seq, aligned.step)):
+                return aligned
+        return None
+
+    @staticmethod
+    def _boundary_safe(seq: Seq, step: int) -> bool:
+        """A checkpoint never sits inside a multimodal span."""
+        return all(not span.start < step < span.end for span in seq.mm_spans)
+
+    def attach_prefix(self, state: EngineState, seq: Seq, match: Match, emit: Emit) -> None:
+        """Commit a match: take a batch row, pin the checkpoint (hybrid) and attach the cached
+        blocks (statistics counted on the first admission only, not after preemption)."""
         first = seq.num_preemptions == 0
         emit(ev.SequenceAdmitted(seq.seq_id, state.seqs.peek_free_row()))
-        if len(hit) or first:
+        if match.ckpt_id >= 0:
+            emit(ev.CheckpointPinned(match.ckpt_id, seq.seq_id))
+        if match.num_tokens or first:
             query = seq.n_prompt if first else 0
-            emit(ev.PrefixMatched(seq.seq_id, hit, len(hit) * self.bs, query))
+            emit(
+                ev.PrefixMatched(
+                    seq.seq_id, match.blocks, match.num_tokens, query, match.ckpt_id,
+                    match.kv_tokens,
+                )
+            )
 
     def _try_admit(self, state: EngineState, seq: Seq, budget: _StepBudget, emit: Emit) -> str:
         """Admit one waiting sequence, or return why not ('skip' or 'stop') leaving no trace."""
         pool, bs = state.pool, self.bs
-        hit_blocks = self.find_prefix(state, seq)
-        chunk = self.chunk_of(seq, hit_blocks * bs)
+        match = self.find_prefix(state, seq)
+        chunk = self.chunk_of(seq, match.num_tokens)
         if not self._long_gate_open(budget, chunk):
             return "skip"
         if not self._fits_budget(budget, chunk):
             return "stop"
-        hit = pool.find_blocks(seq.hashes, hit_blocks)
-        need = _cdiv(chunk.end, bs) - hit_blocks
+        hit = match.blocks
+        need = _cdiv(chunk.end, bs) - len(hit)
         shortfall = need - (pool.num_available - pool.count_unheld(hit))
         if shortfall > 0:
-            # Release other sessions' holds only when that makes the admission fit: a
-            # rejected admission leaves no trace.
-            if shortfall > self._reclaim_gain(state, seq.session_id, hit):
+            # Release other sessions' holds or evict checkpoints only when that makes the
+            # admission fit: a rejected admission leaves no trace.
+            if state.hybrid:
+                if not self._evict_checkpoints_for(state, need, emit, keep=match.ckpt_id):
+                    return "stop"
+            elif shortfall > self._reclaim_gain(state, seq.session_id, hit):
                 return "stop"
-            self._reclaim_sessions(state, need, emit, seq.session_id, hit)
+            else:
+                self._reclaim_sessions(state, need, emit, seq.session_id, hit)
             assert need <= pool.num_available - pool.count_unheld(hit)
-        self.attach_prefix(state, seq, hit, emit)
+        self.attach_prefix(state, seq, match, emit)
         if seq.session_id in state.sessions:
             self._free_session_hold(state, seq.session_id, emit)
         self._allocate(state, seq.seq_id, need, emit)
-        budget.add(seq.seq_id, chunk.start, chunk.end, chunk.final)
+        self._add_prefill(state, seq, chunk, budget, emit)
         return "admitted"
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def _add_prefill(
+        self, state: EngineState, seq: Seq, chunk: Chunk, budget: _StepBudget, emit: Emit
+    ) -> None:
+        """Schedule a chunk; for a hybrid model, save the state at its end when the end is a
+        save point (a block-aligned chunk end, or the prompt end)."""
+        budget.add(seq.seq_id, chunk.start, chunk.end, chunk.final)
+        if state.hybrid and (chunk.end % self.bs == 0 or chunk.final):
+            self._reserve_checkpoint(state, seq, chunk.end, emit)
+
+    def _reserve_checkpoint(self, state: EngineState, seq: Seq, step: int, emit: Emit) -> None:
+        """Save the state after ``step`` tokens, if that identity is new and a slot (and, for a
+        non-aligned step, a frozen block) can be had; saves are best effort."""
+        ckpts = state.ckpts
+        key, _ = state.checkpoint_identity(seq, step)
+        if ckpts.find(key) is not None:
+            return
+        if not ckpts.peek_slot():
+            victims = ckpts.eviction_order()
+            if not victims:
+                return
+            emit(ev.CheckpointEvicted(victims[0].ckpt_id))  # state only: its KV stays cached
+        frozen = 0
+        if step % self.bs:
+            blocks = state.pool.peek_allocate(1)
+            if blocks is None:
+                return
+            frozen = int(blocks[0])
+        emit(ev.CheckpointReserved(ckpts.next_id, seq.seq_id, ckpts.peek_slot(), step, frozen))
+
+    def publish_checkpoints(self, state: EngineState, emit: Emit) -> None:
+        """After a successful step: publish what it saved (a duplicate identity is abandoned)."""
+        for ckpt_id in list(state.awaiting_publish):
+            c = state.ckpts.get(ckpt_id)
+            if state.ckpts.find(c.key) is not None:
+                emit(ev.CheckpointReleased(ckpt_id, "superseded"))
+            else:
+                emit(ev.CheckpointPublished(ckpt_id))
+
+    def abandon_checkpoints(self, state: EngineState, emit: Emit) -> None:
+        """After a failed step: its saves never happened (publish rollback)."""
+        for ckpt_id in list(state.awaiting_publish):
+            emit(ev.CheckpointReleased(ckpt_id, "step failed"))
+
+    def _evict_checkpoints_for(self, state: EngineState, need: int, emit: Emit, keep: int) -> bool:
+        """Evict unpinned checkpoints (frozen tails first, then least recently used) until
+        ``need`` blocks are available; evicts nothing and returns False if that cannot work."""
+        pool = state.pool
+        if pool.num_available >= need:
+            return True
+        order = [c for c in state.ckpts.eviction_order() if c.ckpt_id != keep]
+        delta = np.zeros(pool.num_blocks, dtype=np.int32)
+        gain, chosen = 0, []
+        for c in order:
+            blocks = c.path if not c.frozen_block else np.append(c.path, c.frozen_block)
+            np.add.at(delta, blocks, 1)
+            gain = int(np.count_nonzero((pool.ref == delta) & (delta > 0)))
+            chosen.append(c.ckpt_id)
+            if pool.num_available + gain >= need:
+                for ckpt_id in chosen:
+                    emit(ev.CheckpointEvicted(ckpt_id))
+                return True
+        return False
+
 
 
 def _arrival_key(seq: Seq) -> tuple[float, int]:

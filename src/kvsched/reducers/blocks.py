@@ -177,6 +177,16 @@ class BlockPool:
         self.path_of[block] = (path, depth)
         return block
 
+    def clear_cache(self) -> None:
+        """Forget every cached identity (no block may be held): all blocks become free."""
+        if self.ref.any():
+            raise BlockPoolError("cannot clear the cache while blocks are held")
+        for block in [b for b, h in enumerate(self.hash_of) if h is not None]:
+            self._uncache(block)
+        self.lru.clear()
+        self.num_evictable = 0
+        self.free = list(range(self.num_blocks - 1, 0, -1))
+
     def _uncache(self, block: int) -> None:
         h = self.hash_of[block]
         assert h is not None

@@ -63,12 +63,13 @@ class StepPlan:
         return int(self.ends.sum())
 
 
-_EMPTY_I64 = _frozen(np.zeros(0, dtype=np.int64))
+def _pairs(pairs: list[tuple[int, int]]) -> np.ndarray:
+    return _frozen(np.asarray(pairs, dtype=np.int32).reshape(len(pairs), 2))
 
 
 def plan_step(state: EngineState) -> StepPlan:
     """Fold the step's scheduled work (``state.pending``) into a frozen plan."""
-    table, bs = state.seqs, state.block_size
+    table, bs, x = state.seqs, state.block_size, state.extras
     rows, starts, ends = state.pending.arrays()
     lens = ends - starts
     total = int(lens.sum())
@@ -99,13 +100,13 @@ def plan_step(state: EngineState) -> StepPlan:
         slot_mapping=_frozen(slots),
         block_tables=_frozen(tables),
         num_blocks=_frozen(nblocks.astype(np.int32)),
-        copy_blocks=_frozen(np.zeros((0, 2), dtype=np.int32)),
+        copy_blocks=_pairs([(f, int(table.table[r, i])) for r, i, f in x.restore_blocks]),
         zero_blocks=_frozen(np.zeros(0, dtype=np.int32)),
-        state_slots=_frozen(np.zeros(len(rows), dtype=np.int32)),
-        state_zero=_frozen(np.zeros(0, dtype=np.int32)),
-        state_restore=_frozen(np.zeros((0, 2), dtype=np.int32)),
-        state_save=_frozen(np.zeros((0, 2), dtype=np.int32)),
-        copy_blocks_after=_frozen(np.zeros((0, 2), dtype=np.int32)),
+        state_slots=_frozen((rows + 1 if state.hybrid else rows * 0).astype(np.int32)),
+        state_zero=_frozen(np.asarray(x.state_zero, dtype=np.int32)),
+        state_restore=_pairs(x.state_restore),
+        state_save=_pairs(x.state_save),
+        copy_blocks_after=_pairs(x.copy_after),
         temperature=_frozen(table.temperature[rows].copy()),
         seeds=_frozen(table.seed[rows].copy()),
         num_prefill_tokens=int(lens[~decode].sum()),

@@ -45,6 +45,8 @@ class Seq:
     path: np.ndarray = attrs.field(factory=lambda: np.zeros(0, dtype=np.int32))
     state: SeqState = SeqState.WAITING
     row: int = FREE_ROW
+    pinned_ckpt: int = -1  # hybrid: checkpoint restored at admission, pinned while running
+    n_pinned: int = 0  # leading blocks of the block table covered by that pin (no own refs)
     num_preemptions: int = 0
     preempted_at: int = -1  # the step of the latest preemption
     finish_reason: str = ""

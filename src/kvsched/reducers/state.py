@@ -17,8 +17,9 @@ from kvsched.config import SchedulerConfig
 from kvsched.events import types as ev
 from kvsched.identity import chain_hashes, namespace_root, span_extras
 from kvsched.reducers.blocks import BlockPool, BlockPoolError
+from kvsched.reducers.checkpoints import Checkpoint, CheckpointTable, partial_key
 from kvsched.reducers.sequences import FREE_ROW, Seq, SequenceTable
-from kvsched.statemachines import SeqEvent, SeqState
+from kvsched.statemachines import CkptEvent, CkptState, SeqEvent, SeqState
 
 
 class InvariantError(AssertionError):
@@ -46,6 +47,8 @@ class Stats:
     requests_aborted: int = 0
     query_tokens: int = 0
     hit_tokens: int = 0
+    ckpt_hit_tokens: int = 0  # hybrid: hits restored from a checkpoint
+    kv_only_hit_tokens: int = 0  # hybrid: cached KV unusable for lack of a checkpoint
     prefill_tokens: int = 0
     decode_tokens: int = 0
     generated_tokens: int = 0
@@ -74,6 +77,19 @@ class Pending:
         return np.concatenate(self.rows), np.concatenate(self.starts), np.concatenate(self.ends)
 
 
+@attrs.define(slots=True)
+class StepExtras:
+    """Copies a step's plan carries besides the forward (hybrid models), in decision order."""
+
+    state_zero: list[int] = attrs.field(factory=list)
+    state_restore: list[tuple[int, int]] = attrs.field(factory=list)
+    state_save: list[tuple[int, int]] = attrs.field(factory=list)
+    copy_after: list[tuple[int, int]] = attrs.field(factory=list)
+    # (row, block index, frozen block): copy the frozen block into the row's private block
+    restore_blocks: list[tuple[int, int, int]] = attrs.field(factory=list)
+    reserved: list[int] = attrs.field(factory=list)  # checkpoints to publish after the step
+
+
 def _segments(counts: np.ndarray) -> np.ndarray:
     return np.concatenate(([0], np.cumsum(counts)))
 
@@ -84,6 +100,11 @@ class EngineState:
         self.block_size = config.block_size
         max_blocks = -(-config.model.max_context // config.block_size) + 1
         self.pool = BlockPool(config.num_blocks)
+        self.hybrid = config.hybrid
+        budget = config.checkpoint_budget if config.hybrid else 0
+        self.ckpts = CheckpointTable(config.max_batch, budget)
+        self.extras = StepExtras()
+        self.awaiting_publish: list[int] = []  # checkpoints reserved by the step being executed
         self.seqs = SequenceTable(config.max_batch, max_blocks, config.block_size)
         self.sessions: dict[int, Session] = {}
         self.stats = Stats()
@@ -114,6 +135,12 @@ class EngineState:
             ev.SessionClosed: self._on_session_closed,
             ev.Drained: self._on_drained,
             ev.Woken: self._on_woken,
+            ev.CheckpointReserved: self._on_ckpt_reserved,
+            ev.CheckpointPublished: self._on_ckpt_published,
+            ev.CheckpointPinned: self._on_ckpt_pinned,
+            ev.CheckpointUnpinned: self._on_ckpt_unpinned,
+            ev.CheckpointReleased: self._on_ckpt_released,
+            ev.CheckpointEvicted: self._on_ckpt_evicted,
         }
         self._ignored = (ev.RequestAborted, ev.SessionEnded, ev.DrainRequested, ev.WakeRequested)
 
@@ -140,8 +167,14 @@ class EngineState:
         return self.seqs.seqs[seq_id]
 
     def holders(self) -> list[np.ndarray]:
-        held = [self.seqs.blocks_of(int(r)) for r in self.seqs.running_rows()]
+        t = self.seqs
+        held = []
+        for row in t.running_rows().tolist():
+            seq = t.objs[row]
+            assert seq is not None
+            held.append(t.blocks_of(row)[seq.n_pinned :])
         held.extend(s.held for s in self.sessions.values() if len(s.held))
+        held.extend(self.ckpts.holders())
         return held
 
     # ------------------------------------------------------------------ input folds
@@ -241,6 +274,8 @@ class EngineState:
     # --------------------------------------------------------------- decision folds
 
     def _on_step_started(self, e: ev.StepStarted) -> None:
+        self.awaiting_publish = self.extras.reserved
+        self.extras = StepExtras()
         self.step_hit_tokens = 0
         self.step_query_tokens = 0
         self.step = e.step
@@ -252,18 +287,25 @@ class EngineState:
 
     def _on_admitted(self, e: ev.SequenceAdmitted) -> None:
         self.seqs.activate(self.seq(e.seq_id), e.row)
+        if self.hybrid:
+            self.extras.state_zero.append(CheckpointTable.runtime_slot(e.row))
 
     def _on_matched(self, e: ev.PrefixMatched) -> None:
         seq = self.seq(e.seq_id)
         row, k = seq.row, len(e.blocks)
         if row == FREE_ROW or self.seqs.nblocks[row]:
             raise ReplayMismatch(f"sequence {e.seq_id}: prefix match outside admission")
-        self.pool.attach(e.blocks)
+        if e.ckpt_id >= 0:
+            if seq.pinned_ckpt != e.ckpt_id:
+                raise ReplayMismatch(f"sequence {e.seq_id}: prefix of an unpinned checkpoint")
+            seq.n_pinned = k  # covered by the checkpoint's references
+        else:
+            self.pool.attach(e.blocks)
         t = self.seqs
         t.table[row, :k] = e.blocks
-        seq.path = np.zeros(0, dtype=np.int32)  # a fresh path: the old one stays shared
-        seq.ensure_path(k)
-        seq.path[:k] = e.blocks
+        # The matched (read-only, shared) prefix becomes this sequence's path; the first
+        # registration past it grows the path into a private copy.
+        seq.path = e.blocks
         t.nblocks[row] = k
         t.computed[row] = e.num_tokens
         t.registered[row] = k
@@ -271,6 +313,10 @@ class EngineState:
         if e.num_query_tokens:  # re-admissions after preemption are not counted
             self.stats.query_tokens += e.num_query_tokens
             self.stats.hit_tokens += e.num_tokens
+            if e.ckpt_id >= 0:
+                self.stats.ckpt_hit_tokens += e.num_tokens
+            if e.kv_hit_tokens > e.num_tokens:
+                self.stats.kv_only_hit_tokens += e.kv_hit_tokens - e.num_tokens
             self.step_query_tokens += e.num_query_tokens
             self.step_hit_tokens += e.num_tokens
 
@@ -393,10 +439,92 @@ class EngineState:
             raise ReplayMismatch(f"session {e.session_id} closed while holding resources")
 
     def _on_drained(self, e: ev.Drained) -> None:
+        if self.seqs.num_running or any(len(s.held) for s in self.sessions.values()):
+            raise ReplayMismatch("drained while blocks are still held")
+        self.pool.clear_cache()
         self.sleeping = True
 
     def _on_woken(self, e: ev.Woken) -> None:
         self.sleeping = False
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def checkpoint_identity(self, seq: Seq, step: int) -> tuple[bytes, bytes]:
+        """(identity, anchor) of the state after ``step`` tokens of ``seq``."""
+        bs = self.block_size
+        depth = step // bs
+        anchor = seq.hashes[depth - 1] if depth else seq.root
+        if step % bs == 0:
+            return anchor, anchor
+        return partial_key(anchor, seq.tokens[depth * bs : step]), anchor
+
+    def _on_ckpt_reserved(self, e: ev.CheckpointReserved) -> None:
+        seq = self.seq(e.seq_id)
+        row, bs = seq.row, self.block_size
+        key, anchor = self.checkpoint_identity(seq, e.num_tokens)
+        frozen = 0
+        if e.num_tokens % bs:
+            frozen = int(self.pool.allocate(1)[0])
+            if frozen != e.frozen_block:
+                raise ReplayMismatch(f"frozen block {frozen}, event says {e.frozen_block}")
+            partial = int(self.seqs.table[row, e.num_tokens // bs])
+            self.extras.copy_after.append((partial, frozen))
+        c = Checkpoint(e.ckpt_id, e.seq_id, e.slot, e.num_tokens, key, anchor, frozen)
+        self.ckpts.reserve(c)
+        self.extras.state_save.append((CheckpointTable.runtime_slot(row), e.slot))
+        self.extras.reserved.append(e.ckpt_id)
+
+    def _on_ckpt_published(self, e: ev.CheckpointPublished) -> None:
+        c = self.ckpts.get(e.ckpt_id)
+        seq = self.seq(c.seq_id)
+        depth = c.step // self.block_size
+        if self.seqs.registered[seq.row] < depth or self.ckpts.find(c.key) is not None:
+            raise ReplayMismatch(f"checkpoint {c.ckpt_id} cannot be published")
+        path = seq.path[:depth]
+        self.pool.attach(path)
+        self.ckpts.publish(c, path)
+        self.awaiting_publish.remove(c.ckpt_id)
+
+    def _on_ckpt_pinned(self, e: ev.CheckpointPinned) -> None:
+        c = self.ckpts.get(e.ckpt_id)
+        seq = self.seq(e.seq_id)
+        if seq.pinned_ckpt >= 0 or seq.row == FREE_ROW:
+            raise ReplayMismatch(f"sequence {e.seq_id} cannot pin checkpoint {e.ckpt_id}")
+        self.ckpts.pin(c)
+        seq.pinned_ckpt = c.ckpt_id
+        row = seq.row
+        self.extras.state_restore.append((c.slot, CheckpointTable.runtime_slot(row)))
+        if c.frozen_block:
+            self.extras.restore_blocks.append((row, c.step // self.block_size, c.frozen_block))
+
+    def _on_ckpt_unpinned(self, e: ev.CheckpointUnpinned) -> None:
+        seq = self.seq(e.seq_id)
+        t, row = self.seqs, seq.row
+        if seq.pinned_ckpt != e.ckpt_id or t.nblocks[row] != seq.n_pinned:
+            raise ReplayMismatch(f"sequence {e.seq_id} cannot unpin checkpoint {e.ckpt_id}")
+        self.ckpts.unpin(self.ckpts.get(e.ckpt_id))
+        seq.pinned_ckpt, seq.n_pinned = -1, 0
+        t.nblocks[row] = 0
+        t.registered[row] = 0
+        t.computed[row] = 0
+
+    def _drop_checkpoint(self, ckpt_id: int, event: CkptEvent) -> None:
+        c = self.ckpts.get(ckpt_id)
+        if c.state != CkptState.RESERVED:
+            self.pool.release(c.path)
+        if c.frozen_block:
+            self.pool.release(np.asarray([c.frozen_block], dtype=np.int32))
+        if ckpt_id in self.awaiting_publish:
+            self.awaiting_publish.remove(ckpt_id)
+        self.ckpts.remove(c, event)
+
+    def _on_ckpt_released(self, e: ev.CheckpointReleased) -> None:
+        c = self.ckpts.get(e.ckpt_id)
+        event = CkptEvent.abandon if c.state == CkptState.RESERVED else CkptEvent.release
+        self._drop_checkpoint(e.ckpt_id, event)
+
+    def _on_ckpt_evicted(self, e: ev.CheckpointEvicted) -> None:
+        self._drop_checkpoint(e.ckpt_id, CkptEvent.evict)
 
     # -------------------------------------------------------------------- invariants
 
@@ -407,8 +535,14 @@ class EngineState:
         except BlockPoolError as exc:
             raise InvariantError(str(exc)) from exc
         self._check_rows()
+        pins: dict[int, int] = {}
         for seq in self.seqs.seqs.values():
             self._check_seq(seq)
+            if seq.pinned_ckpt >= 0:
+                pins[seq.pinned_ckpt] = pins.get(seq.pinned_ckpt, 0) + 1
+        problem = self.ckpts.check_invariants(pins)
+        if problem is not None:
+            raise InvariantError(problem)
         for session in self.sessions.values():
             if session.active_seq >= 0 and session.active_seq not in self.seqs.seqs:
                 raise InvariantError(f"session {session.session_id} points at a retired seq")
@@ -429,6 +563,8 @@ class EngineState:
         if len(seq.hashes) != n_tokens // bs:
             raise InvariantError(f"sequence {seq.seq_id}: {len(seq.hashes)} hashes")
         if seq.state == SeqState.WAITING:
+            if seq.pinned_ckpt >= 0 or seq.n_pinned:
+                raise InvariantError(f"waiting sequence {seq.seq_id} pins a checkpoint")
             if seq.row != FREE_ROW or seq.seq_id not in t.waiting:
                 raise InvariantError(f"waiting sequence {seq.seq_id} holds a row or is unqueued")
             return
