@@ -19,6 +19,8 @@ class ModelSpec:
     kv_dtype: str = "float16"
     kv_layout: str = "paged-nhd"
     max_context: int = 262144
+    # MoE: routed-expert ids recorded per token (layers x top-k); 0 when none are recorded.
+    routed_experts_per_token: int = 0
 
 
 @attrs.frozen(kw_only=True)

@@ -17,6 +17,7 @@ and ``attach_prefix`` and the reducers. Matches are undone (untimed) between sam
 
 from __future__ import annotations
 
+import sys
 import time
 from typing import Any
 
@@ -54,6 +55,19 @@ def _prefill_producers(engine: Engine, prompts: list[np.ndarray]) -> None:
         result = engine.step(inputs, float(step))
         inputs = [] if result.plan.is_empty else [executor.execute(result.plan)]
         step += 1
+
+
+def checkpoint_metadata_bytes(engine: Engine) -> int:
+    """Host memory held by the checkpoints' identity metadata: the records, their identity
+    digests, index entries and prefix-path arrays (each distinct buffer counted once)."""
+    ckpts = engine.state.ckpts
+    total = sys.getsizeof(ckpts.index) + sys.getsizeof(ckpts.ckpts) + sys.getsizeof(ckpts.partials)
+    buffers: dict[int, int] = {}
+    for c in ckpts.ckpts.values():
+        total += sys.getsizeof(c) + sys.getsizeof(c.key) + sys.getsizeof(c.anchor)
+        base = c.path.base if c.path.base is not None else c.path
+        buffers[id(base)] = base.nbytes
+    return total + sum(buffers.values())
 
 
 def run_match_bench(
@@ -94,6 +108,10 @@ def run_match_bench(
         state.check_invariants() if batch * context <= 1 << 22 else None
 
     times = time_samples(match_all, undo, warmup, samples)
+    extra: dict[str, Any] = {}
+    if mode == "ssm":
+        extra["checkpoints"] = len(state.ckpts.ckpts)
+        extra["ckpt_metadata_mib"] = round(checkpoint_metadata_bytes(engine) / 2**20, 2)
     return {
         "impl": "kvsched",
         "mode": mode,
@@ -102,4 +120,5 @@ def run_match_bench(
         "block_size": block_size,
         "build_s": round(build_s, 2),
         **summarize(times),
+        **extra,
     }

@@ -49,6 +49,7 @@ class RequestArrived(Event, frozen=True, tag="arrived"):
     temperature: float = 0.0
     seed: int = 0
     mm_spans: tuple[MultimodalSpan, ...] = ()
+    return_routed_experts: bool = False
 
 
 class RequestAborted(Event, frozen=True, tag="aborted"):
@@ -75,6 +76,9 @@ class StepExecuted(Event, frozen=True, tag="executed"):
     seq_ids: np.ndarray  # int64
     tokens: np.ndarray  # int32
     duration_s: float = 0.0
+    # MoE: routed-expert ids of every computed token, in plan token order, flattened
+    # [num_tokens * routed_experts_per_token] (int16); empty when not recorded.
+    routed_experts: np.ndarray = msgspec.field(default_factory=lambda: np.zeros(0, np.int16))
 
 
 class StepFailed(Event, frozen=True, tag="step_failed"):

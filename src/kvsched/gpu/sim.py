@@ -15,24 +15,72 @@ from kvsched.reducers.plan import StepPlan
 
 @attrs.frozen(kw_only=True)
 class CostModel:
-    """Step time = overhead + prefill tokens x t_prefill + decode seqs x t_decode + KV read x t_kv.
+    """How long a step takes on the simulated GPU (seconds)::
 
-    Defaults approximate a 7-8B model on one modern GPU: 10 us/prefill token (about 100k
-    prefill tokens/s), 25 us per decoding sequence, and reading KV of 1M tokens in 3 ms.
+        step = overhead_s
+             + prefill tokens            x prefill_token_s   (weights: linear layers, MLP)
+             + decoding sequences        x decode_seq_s      (per-sequence decode work)
+             + KV tokens read            x kv_token_s        (every scheduled sequence reads
+                                                              the KV of its context once)
+             + prefill attention pairs   x prefill_attn_s    (query token x context token
+                                                              pairs of prefill chunks)
+
+    Defaults approximate a 7-8B model on one modern GPU: 10 us per prefill token (about 100k
+    prefill tokens/s), 25 us per decoding sequence, reading the KV of 1M tokens in 3 ms, and
+    1.3 ps per causal attention pair (4 x 32 layers x 4,096 hidden FLOPs at about 400 TFLOP/s),
+    so a 128k-token prompt costs about 1.3 s of linear work plus 10.6 s of attention.
+
+    Every parameter can be set from the command line: ``--cost prefill_attn_s=0,overhead_s=0.002``.
     """
 
     overhead_s: float = 0.004
     prefill_token_s: float = 1.0e-5
     decode_seq_s: float = 2.5e-5
     kv_token_s: float = 3.0e-9
+    prefill_attn_s: float = 1.3e-12
 
     def step_time(self, plan: StepPlan) -> float:
-        return (
+        t = (
             self.overhead_s
             + plan.num_prefill_tokens * self.prefill_token_s
             + plan.num_decode_tokens * self.decode_seq_s
             + plan.kv_tokens_read * self.kv_token_s
         )
+        if self.prefill_attn_s and plan.num_prefill_tokens:
+            t += attention_pairs(plan) * self.prefill_attn_s
+        return t
+
+    @classmethod
+    def parse(cls, spec: str) -> CostModel:
+        """``name=value,name=value`` over the defaults; raises ValueError naming a bad item."""
+        names = {f.name for f in attrs.fields(cls)}
+        values: dict[str, float] = {}
+        for item in filter(None, (part.strip() for part in spec.split(","))):
+            name, sep, raw = item.partition("=")
+            name = name.strip()
+            if not sep or name not in names:
+                known = ", ".join(sorted(names))
+                raise ValueError(f"bad cost-model item {item!r} (known parameters: {known})")
+            try:
+                value = float(raw)
+            except ValueError:
+                raise ValueError(f"cost-model parameter {name}: {raw!r} is not a number") from None
+            if not value >= 0:
+                raise ValueError(f"cost-model parameter {name} must be >= 0, got {raw}")
+            values[name] = value
+        return cls(**values)
+
+    def to_dict(self) -> dict[str, float]:
+        return attrs.asdict(self)
+
+
+def attention_pairs(plan: StepPlan) -> float:
+    """Causal (query, key) pairs of the step's prefill chunks: a chunk [s, e) attends
+    e - s queries to s + 1 ... e keys. Decode rows (one token) are counted by kv_token_s."""
+    starts = plan.starts.astype(np.float64)
+    lens = plan.ends.astype(np.float64) - starts
+    chunk = lens > 1
+    return float((lens[chunk] * (starts[chunk] + (lens[chunk] + 1) / 2)).sum())
 
 
 def _mix(x: np.ndarray) -> np.ndarray:
@@ -46,8 +94,50 @@ def _mix(x: np.ndarray) -> np.ndarray:
     return x
 
 
+_M64 = (1 << 64) - 1
+_SMALL = 32  # below this many sampled tokens, Python integers beat numpy's per-call overhead
+
+
+def _mix_int(x: int) -> int:
+    """splitmix64 finaliser on one integer (identical to ``_mix``)."""
+    x ^= x >> 30
+    x = (x * 0xBF58476D1CE4E5B9) & _M64
+    x ^= x >> 27
+    x = (x * 0x94D049BB133111EB) & _M64
+    return x ^ (x >> 31)
+
+
+def sample_tokens(seq_ids: np.ndarray, pos: np.ndarray, vocab_size: int, seed: int) -> np.ndarray:
+    """The token sampled after position ``pos`` of each sequence: a pure function of
+    (seed, sequence id, position), in [1, vocab_size)."""
+    if len(seq_ids) < _SMALL:
+        return np.asarray(
+            [
+                _mix_int(((s * 0x9E3779B97F4A7C15) & _M64) ^ _mix_int((p + seed) & _M64))
+                % (vocab_size - 1)
+                + 1
+                for s, p in zip(seq_ids.tolist(), pos.tolist(), strict=True)
+            ],
+            dtype=np.int32,
+        )
+    with np.errstate(over="ignore"):
+        key = (seq_ids.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15)) ^ _mix(
+            pos.astype(np.uint64) + np.uint64(seed)
+        )
+        return (_mix(key) % np.uint64(vocab_size - 1) + np.uint64(1)).astype(np.int32)
+
+
 class SimulatedExecutor:
-    def __init__(self, vocab_size: int, cost: CostModel | None = None, seed: int = 0) -> None:
+    def __init__(
+        self,
+        vocab_size: int,
+        cost: CostModel | None = None,
+        seed: int = 0,
+        routed_experts_per_token: int = 0,
+        num_experts: int = 64,
+    ) -> None:
+        self.routed_experts_per_token = routed_experts_per_token
+        self.num_experts = num_experts
         self.vocab_size = vocab_size
         self.cost = cost or CostModel()
         self.seed = seed
@@ -55,10 +145,20 @@ class SimulatedExecutor:
     def execute(self, plan: StepPlan) -> StepExecuted:
         sample = plan.sample
         seq_ids = plan.seq_ids[sample]
-        pos = plan.ends[sample]
+        tokens = sample_tokens(seq_ids, plan.ends[sample], self.vocab_size, self.seed)
+        experts = self._routed_experts(plan) if self.routed_experts_per_token else None
+        if experts is None:
+            return StepExecuted(plan.step, seq_ids, tokens, self.cost.step_time(plan))
+        return StepExecuted(plan.step, seq_ids, tokens, self.cost.step_time(plan), experts)
+
+    def _routed_experts(self, plan: StepPlan) -> np.ndarray:
+        """Deterministic expert ids per computed token: a function of (token, position), as a
+        real router's are a function of the prefix."""
+        k = self.routed_experts_per_token
+        base = plan.input_ids.astype(np.uint64) * np.uint64(1_000_003) + plan.positions.astype(
+            np.uint64
+        )
         with np.errstate(over="ignore"):
-            key = (seq_ids.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15)) ^ _mix(
-                pos.astype(np.uint64) + np.uint64(self.seed)
-            )
-            tokens = (_mix(key) % np.uint64(self.vocab_size - 1) + np.uint64(1)).astype(np.int32)
-        return StepExecuted(plan.step, seq_ids.copy(), tokens, self.cost.step_time(plan))
+            grid = base[:, None] * np.uint64(31) + np.arange(k, dtype=np.uint64)[None, :]
+            ids = _mix(grid) % np.uint64(self.num_experts)
+        return ids.astype(np.int16).reshape(-1)

@@ -15,7 +15,7 @@ import numpy as np
 from kvsched.config import SchedulerConfig
 from kvsched.events import types as ev
 from kvsched.policy.ordering import order_waiting
-from kvsched.reducers.checkpoints import Checkpoint, partial_key
+from kvsched.reducers.checkpoints import Checkpoint, partial_key, tail_extra
 from kvsched.reducers.sequences import Seq
 from kvsched.reducers.state import EngineState
 from kvsched.statemachines import SeqState
@@ -388,17 +388,33 @@ class Policy:
         pool, bs = state.pool, self.bs
         if not state.hybrid:
             depth = pool.find_prefix_len(seq.hashes, (seq.n_tokens - 1) // bs)
-            return Match(depth * bs, pool.find_blocks(seq.hashes, depth))
+            # MTP: the last k cached blocks are recomputed (into private blocks, which
+            # registration then swaps for the canonical ones) so a draft head gets hidden states.
+            depth = max(0, depth - self.config.num_speculative_tokens)
+            blocks = pool.find_blocks(seq.hashes, depth)
+            if seq.want_experts:  # a block without routed-expert ids ends the match
+                depth = pool.count_with_experts(blocks)
+                blocks = blocks[:depth]
+            return Match(depth * bs, blocks)
         return self._find_checkpoint(state, seq)
 
     def _find_checkpoint(self, state: EngineState, seq: Seq) -> Match:
+        """The deepest usable checkpoint. With MTP (k speculative tokens), the cached KV must
+        reach k blocks beyond the checkpoint's anchor: those blocks are recomputed."""
         limit = seq.n_tokens - 1
         top = limit // self.bs
-        hit = self._checkpoint_at(state, seq, top, limit)
+        k = self.config.num_speculative_tokens
+        fast = not k and not seq.want_experts
+        hit = self._checkpoint_at(state, seq, top, limit) if fast else None
         kv_depth = top
         if hit is None:
-            kv_depth = state.pool.find_prefix_len(seq.hashes, top)
-            for depth in range(min(kv_depth, top - 1), -1, -1):
+            pool = state.pool
+            kv_depth = pool.find_prefix_len(seq.hashes, top)
+            deepest = min(kv_depth - k, top - 1 if fast else top)
+            if seq.want_experts:  # a block without routed-expert ids ends the match
+                covered = pool.count_with_experts(pool.find_blocks(seq.hashes, kv_depth))
+                deepest = min(deepest, covered)
+            for depth in range(deepest, -1, -1):
                 hit = self._checkpoint_at(state, seq, depth, limit)
                 if hit is not None:
                     break
@@ -412,11 +428,12 @@ class Policy:
         """The deepest usable checkpoint anchored at block ``depth`` (partial tails first)."""
         ckpts, bs = state.ckpts, self.bs
         anchor = seq.hashes[depth - 1] if depth else seq.root
-        tails = ckpts.find_partials(anchor)
+        tails = ckpts.find_partials(anchor) if not seq.want_experts else {}
         for step in sorted(tails, reverse=True) if tails else ():
             if step <= limit and self._boundary_safe(seq, step):
                 partial = ckpts.get(tails[step])
-                if partial.key == partial_key(anchor, seq.tokens[depth * bs : step]):
+                extra = tail_extra(seq.mm_spans, depth * bs, step)
+                if partial.key == partial_key(anchor, seq.tokens[depth * bs : step], extra):
                     return partial
         if depth:
             aligned = ckpts.find(anchor)

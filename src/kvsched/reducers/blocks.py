@@ -40,6 +40,8 @@ class BlockPool:
         # copied; its first i + 1 entries never change while the block stays cached (a cached
         # block's ancestors cannot be evicted before it).
         self.path_of: list[tuple[np.ndarray, int] | None] = [None] * num_blocks
+        # MoE: routed-expert ids recorded when a cached block was computed ([bs, K] int16).
+        self.experts: dict[int, np.ndarray] = {}
         self.index: dict[bytes, int] = {}
         # Stack: the top (end) is allocated first; block 1 comes out first.
         self.free: list[int] = list(range(num_blocks - 1, 0, -1))
@@ -83,6 +85,14 @@ class BlockPool:
         view = entry[0][:count]
         view.flags.writeable = False
         return view
+
+    def count_with_experts(self, blocks: np.ndarray) -> int:
+        """How many leading blocks carry routed-expert ids."""
+        experts = self.experts
+        for i, block in enumerate(blocks.tolist()):
+            if block not in experts:
+                return i
+        return len(blocks)
 
     def count_unheld(self, blocks: np.ndarray) -> int:
         """How many of these cached blocks are evictable now (attaching them removes them)."""
@@ -194,6 +204,7 @@ class BlockPool:
         self.hash_of[block] = None
         self.parent_of[block] = None
         self.path_of[block] = None
+        self.experts.pop(block, None)
 
     def _compact_lru(self) -> None:
         self.lru = deque((s, b) for s, b in self.lru if self._live(s, b))

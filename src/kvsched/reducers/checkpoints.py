@@ -18,22 +18,32 @@ pinned checkpoint is never evicted or released.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 from hashlib import blake2b
 
 import attrs
 import numpy as np
 
+from kvsched.events.types import MultimodalSpan
 from kvsched.identity import DIGEST_SIZE
 from kvsched.statemachines import CHECKPOINT, CkptEvent, CkptState
 
 _EMPTY = np.zeros(0, dtype=np.int32)
 
 
-def partial_key(anchor: bytes, tail: np.ndarray) -> bytes:
-    """Identity of a non-aligned checkpoint: the anchor block's hash and the tail tokens."""
+def partial_key(anchor: bytes, tail: np.ndarray, extra: bytes = b"") -> bytes:
+    """Identity of a non-aligned checkpoint: the anchor block's hash, the tail tokens and the
+    content hashes of the multimodal spans overlapping the tail (``tail_extra``)."""
     h = blake2b(anchor, digest_size=DIGEST_SIZE, person=b"kvs-partial")
     h.update(np.ascontiguousarray(tail, dtype="<i4").tobytes())
+    if extra:
+        h.update(extra)
     return h.digest()
+
+
+def tail_extra(spans: Sequence[MultimodalSpan], start: int, end: int) -> bytes:
+    """Content hashes of the spans overlapping tokens [start, end), as full blocks hash them."""
+    return b"".join(s.content_hash for s in spans if s.start < end and start < s.end)
 
 
 @attrs.define(slots=True, eq=False)

@@ -45,6 +45,9 @@ class Seq:
     path: np.ndarray = attrs.field(factory=lambda: np.zeros(0, dtype=np.int32))
     state: SeqState = SeqState.WAITING
     row: int = FREE_ROW
+    want_experts: bool = False  # the request asked for its routed-expert ids
+    experts: np.ndarray | None = None  # [capacity, K] int16 routed-expert ids per token
+    n_experts: int = 0  # leading tokens whose expert ids are known
     pinned_ckpt: int = -1  # hybrid: checkpoint restored at admission, pinned while running
     n_pinned: int = 0  # leading blocks of the block table covered by that pin (no own refs)
     num_preemptions: int = 0
@@ -74,6 +77,20 @@ class Seq:
             grown = np.zeros(max(n, 2 * len(self.path), 16), dtype=np.int32)
             grown[: len(self.path)] = self.path
             self.path = grown
+
+    def record_experts(self, start: int, ids: np.ndarray) -> None:
+        """Expert ids of tokens [start, start + len(ids)); kept only while contiguous."""
+        if start > self.n_experts:
+            return
+        end = start + len(ids)
+        if self.experts is None or len(self.experts) < end:
+            cap = max(end, 64, 2 * (0 if self.experts is None else len(self.experts)))
+            grown = np.zeros((cap, ids.shape[1]), dtype=np.int16)
+            if self.experts is not None:
+                grown[: self.n_experts] = self.experts[: self.n_experts]
+            self.experts = grown
+        self.experts[start:end] = ids
+        self.n_experts = max(self.n_experts, end)
 
     def token_view(self) -> np.ndarray:
         return self.tokens[: self.n_tokens]

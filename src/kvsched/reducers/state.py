@@ -17,7 +17,7 @@ from kvsched.config import SchedulerConfig
 from kvsched.events import types as ev
 from kvsched.identity import chain_hashes, namespace_root, span_extras
 from kvsched.reducers.blocks import BlockPool, BlockPoolError
-from kvsched.reducers.checkpoints import Checkpoint, CheckpointTable, partial_key
+from kvsched.reducers.checkpoints import Checkpoint, CheckpointTable, partial_key, tail_extra
 from kvsched.reducers.sequences import FREE_ROW, Seq, SequenceTable
 from kvsched.statemachines import CkptEvent, CkptState, SeqEvent, SeqState
 
@@ -206,6 +206,7 @@ class EngineState:
             adapter=e.adapter,
             cache_salt=e.cache_salt,
             eos_token_id=e.eos_token_id,
+            want_experts=e.return_routed_experts,
             temperature=e.temperature,
             seed=e.seed,
             mm_spans=e.mm_spans,
@@ -220,15 +221,31 @@ class EngineState:
     def _on_executed(self, e: ev.StepExecuted) -> None:
         if e.step != self.pending.step:
             raise ReplayMismatch(f"outcome of step {e.step}, but step {self.pending.step} ran")
-        rows, _, ends = self.pending.arrays()
+        rows, starts, ends = self.pending.arrays()
         self.pending = Pending()
         table = self.seqs
+        if len(e.routed_experts) and len(rows):
+            self._record_experts(rows, starts, ends, e.routed_experts)
         if len(rows):
             table.computed[rows] = ends
             self._register_computed(rows)
         if len(e.seq_ids):
             self._append_sampled(table.rows_of(e.seq_ids), e.tokens)
         self.stats.generated_tokens += len(e.seq_ids)
+
+    def _record_experts(
+        self, rows: np.ndarray, starts: np.ndarray, ends: np.ndarray, flat: np.ndarray
+    ) -> None:
+        k = self.config.model.routed_experts_per_token
+        ids = flat.reshape(-1, k)
+        if len(ids) != int((ends - starts).sum()):
+            raise ReplayMismatch("routed experts do not cover the step's tokens")
+        offset = 0
+        for row, start, end in zip(rows.tolist(), starts.tolist(), ends.tolist(), strict=True):
+            seq = self.seqs.objs[row]
+            assert seq is not None
+            seq.record_experts(start, ids[offset : offset + end - start])
+            offset += end - start
 
     def _append_sampled(self, rows: np.ndarray, tokens: np.ndarray) -> None:
         """Append each row's sampled token (vectorised, into the row's tail buffer); flush and
@@ -246,7 +263,8 @@ class EngineState:
     def _register_computed(self, rows: np.ndarray) -> None:
         """Give identity to blocks that became full and computed; deduplicate copies."""
         table = self.seqs
-        full = table.computed[rows] // self.block_size
+        bs = self.block_size
+        full = table.computed[rows] // bs
         grown = rows[full > table.registered[rows]]
         for row in grown.tolist():
             seq = table.objs[row]
@@ -259,6 +277,9 @@ class EngineState:
                 seq.path[i] = block
                 canonical = self.pool.register(block, seq.hashes[i], parent, seq.path, i)
                 seq.path[i] = canonical
+                if seq.n_experts >= (i + 1) * bs and canonical not in self.pool.experts:
+                    assert seq.experts is not None
+                    self.pool.experts[canonical] = seq.experts[i * bs : (i + 1) * bs].copy()
                 if canonical != block:
                     swap = np.asarray([canonical], dtype=np.int32)
                     self.pool.attach(swap)
@@ -306,6 +327,9 @@ class EngineState:
         # The matched (read-only, shared) prefix becomes this sequence's path; the first
         # registration past it grows the path into a private copy.
         seq.path = e.blocks
+        if seq.want_experts and k:
+            seq.n_experts = 0
+            seq.record_experts(0, np.concatenate([self.pool.experts[b] for b in e.blocks.tolist()]))
         t.nblocks[row] = k
         t.computed[row] = e.num_tokens
         t.registered[row] = k
@@ -456,7 +480,8 @@ class EngineState:
         anchor = seq.hashes[depth - 1] if depth else seq.root
         if step % bs == 0:
             return anchor, anchor
-        return partial_key(anchor, seq.tokens[depth * bs : step]), anchor
+        extra = tail_extra(seq.mm_spans, depth * bs, step)
+        return partial_key(anchor, seq.tokens[depth * bs : step], extra), anchor
 
     def _on_ckpt_reserved(self, e: ev.CheckpointReserved) -> None:
         seq = self.seq(e.seq_id)
