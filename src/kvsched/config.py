@@ -36,6 +36,7 @@ class SchedulerConfig:
     turn_mode: TurnMode = "mixed"
     prefill_interval: int = 16
     enable_prefix_caching: bool = True
+    max_step_retries: int = 2  # a sequence in more failed steps than this is aborted
     # Hybrid models (attention + gated DeltaNet / Mamba): one recurrent state per running
     # sequence, prefix hits usable only at published state checkpoints.
     hybrid: bool = False

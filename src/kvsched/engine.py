@@ -85,6 +85,7 @@ class Engine:
         inputs = tuple(inputs)
         if self.log is not None:
             self.log.append(encode(StepRecord(step, clock, list(inputs), list(decisions))))
+            self.log.flush()  # a crashed process loses at most the record being written
         if self.bus is not None:
             self.bus.publish_many(inputs + decisions)
         if self.check:
@@ -106,6 +107,7 @@ class Engine:
         elif isinstance(event, ev.StepFailed):
             state.apply(event)
             policy.abandon_checkpoints(state, emit)
+            policy.recover_failed_step(state, event.reason, emit)
         elif isinstance(event, ev.RequestAborted):
             policy.abort(state, event.seq_id, event.reason, emit)
         elif isinstance(event, ev.SessionEnded):

@@ -2,10 +2,9 @@
 and once computed they are swapped for the canonical shared blocks."""
 
 import numpy as np
+from tests.policy.helpers import Harness, matched, of_type, request, tokens
 
 from kvsched.events import types as ev
-
-from tests.policy.helpers import Harness, matched, of_type, request, tokens
 
 
 def _blocks_allocated_to(results, seq_id: int) -> list[int]:

@@ -2,11 +2,10 @@
 a hit returns them; for a request that asks for them, a block without them ends the match."""
 
 import numpy as np
+from tests.policy.helpers import VOCAB, Harness, matched, request, tokens
 
 from kvsched.config import ModelSpec
 from kvsched.gpu.sim import SimulatedExecutor
-
-from tests.policy.helpers import VOCAB, Harness, matched, request, tokens
 
 K = 4  # expert ids recorded per token
 

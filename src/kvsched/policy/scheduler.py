@@ -510,6 +510,8 @@ class Policy:
         key, _ = state.checkpoint_identity(seq, step)
         if ckpts.find(key) is not None:
             return
+        if step % self.bs and not state.pool.num_available:
+            return  # no frozen block to be had: check before evicting anything for the slot
         if not ckpts.peek_slot():
             victims = ckpts.eviction_order()
             if not victims:
@@ -536,6 +538,21 @@ class Policy:
         """After a failed step: its saves never happened (publish rollback)."""
         for ckpt_id in list(state.awaiting_publish):
             emit(ev.CheckpointReleased(ckpt_id, "step failed"))
+
+    def recover_failed_step(self, state: EngineState, reason: str, emit: Emit) -> None:
+        """After a forward raised: a sequence that failed too often is aborted with the reason;
+        for a hybrid model the others are preempted (their runtime state may be half-written,
+        so they recompute from a checkpoint); attention-only sequences retry the same work (a
+        failed forward writes KV only at positions that the retry rewrites)."""
+        for seq_id in state.failed_seq_ids:
+            seq = state.seqs.seqs.get(seq_id)
+            if seq is None or seq.state != SeqState.RUNNING:
+                continue
+            if seq.num_failures > self.config.max_step_retries:
+                why = f"executor failed {seq.num_failures} times: {reason}"
+                self.abort(state, seq_id, why, emit)
+            elif state.hybrid:
+                self.preempt(state, seq, emit, "executor failed")
 
     def _evict_checkpoints_for(self, state: EngineState, need: int, emit: Emit, keep: int) -> bool:
         """Evict unpinned checkpoints (frozen tails first, then least recently used) until

@@ -50,6 +50,7 @@ class Seq:
     n_experts: int = 0  # leading tokens whose expert ids are known
     pinned_ckpt: int = -1  # hybrid: checkpoint restored at admission, pinned while running
     n_pinned: int = 0  # leading blocks of the block table covered by that pin (no own refs)
+    num_failures: int = 0  # consecutive failed steps that computed this sequence
     num_preemptions: int = 0
     preempted_at: int = -1  # the step of the latest preemption
     finish_reason: str = ""
@@ -118,6 +119,7 @@ class SequenceTable:
         self.max_tokens = np.zeros(max_batch, dtype=np.int64)
         self.eos = np.full(max_batch, -1, dtype=np.int64)
         self.objs: list[Seq | None] = [None] * max_batch
+        self.failures = np.zeros(max_batch, dtype=np.int64)  # mirrors Seq.num_failures
         self.temperature = np.zeros(max_batch, dtype=np.float32)
         self.seed = np.zeros(max_batch, dtype=np.int64)
         self.table = np.zeros((max_batch, max_blocks_per_seq), dtype=np.int32)
@@ -174,6 +176,7 @@ class SequenceTable:
         self.max_tokens[row] = seq.max_tokens
         self.eos[row] = seq.eos_token_id
         self.objs[row] = seq
+        self.failures[row] = seq.num_failures
         self.temperature[row] = seq.temperature
         self.seed[row] = seq.seed
 

@@ -105,6 +105,7 @@ class EngineState:
         self.ckpts = CheckpointTable(config.max_batch, budget)
         self.extras = StepExtras()
         self.awaiting_publish: list[int] = []  # checkpoints reserved by the step being executed
+        self.failed_seq_ids: list[int] = []  # sequences of the latest failed step
         self.seqs = SequenceTable(config.max_batch, max_blocks, config.block_size)
         self.sessions: dict[int, Session] = {}
         self.stats = Stats()
@@ -229,6 +230,11 @@ class EngineState:
         if len(rows):
             table.computed[rows] = ends
             self._register_computed(rows)
+            for row in rows[table.failures[rows] > 0].tolist():  # a success resets the count
+                seq = table.objs[row]
+                assert seq is not None
+                seq.num_failures = 0
+                table.failures[row] = 0
         if len(e.seq_ids):
             self._append_sampled(table.rows_of(e.seq_ids), e.tokens)
         self.stats.generated_tokens += len(e.seq_ids)
@@ -288,9 +294,18 @@ class EngineState:
             table.registered[row] = last
 
     def _on_step_failed(self, e: ev.StepFailed) -> None:
+        """The forward raised: none of its effects happened (no KV or state written, no
+        token sampled); the sequences it computed count one failure each."""
         if e.step != self.pending.step:
             raise ReplayMismatch(f"failure of step {e.step}, but step {self.pending.step} ran")
+        rows, _, _ = self.pending.arrays()
         self.pending = Pending()
+        for row in rows.tolist():
+            seq = self.seqs.objs[row]
+            assert seq is not None
+            seq.num_failures += 1
+            self.seqs.failures[row] = seq.num_failures
+        self.failed_seq_ids = self.seqs.row_seq[rows].tolist()
 
     # --------------------------------------------------------------- decision folds
 

@@ -56,6 +56,17 @@ def _replace_arrival(turn: Turn, at: float) -> ev.RequestArrived:
     return msgspec.structs.replace(turn.request, arrival_time=at)
 
 
+@attrs.frozen
+class Resume:
+    """Where a recovered run stands: what already arrived, when each request ended, the clock
+    of its last complete step, and that step's plan (its outcome was lost in the crash)."""
+
+    arrived: frozenset[int]
+    ended_at: dict[int, float]
+    clock: float
+    plan: StepPlan
+
+
 def run(
     engine: Engine,
     executor: Executor,
@@ -63,19 +74,36 @@ def run(
     *,
     max_steps: int = 10_000_000,
     on_step: Callable[[StepResult], None] | None = None,
+    on_executed: Callable[[StepResult, ev.StepExecuted, float], None] | None = None,
+    resume: Resume | None = None,
 ) -> RunSummary:
-    """Run a workload to completion; returns totals."""
+    """Run a workload to completion; returns totals.
+
+    ``on_step(result)`` is called after each engine step, before its plan runs;
+    ``on_executed(result, outcome, end_clock)`` after the executor ran a non-empty plan, with
+    the simulated clock at the end of the step (when its sampled tokens exist). An executor
+    that raises becomes a ``StepFailed`` input of the next step. ``resume`` continues a run
+    recovered from its event log (see ``replay.recovery``).
+    """
     wall = time.perf_counter()
     followers: dict[int, list[Turn]] = {}
-    queue: list[tuple[float, int, Turn]] = []
-    for i, turn in enumerate(workload.turns):
-        if turn.follows >= 0:
-            followers.setdefault(turn.follows, []).append(turn)
+    queue: list[tuple[float, int, Turn]] = []  # (arrival, seq id, turn): ties by id
+    arrived = resume.arrived if resume is not None else frozenset()
+    ended = resume.ended_at if resume is not None else {}
+    for turn in workload.turns:
+        seq_id = turn.request.seq_id
+        if seq_id in arrived:
+            continue
+        if turn.follows < 0:
+            heapq.heappush(queue, (turn.arrival_s, seq_id, turn))
+        elif turn.follows in ended:
+            heapq.heappush(queue, (ended[turn.follows] + turn.think_s, seq_id, turn))
         else:
-            heapq.heappush(queue, (turn.arrival_s, i, turn))
-    order = len(workload.turns)
-    clock = 0.0
+            followers.setdefault(turn.follows, []).append(turn)
+    clock = resume.clock if resume is not None else 0.0
     outcome: list[ev.Event] = []
+    if resume is not None and not resume.plan.is_empty:
+        clock = _execute(executor, resume.plan, outcome, clock)
     summary = RunSummary()
     for _ in range(max_steps):
         if not queue and not engine.has_work and not outcome:
@@ -91,15 +119,25 @@ def run(
             on_step(result)
         for done in _ended(result.decisions):
             for turn in followers.pop(done, ()):
-                order += 1
-                heapq.heappush(queue, (clock + turn.think_s, order, turn))
+                heapq.heappush(queue, (clock + turn.think_s, turn.request.seq_id, turn))
         outcome = []
         if not result.plan.is_empty:
-            executed = executor.execute(result.plan)
-            outcome.append(executed)
-            clock += executed.duration_s
+            clock = _execute(executor, result.plan, outcome, clock)
+            if on_executed is not None and isinstance(outcome[0], ev.StepExecuted):
+                on_executed(result, outcome[0], clock)
     _fill(summary, engine, clock, time.perf_counter() - wall)
     return summary
+
+
+def _execute(executor: Executor, plan: StepPlan, outcome: list[ev.Event], clock: float) -> float:
+    """Run a plan; its outcome (or its failure) goes to ``outcome``; returns the new clock."""
+    try:
+        executed = executor.execute(plan)
+    except Exception as exc:  # the executor's failure is an input, not a crash
+        outcome.append(ev.StepFailed(plan.step, f"{type(exc).__name__}: {exc}"))
+        return clock
+    outcome.append(executed)
+    return clock + executed.duration_s
 
 
 def _ended(decisions: Iterable[ev.Event]) -> list[int]:

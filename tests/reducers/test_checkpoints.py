@@ -1,0 +1,311 @@
+"""CheckpointTable behaviour: slots, identity index, partial tails, pins, LRU and invariants;
+and the folds of the checkpoint events into EngineState (what a plan must carry)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvsched.config import ModelSpec, SchedulerConfig
+from kvsched.engine import Engine
+from kvsched.events import types as ev
+from kvsched.gpu.sim import SimulatedExecutor
+from kvsched.reducers.checkpoints import Checkpoint, CheckpointTable, partial_key
+from kvsched.reducers.state import ReplayMismatch
+from kvsched.statemachines import CkptEvent, CkptState, IllegalTransition
+
+ANCHOR_A = b"a" * 16
+ANCHOR_B = b"b" * 16
+
+
+def path(*blocks: int) -> np.ndarray:
+    return np.asarray(blocks, dtype=np.int32)
+
+
+def reserve(
+    table: CheckpointTable, step: int, key: bytes, anchor: bytes = ANCHOR_A, frozen: int = 0
+) -> Checkpoint:
+    c = Checkpoint(table.next_id, 7, table.peek_slot(), step, key, anchor, frozen)
+    table.reserve(c)
+    return c
+
+
+def published(table: CheckpointTable, step: int, key: bytes, frozen: int = 0) -> Checkpoint:
+    c = reserve(table, step, key, frozen=frozen)
+    table.publish(c, path(1, 2))
+    return c
+
+
+# ------------------------------------------------------------------- slots and ids
+
+
+def test_slots_after_the_runtime_rows_are_handed_out_lowest_first_and_reused_on_removal():
+    table = CheckpointTable(max_batch=2, budget=3)
+    assert (table.first_ckpt_slot, table.num_slots) == (3, 6)
+    first = reserve(table, 16, b"k1")
+    second = reserve(table, 32, b"k2")
+    assert (first.slot, second.slot, first.ckpt_id, second.ckpt_id) == (3, 4, 1, 2)
+    table.remove(first, CkptEvent.abandon)
+    assert table.peek_slot() == 3  # the freed slot is the next one handed out
+    third = reserve(table, 48, b"k3")
+    assert (third.slot, third.ckpt_id) == (3, 3)  # ids are never reused
+    assert table.check_invariants({}) is None
+
+
+def test_reserving_anything_but_the_next_id_and_the_top_free_slot_is_refused():
+    table = CheckpointTable(max_batch=1, budget=2)
+    with pytest.raises(ValueError):
+        table.reserve(Checkpoint(2, 0, table.peek_slot(), 16, b"k", ANCHOR_A, 0))
+    with pytest.raises(ValueError):
+        table.reserve(Checkpoint(1, 0, table.peek_slot() + 1, 16, b"k", ANCHOR_A, 0))
+    reserve(table, 16, b"k1")
+    reserve(table, 32, b"k2")
+    assert table.peek_slot() == 0  # exhausted: the null slot means "none"
+    with pytest.raises(ValueError):
+        table.reserve(Checkpoint(3, 0, 0, 48, b"k3", ANCHOR_A, 0))
+
+
+# ------------------------------------------------------------- lifecycle edges
+
+
+def test_a_reserved_checkpoint_is_invisible_to_lookups_until_published():
+    table = CheckpointTable(max_batch=1, budget=2)
+    c = reserve(table, 20, b"p", frozen=9)
+    assert table.find(b"p") is None and table.find_partials(ANCHOR_A) == {}
+    assert c not in table.eviction_order()
+    table.publish(c, path(4))
+    assert table.find(b"p") is c
+    assert table.find_partials(ANCHOR_A) == {20: c.ckpt_id}
+    assert c.state == CkptState.PUBLISHED and c.path.tolist() == [4]
+
+
+def test_abandoning_a_reservation_frees_its_slot_and_it_can_never_be_published():
+    table = CheckpointTable(max_batch=1, budget=1)
+    c = reserve(table, 16, b"k")
+    table.remove(c, CkptEvent.abandon)
+    assert c.state == CkptState.RELEASED
+    assert table.ckpts == {} and table.free_slots == [2] and table.evictions == 0
+    with pytest.raises(IllegalTransition):
+        table.publish(c, path(1))
+
+
+def test_a_published_checkpoint_cannot_be_abandoned_only_released_or_evicted():
+    table = CheckpointTable(max_batch=1, budget=2)
+    c = published(table, 16, b"k")
+    with pytest.raises(IllegalTransition):
+        table.remove(c, CkptEvent.abandon)
+    table.remove(c, CkptEvent.release)
+    assert c.state == CkptState.RELEASED and table.evictions == 0
+    d = published(table, 16, b"k")
+    table.remove(d, CkptEvent.evict)
+    assert d.state == CkptState.EVICTED and table.evictions == 1
+
+
+def test_unpin_with_more_pins_stays_pinned_and_the_last_unpin_publishes_again():
+    table = CheckpointTable(max_batch=2, budget=1)
+    c = published(table, 16, b"k")
+    table.pin(c)
+    table.pin(c)
+    assert (c.state, c.pins, table.restores) == (CkptState.PINNED, 2, 2)
+    assert table.check_invariants({c.ckpt_id: 2}) is None
+    table.unpin(c)
+    assert (c.state, c.pins) == (CkptState.PINNED, 1)
+    table.unpin(c)
+    assert (c.state, c.pins) == (CkptState.PUBLISHED, 0)
+    with pytest.raises(IllegalTransition):
+        table.unpin(c)
+
+
+@pytest.mark.parametrize("event", [CkptEvent.evict, CkptEvent.release, CkptEvent.abandon])
+def test_a_pinned_checkpoint_can_be_neither_evicted_nor_released(event: CkptEvent):
+    table = CheckpointTable(max_batch=1, budget=2)
+    c = published(table, 16, b"k")
+    table.pin(c)
+    assert c not in table.eviction_order()
+    with pytest.raises(IllegalTransition):
+        table.remove(c, event)
+    assert table.find(b"k") is c and c.slot not in table.free_slots
+
+
+def test_a_reserved_checkpoint_cannot_be_pinned():
+    table = CheckpointTable(max_batch=1, budget=1)
+    c = reserve(table, 16, b"k")
+    with pytest.raises(IllegalTransition):
+        table.pin(c)
+
+
+# ----------------------------------------------------------------- identity index
+
+
+def test_removal_drops_the_index_and_partial_tail_entries_in_the_same_operation():
+    table = CheckpointTable(max_batch=1, budget=3)
+    short = published(table, 20, b"p20", frozen=5)
+    long = published(table, 25, b"p25", frozen=6)
+    assert table.find_partials(ANCHOR_A) == {20: short.ckpt_id, 25: long.ckpt_id}
+    table.remove(short, CkptEvent.evict)
+    assert table.find(b"p20") is None
+    assert table.find_partials(ANCHOR_A) == {25: long.ckpt_id}
+    table.remove(long, CkptEvent.release)
+    assert table.index == {} and table.partials == {}  # no empty anchor left behind
+
+
+def test_removing_a_superseded_duplicate_keeps_the_published_entry_of_that_identity():
+    table = CheckpointTable(max_batch=2, budget=3)
+    winner = reserve(table, 20, b"same", frozen=5)
+    loser = reserve(table, 20, b"same", frozen=6)
+    table.publish(winner, path(1))
+    table.remove(loser, CkptEvent.abandon)
+    assert table.find(b"same") is winner
+    assert table.find_partials(ANCHOR_A) == {20: winner.ckpt_id}
+    assert table.check_invariants({}) is None
+
+
+def test_partial_identity_depends_on_the_anchor_and_every_tail_token():
+    tail = np.asarray([3, 4, 5], dtype=np.int32)
+    key = partial_key(ANCHOR_A, tail)
+    assert key == partial_key(ANCHOR_A, tail.astype(np.int64))
+    assert key != partial_key(ANCHOR_B, tail)
+    assert key != partial_key(ANCHOR_A, np.asarray([3, 4, 6], dtype=np.int32))
+    assert key != partial_key(ANCHOR_A, tail[:2])
+
+
+# ------------------------------------------------------------------ eviction order
+
+
+def test_eviction_order_puts_frozen_tails_first_then_least_recently_used():
+    table = CheckpointTable(max_batch=2, budget=4)
+    old = published(table, 16, b"old")
+    tail = published(table, 20, b"tail", frozen=9)
+    new = published(table, 32, b"new")
+    assert table.eviction_order() == [tail, old, new]
+    table.pin(old)
+    assert table.eviction_order() == [tail, new]  # pinned: not a candidate
+    table.unpin(old)  # the last unpin makes it the most recently used
+    assert table.eviction_order() == [tail, new, old]
+
+
+def test_the_lazy_lru_queue_stays_bounded_under_many_pin_cycles():
+    table = CheckpointTable(max_batch=1, budget=2)
+    c = published(table, 16, b"k")
+    for _ in range(500):
+        table.pin(c)
+        table.unpin(c)
+    assert len(table.lru) <= 4 * (len(table.ckpts) + 16)
+    assert table.eviction_order() == [c]
+
+
+# ---------------------------------------------------------------------- invariants
+
+
+def test_invariants_catch_pin_counts_that_disagree_with_the_sequences():
+    table = CheckpointTable(max_batch=1, budget=2)
+    c = published(table, 16, b"k")
+    table.pin(c)
+    assert table.check_invariants({c.ckpt_id: 1}) is None
+    assert "pins" in (table.check_invariants({}) or "")
+    assert "unknown" in (table.check_invariants({c.ckpt_id: 1, 99: 1}) or "")
+
+
+def test_invariants_catch_a_slot_owned_twice_or_lost_and_a_stale_index_entry():
+    table = CheckpointTable(max_batch=1, budget=2)
+    c = published(table, 16, b"k")
+    table.free_slots.append(c.slot)
+    assert "slots" in (table.check_invariants({}) or "")
+    table.free_slots.pop()
+    table.index[b"ghost"] = 42
+    assert "stale" in (table.check_invariants({}) or "")
+    del table.index[b"ghost"]
+    del table.index[b"k"]
+    assert "indexed" in (table.check_invariants({}) or "")
+
+
+def test_holders_are_published_paths_and_every_frozen_block_even_while_reserved():
+    table = CheckpointTable(max_batch=1, budget=3)
+    reserve(table, 20, b"r", frozen=7)
+    c = reserve(table, 32, b"k")
+    table.publish(c, path(1, 2))
+    held = sorted(np.concatenate(table.holders()).tolist())
+    assert held == [1, 2, 7]
+
+
+# ---------------------------------------------------------- folds into EngineState
+
+
+def hybrid_config(**overrides: object) -> SchedulerConfig:
+    base: dict[str, object] = {
+        "model": ModelSpec(vocab_size=1000, max_context=1024),
+        "block_size": 16,
+        "num_blocks": 32,
+        "max_batch": 4,
+        "max_prefill_tokens": 64,
+        "hybrid": True,
+        "checkpoint_budget": 4,
+    }
+    base.update(overrides)
+    return SchedulerConfig(**base)  # type: ignore[arg-type]
+
+
+def prompt(n: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).integers(1, 1000, n, dtype=np.int32)
+
+
+def test_the_state_pool_has_a_null_slot_one_runtime_slot_per_row_and_the_budget():
+    cfg = hybrid_config(max_batch=4, checkpoint_budget=6)
+    engine = Engine(cfg)
+    assert cfg.num_state_slots == 11 == engine.state.ckpts.num_slots
+    assert engine.state.ckpts.first_ckpt_slot == 5
+    assert SchedulerConfig(hybrid=False).num_state_slots == 1
+    assert Engine(hybrid_config(hybrid=False)).state.ckpts.num_slots == 1 + 4  # no budget
+
+
+def test_a_reservation_fold_allocates_the_frozen_block_and_queues_the_copies():
+    engine = Engine(hybrid_config(), check_invariants=True)
+    result = engine.step([ev.RequestArrived(0, prompt(40), 2)], 0.0)
+    (res,) = [d for d in result.decisions if isinstance(d, ev.CheckpointReserved)]
+    c = engine.state.ckpts.get(res.ckpt_id)
+    assert (c.step, c.state, c.frozen_block) == (40, CkptState.RESERVED, res.frozen_block)
+    partial = int(engine.state.seqs.table[0, 2])
+    assert result.plan.copy_blocks_after.tolist() == [[partial, res.frozen_block]]
+    assert result.plan.state_save.tolist() == [[1, res.slot]]
+    assert engine.state.pool.ref[res.frozen_block] == 1  # the checkpoint owns it
+
+
+def test_folding_a_reservation_that_disagrees_with_the_pool_is_a_replay_mismatch():
+    engine = Engine(hybrid_config())
+    engine.step([ev.RequestArrived(0, prompt(40), 2)], 0.0)
+    state = engine.state
+    seq = state.seq(0)
+    key, _ = state.checkpoint_identity(seq, 40)
+    assert state.ckpts.find(key) is None
+    wrong = int(state.pool.peek_allocate(1)[0]) + 1
+    event = ev.CheckpointReserved(state.ckpts.next_id, 0, state.ckpts.peek_slot(), 40, wrong)
+    with pytest.raises(ReplayMismatch):
+        state.apply(event)
+
+
+def test_publishing_a_second_checkpoint_of_one_identity_is_a_replay_mismatch():
+    cfg = hybrid_config(max_prefill_tokens=128)
+    engine = Engine(cfg)
+    executor = SimulatedExecutor(1000)
+    p = prompt(40)
+    first = engine.step([ev.RequestArrived(0, p, 3), ev.RequestArrived(1, p, 3)], 0.0)
+    ids = [d.ckpt_id for d in first.decisions if isinstance(d, ev.CheckpointReserved)]
+    assert len(ids) == 2  # neither is published yet: both save the same identity
+    engine.state.apply(ev.StepStarted(2, 0.1))
+    engine.state.apply(executor.execute(first.plan))
+    engine.state.apply(ev.CheckpointPublished(ids[0]))
+    with pytest.raises(ReplayMismatch):
+        engine.state.apply(ev.CheckpointPublished(ids[1]))
+
+
+def test_an_unpin_fold_refuses_a_sequence_that_still_holds_its_own_blocks():
+    engine = Engine(hybrid_config())
+    executor = SimulatedExecutor(1000)
+    p = prompt(40)
+    result = engine.step([ev.RequestArrived(0, p, 1)], 0.0)
+    engine.step([executor.execute(result.plan)], 0.1)  # publish, finish
+    result = engine.step([ev.RequestArrived(1, np.concatenate([p, prompt(8, 1)]), 5)], 0.2)
+    seq = engine.state.seq(1)
+    assert seq.pinned_ckpt >= 0 and engine.state.seqs.nblocks[seq.row] > seq.n_pinned
+    with pytest.raises(ReplayMismatch):
+        engine.state.apply(ev.CheckpointUnpinned(seq.pinned_ckpt, 1))

@@ -1,0 +1,205 @@
+"""Whole-engine property test: a hypothesis state machine drives the engine (simulated
+executor) through arrivals with shared prefixes, adapters and salts, steps, executor failures,
+aborts, session ends, memory and checkpoint pressure, and sleep/wake; every owner's invariants
+are checked after every step. Deliberately broken owners must be caught."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import Phase, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+
+from kvsched.config import ModelSpec, SchedulerConfig
+from kvsched.engine import Engine
+from kvsched.events import types as ev
+from kvsched.gpu.sim import SimulatedExecutor
+from kvsched.reducers.blocks import BlockPool
+from kvsched.reducers.checkpoints import CheckpointTable
+from kvsched.statemachines import CkptState
+
+VOCAB = 97
+PREFIXES = [
+    np.arange(1, 1 + n, dtype=np.int32) * (i + 2) % VOCAB + 1 for i, n in enumerate((8, 20, 33))
+]
+
+
+class EngineMachine(RuleBasedStateMachine):
+    """The engine as the system under test; the model is "what has been asked of it"."""
+
+    @initialize(
+        hybrid=st.booleans(),
+        num_blocks=st.integers(10, 40),
+        max_batch=st.integers(1, 4),
+        chunk_blocks=st.integers(1, 3),
+        decode_interval=st.sampled_from([0, 4, 8]),
+        budget=st.integers(1, 4),
+        turn_mode=st.sampled_from(["mixed", "alternate"]),
+    )
+    def start(self, hybrid, num_blocks, max_batch, chunk_blocks, decode_interval, budget, turn_mode):  # type: ignore[no-untyped-def]  # noqa: E501
+        bs = 4
+        self.config = SchedulerConfig(
+            model=ModelSpec(vocab_size=VOCAB, max_context=128),
+            block_size=bs,
+            num_blocks=num_blocks,
+            max_batch=max_batch,
+            max_prefill_tokens=bs * chunk_blocks,
+            hybrid=hybrid,
+            checkpoint_budget=budget,
+            decode_checkpoint_interval=decode_interval,
+            turn_mode=turn_mode,
+        )
+        self.engine = Engine(self.config, check_invariants=True)
+        self.executor = SimulatedExecutor(VOCAB)
+        self.outcome: list[ev.Event] = []
+        self.inputs: list[ev.Event] = []
+        self.next_id = 0
+        self.clock = 0.0
+        self.drained = False
+
+    def _step(self, fail: bool = False) -> None:
+        result = self.engine.step([*self.outcome, *self.inputs], self.clock)
+        self.inputs, self.outcome = [], []
+        self.clock += 0.01
+        self.drained = any(isinstance(d, ev.Drained) for d in result.decisions)
+        if not result.plan.is_empty:
+            if fail:
+                self.outcome = [ev.StepFailed(result.plan.step, "injected fault")]
+            else:
+                self.outcome = [self.executor.execute(result.plan)]
+
+    @rule(
+        prefix=st.integers(0, len(PREFIXES) - 1),
+        suffix=st.integers(0, 9),
+        max_tokens=st.integers(1, 12),
+        adapter=st.sampled_from(["", "lora-a"]),
+        salt=st.sampled_from(["", "tenant-b"]),
+        priority=st.integers(0, 2),
+        session=st.sampled_from([-1, -1, 0, 1]),
+    )
+    def arrive(self, prefix, suffix, max_tokens, adapter, salt, priority, session):  # type: ignore[no-untyped-def]
+        prompt = np.concatenate([PREFIXES[prefix], np.full(suffix, 5, np.int32)])
+        self.inputs.append(
+            ev.RequestArrived(
+                self.next_id, prompt, max_tokens, arrival_time=self.clock, priority=priority,
+                session_id=session, adapter=adapter, cache_salt=salt,
+            )
+        )
+        self.next_id += 1
+
+    @rule()
+    def step(self) -> None:
+        self._step()
+
+    @rule(n=st.integers(2, 6))
+    def run_steps(self, n: int) -> None:
+        for _ in range(n):
+            self._step()
+
+    @rule()
+    def step_whose_executor_raises(self) -> None:
+        self._step(fail=True)
+
+    @rule(seq=st.integers(0, 30))
+    def abort(self, seq: int) -> None:
+        self.inputs.append(ev.RequestAborted(seq))
+
+    @rule(session=st.integers(0, 1))
+    def end_session(self, session: int) -> None:
+        self.inputs.append(ev.SessionEnded(session))
+
+    @rule()
+    def sleep(self) -> None:
+        self.inputs.append(ev.DrainRequested())
+        self._step()
+
+    @rule()
+    def wake(self) -> None:
+        self.inputs.append(ev.WakeRequested())
+
+    @invariant()
+    def owners_are_consistent(self) -> None:
+        self.engine.state.check_invariants()
+
+    @invariant()
+    def after_drain_nothing_is_held(self) -> None:
+        state = self.engine.state
+        if self.drained:
+            assert state.pool.ref.sum() == 0
+            assert not state.ckpts.ckpts and not state.pool.index
+            assert state.seqs.num_running == 0
+
+    @invariant()
+    def pinned_checkpoints_are_pinned_by_running_sequences(self) -> None:
+        state = self.engine.state
+        for c in state.ckpts.ckpts.values():
+            if c.state == CkptState.PINNED:
+                users = [s for s in state.seqs.seqs.values() if s.pinned_ckpt == c.ckpt_id]
+                assert users and all(s.row >= 0 for s in users)
+
+    def teardown(self) -> None:
+        # Wake, finish everything: every request ends, and once sessions end nothing is held.
+        self.inputs.append(ev.WakeRequested())
+        for _ in range(400):
+            if not self.engine.has_work and not self.outcome:
+                break
+            self._step()
+        assert not self.engine.has_work, "the engine did not finish its work"
+        self.inputs = [ev.SessionEnded(0), ev.SessionEnded(1)]
+        self._step()
+        state = self.engine.state
+        held = state.pool.ref.sum() - sum(len(h) for h in state.ckpts.holders())
+        assert held == 0, f"{held} block references leaked"
+        assert all(c.pins == 0 for c in state.ckpts.ckpts.values())
+
+
+EngineMachine.TestCase.settings = settings(
+    max_examples=max(40, settings.default.max_examples), stateful_step_count=30, deadline=None
+)
+TestEngineStateMachine = EngineMachine.TestCase
+
+
+def _run_broken(monkeypatch: pytest.MonkeyPatch, target: object, name: str, broken: object) -> None:
+    monkeypatch.setattr(target, name, broken)
+    from hypothesis.stateful import run_state_machine_as_test
+
+    with pytest.raises(Exception):  # noqa: B017 - any detected violation will do
+        run_state_machine_as_test(
+            EngineMachine,
+            settings=settings(
+                max_examples=150,
+                stateful_step_count=30,
+                deadline=None,
+                database=None,
+                derandomize=True,
+                print_blob=False,
+                phases=[Phase.generate],  # finding the planted bug is enough: no shrinking
+            ),
+        )
+
+
+def test_a_missing_reference_decrement_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    original = BlockPool.release
+
+    def release_forgetting_the_last(self: BlockPool, blocks: np.ndarray) -> None:
+        original(self, blocks[:-1] if len(blocks) > 1 else blocks)
+
+    _run_broken(monkeypatch, BlockPool, "release", release_forgetting_the_last)
+
+
+def test_a_checkpoint_evicted_while_pinned_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    def eviction_order_with_pinned(self: CheckpointTable) -> list:  # type: ignore[type-arg]
+        live = [c for c in self.ckpts.values() if c.state != CkptState.RESERVED]
+        return sorted(live, key=lambda c: (c.frozen_block == 0, c.stamp))
+
+    _run_broken(monkeypatch, CheckpointTable, "eviction_order", eviction_order_with_pinned)
+
+
+def test_a_preemption_that_keeps_its_blocks_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvsched.policy.scheduler import Policy
+
+    def preempt_without_release(self, state, seq, emit, reason):  # type: ignore[no-untyped-def]
+        emit(ev.SequencePreempted(seq.seq_id, reason))
+
+    _run_broken(monkeypatch, Policy, "preempt", preempt_without_release)
