@@ -46,7 +46,8 @@ def recover(path: str, *, check_invariants: bool = False) -> Recovered:
         divergence = first_difference(record.step, list(record.decisions), list(result.decisions))
         if divergence is not None:
             raise RecoveryError(divergence.describe())
-        for event in record.inputs:
+        inputs: list[ev.Event] = list(record.inputs)
+        for event in inputs:
             if isinstance(event, ev.RequestArrived):
                 arrived.add(event.seq_id)
         ended_at.update((seq_id, record.clock) for seq_id in _ended(result.decisions))
