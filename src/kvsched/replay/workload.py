@@ -64,3 +64,13 @@ def chat_workload(
             prev = next_id
             next_id += 1
     return Workload("chat", tuple(out))
+
+
+def speed_up(workload: Workload, factor: float) -> Workload:
+    """The same requests arriving ``factor`` times faster (open-loop arrival times divided by
+    ``factor``; closed-loop think times too)."""
+    turns = tuple(
+        attrs.evolve(t, arrival_s=t.arrival_s / factor, think_s=t.think_s / factor)
+        for t in workload.turns
+    )
+    return Workload(f"{workload.name} x{factor:g}", turns)

@@ -1,0 +1,460 @@
+"""Trace readers: Mooncake JSONL, Azure CSV and kvsched event logs, each into a ``Workload``.
+
+* **Mooncake** (``{"timestamp": ms, "input_length", "output_length", "hash_ids"}``): each
+  hash id stands for a 512-token block *including everything before it*. Its tokens are
+  synthesised by a counter-based PRNG keyed by the id (token j of id x is a function of
+  (x, j) only), so two requests share exactly the prompt prefix their ids share, and a partial
+  last block is the first ``tail`` tokens of its id's stream (the trace guarantees a partial id
+  always has the same tail length; the reader checks it). The scheduler re-blocks the tokens
+  at its own block size when it hashes them.
+* **Azure** (``TIMESTAMP,ContextTokens,GeneratedTokens`` with 7 fractional digits): no prefix
+  identity; every request gets its own tokens (keyed by its line), so nothing is shared.
+* **log**: the ``RequestArrived`` inputs of a kvsched event log, at their logged times.
+
+Arrivals are ordered by (timestamp, line), so a replay is deterministic whatever the file's
+order. A malformed line raises ``TraceError`` naming the file and line; with
+``skip_bad_lines=True`` it is counted (``TraceInfo.bad_lines``) and left out instead.
+"""
+
+from __future__ import annotations
+
+import csv
+import datetime as dt
+import json
+import math
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+import attrs
+import numpy as np
+
+from kvsched.events import types as ev
+from kvsched.replay.workload import Turn, Workload
+
+TraceFormat = Literal["mooncake", "azure", "log"]
+FORMATS: tuple[str, ...] = ("mooncake", "azure", "log")
+MOONCAKE_BLOCK = 512
+_SUFFIXES = {".jsonl": "mooncake", ".csv": "azure", ".kvlog": "log"}
+
+
+class TraceError(ValueError):
+    """A trace that cannot be read: names the file and, for a bad line, the line number."""
+
+
+@attrs.frozen
+class BadLine:
+    line: int
+    reason: str
+
+
+@attrs.frozen
+class TraceInfo:
+    path: str
+    format: str
+    lines: int  # data lines read (bad ones included)
+    requests: int
+    bad_lines: tuple[BadLine, ...] = ()
+    out_of_order: int = 0  # lines whose timestamp is earlier than the line before
+    max_request_tokens: int = 0  # longest prompt + output
+    total_tokens: int = 0  # sum of prompt + output over the trace
+    ideal_hit_rate: float | None = None  # sequential, infinite cache, scheduler block size
+
+    def as_dict(self) -> dict[str, Any]:
+        out = attrs.asdict(self)
+        out["bad_lines"] = len(self.bad_lines)
+        out["bad_line_samples"] = [f"line {b.line}: {b.reason}" for b in self.bad_lines[:10]]
+        return out
+
+
+@attrs.frozen
+class Trace:
+    workload: Workload
+    info: TraceInfo
+
+
+def detect_format(path: str | Path, fmt: str | None = None) -> str:
+    """The trace format: ``fmt`` when given (checked), else from the file's suffix."""
+    if fmt is not None:
+        if fmt not in FORMATS:
+            raise TraceError(f"{path}: unknown trace format {fmt!r} (known: {', '.join(FORMATS)})")
+        return fmt
+    found = _SUFFIXES.get(Path(path).suffix.lower())
+    if found is None:
+        raise TraceError(
+            f"{path}: unknown trace format (suffix {Path(path).suffix or 'none'!r}); "
+            f"pass --format {'|'.join(FORMATS)}"
+        )
+    return found
+
+
+def read_trace(
+    path: str | Path,
+    fmt: str | None = None,
+    *,
+    block_size: int = 64,
+    vocab_size: int = 150_000,
+    skip_bad_lines: bool = False,
+    limit: int | None = None,
+    seed: int = 0,
+) -> Trace:
+    """Read a trace into a workload (requests ordered by (timestamp, line))."""
+    kind = detect_format(path, fmt)
+    if kind == "log":
+        return read_log_trace(path, limit=limit)
+    reader = read_mooncake if kind == "mooncake" else read_azure
+    return reader(
+        path,
+        block_size=block_size,
+        vocab_size=vocab_size,
+        skip_bad_lines=skip_bad_lines,
+        limit=limit,
+        seed=seed,
+    )
+
+
+# ------------------------------------------------------------------------ helpers
+
+
+def _mix(x: np.ndarray) -> np.ndarray:
+    """splitmix64 finaliser (vectorised, wrapping uint64 arithmetic)."""
+    x = x ^ (x >> np.uint64(30))
+    x = x * np.uint64(0xBF58476D1CE4E5B9)
+    x = x ^ (x >> np.uint64(27))
+    x = x * np.uint64(0x94D049BB133111EB)
+    out: np.ndarray = x ^ (x >> np.uint64(31))
+    return out
+
+
+def synth_tokens(keys: np.ndarray, length: int, vocab_size: int, seed: int = 0) -> np.ndarray:
+    """``length`` tokens for each key (shape [len(keys), length]), in [1, vocab_size).
+
+    Token j of key x depends on (seed, x, j) only: a counter-based PRNG seeded with x.
+    """
+    with np.errstate(over="ignore"):
+        base = _mix(keys.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15) + np.uint64(seed))
+        counter = np.arange(length, dtype=np.uint64)
+        raw = _mix(base[:, None] + counter[None, :] * np.uint64(0xD1B54A32D192ED03))
+    out: np.ndarray = (raw % np.uint64(vocab_size - 1) + np.uint64(1)).astype(np.int32)
+    return out
+
+
+def _open_lines(path: str | Path) -> Iterator[tuple[int, str]]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            yield from enumerate(f, start=1)
+    except FileNotFoundError:
+        raise TraceError(f"{path}: no such trace file") from None
+    except IsADirectoryError:
+        raise TraceError(f"{path}: is a directory, not a trace file") from None
+    except UnicodeDecodeError as exc:
+        raise TraceError(f"{path}: not a text file ({exc.reason})") from None
+
+
+def _int_field(row: dict[str, Any], name: str, minimum: int) -> int:
+    if name not in row:
+        raise ValueError(f"missing field {name!r}")
+    value = row[name]
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"field {name!r} must be an integer, got {value!r}")
+    if value < minimum:
+        raise ValueError(f"field {name!r} must be >= {minimum}, got {value}")
+    return value
+
+
+class _Collector:
+    """Arrivals with their lines; bad lines raise or are counted."""
+
+    def __init__(self, path: str | Path, skip_bad_lines: bool) -> None:
+        self.path = path
+        self.skip = skip_bad_lines
+        self.bad: list[BadLine] = []
+        self.lines = 0
+        self.out_of_order = 0
+        self.last_ts: float = -math.inf
+
+    def bad_line(self, line: int, reason: str) -> None:
+        if not self.skip:
+            raise TraceError(f"{self.path}:{line}: {reason}")
+        self.bad.append(BadLine(line, reason))
+
+    def timestamp(self, ts: float) -> None:
+        if ts < self.last_ts:
+            self.out_of_order += 1
+        self.last_ts = ts
+
+
+_Row = TypeVar("_Row", bound=tuple[Any, ...])
+
+
+def _order(rows: list[_Row]) -> list[_Row]:
+    """Arrival order: (timestamp, line)."""
+    return sorted(rows, key=lambda r: (r[0], r[1]))
+
+
+# ------------------------------------------------------------------------ Mooncake
+
+
+def read_mooncake(
+    path: str | Path,
+    *,
+    block_size: int = 64,
+    vocab_size: int = 150_000,
+    skip_bad_lines: bool = False,
+    limit: int | None = None,
+    seed: int = 0,
+) -> Trace:
+    col = _Collector(path, skip_bad_lines)
+    rows: list[tuple[float, int, tuple[int, int, list[int]]]] = []
+    tails: dict[int, tuple[int, int]] = {}  # hash id -> (tokens in its block, first line)
+    for line, text in _open_lines(path):
+        if limit is not None and col.lines >= limit:
+            break
+        if not text.strip():
+            continue
+        col.lines += 1
+        try:
+            row = json.loads(text)
+            if not isinstance(row, dict):
+                raise ValueError(f"expected a JSON object, got {type(row).__name__}")
+            ts = _int_field(row, "timestamp", 0)
+            n_in = _int_field(row, "input_length", 1)
+            n_out = _int_field(row, "output_length", 1)
+            ids = row.get("hash_ids")
+            if ids is None:
+                raise ValueError("missing field 'hash_ids'")
+            if not isinstance(ids, list) or not all(
+                isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in ids
+            ):
+                raise ValueError("field 'hash_ids' must be a list of non-negative integers")
+            if len(ids) != -(-n_in // MOONCAKE_BLOCK):
+                raise ValueError(
+                    f"{len(ids)} hash ids for input_length {n_in} "
+                    f"(expected ceil({n_in} / {MOONCAKE_BLOCK}))"
+                )
+            _check_tails(ids, n_in, tails, line)
+        except ValueError as exc:  # json.JSONDecodeError is a ValueError
+            col.bad_line(line, _reason(exc))
+            continue
+        _commit_tails(ids, n_in, tails, line)
+        col.timestamp(ts)
+        rows.append((ts / 1000.0, line, (n_in, n_out, ids)))
+    if not rows and not col.bad:
+        raise TraceError(f"{path}: no requests in the trace")
+    ordered = _order(rows)
+    pool = _BlockTokens(vocab_size, seed)
+    turns: list[Turn] = []
+    max_tokens = total = 0
+    for seq_id, (at, _, (n_in, n_out, ids)) in enumerate(ordered):
+        prompt = pool.prompt(ids, n_in)
+        turns.append(Turn(ev.RequestArrived(seq_id, prompt, n_out), arrival_s=at))
+        max_tokens = max(max_tokens, n_in + n_out)
+        total += n_in + n_out
+    ideal = sequential_ideal([r[2][2] for r in ordered], [r[2][0] for r in ordered], block_size)
+    info = TraceInfo(
+        str(path),
+        "mooncake",
+        col.lines,
+        len(turns),
+        tuple(col.bad),
+        col.out_of_order,
+        max_tokens,
+        total,
+        ideal,
+    )
+    return Trace(Workload(f"mooncake:{Path(path).name}", tuple(turns)), info)
+
+
+def _reason(exc: ValueError) -> str:
+    if isinstance(exc, json.JSONDecodeError):
+        return f"malformed JSON ({exc.msg} at column {exc.colno})"
+    return str(exc)
+
+
+def _check_tails(ids: list[int], n_in: int, tails: dict[int, tuple[int, int]], line: int) -> None:
+    """Each id always stands for the same number of tokens (512, or its partial tail)."""
+    last = len(ids) - 1
+    for i, x in enumerate(ids):
+        n = MOONCAKE_BLOCK if i < last else n_in - last * MOONCAKE_BLOCK
+        seen = tails.get(x)
+        if seen is not None and seen[0] != n:
+            raise ValueError(f"hash id {x} covers {n} tokens here but {seen[0]} at line {seen[1]}")
+
+
+def _commit_tails(ids: list[int], n_in: int, tails: dict[int, tuple[int, int]], line: int) -> None:
+    last = len(ids) - 1
+    for i, x in enumerate(ids):
+        if x not in tails:
+            tails[x] = (MOONCAKE_BLOCK if i < last else n_in - last * MOONCAKE_BLOCK, line)
+
+
+class _BlockTokens:
+    """The 512 tokens of each hash id, synthesised once (ids are dense small integers)."""
+
+    def __init__(self, vocab_size: int, seed: int) -> None:
+        self.vocab_size = vocab_size
+        self.seed = seed
+        self.table = np.zeros((0, MOONCAKE_BLOCK), dtype=np.int32)
+
+    def prompt(self, ids: list[int], n_in: int) -> np.ndarray:
+        top = max(ids) + 1
+        if top > len(self.table):
+            size = max(top, 2 * len(self.table), 1024)
+            keys = np.arange(len(self.table), size, dtype=np.int64)
+            fresh = synth_tokens(keys, MOONCAKE_BLOCK, self.vocab_size, self.seed)
+            self.table = np.concatenate([self.table, fresh])
+        return self.table[np.asarray(ids, dtype=np.int64)].reshape(-1)[:n_in].copy()
+
+
+def sequential_ideal(
+    ids_per_request: list[list[int]], lengths: list[int], block_size: int
+) -> float:
+    """Token hit rate with an infinite cache and one request at a time: each request hits the
+    longest prefix of blocks seen in any earlier request, whole scheduler blocks only, never
+    its last token."""
+    seen: set[int] = set()
+    hit = total = 0
+    for ids, n_in in zip(ids_per_request, lengths, strict=True):
+        k = 0
+        while k < len(ids) and ids[k] in seen:
+            k += 1
+        tokens = min(k * MOONCAKE_BLOCK, n_in)
+        hit += min(tokens // block_size, (n_in - 1) // block_size) * block_size
+        total += n_in
+        seen.update(ids)
+    return hit / total if total else 0.0
+
+
+# --------------------------------------------------------------------------- Azure
+
+
+def _azure_time(text: str) -> int:
+    """Time since the epoch (naive, read as UTC) in 100 ns ticks: all 7 fractional digits are
+    kept exactly (a float of epoch seconds would round them)."""
+    whole, _, frac = text.strip().partition(".")
+    if frac and (not frac.isdigit() or len(frac) > 7):
+        raise ValueError(f"bad timestamp {text!r}")
+    try:
+        stamp = dt.datetime.strptime(whole, "%Y-%m-%d %H:%M:%S").replace(tzinfo=dt.UTC)
+    except ValueError:
+        raise ValueError(f"bad timestamp {text!r} (expected YYYY-MM-DD HH:MM:SS.fffffff)") from None
+    return int(stamp.timestamp()) * 10_000_000 + int(frac.ljust(7, "0") or 0)
+
+
+def _azure_int(value: str, name: str, minimum: int) -> int:
+    try:
+        n = int(value)
+    except ValueError:
+        raise ValueError(f"field {name!r} must be an integer, got {value!r}") from None
+    if n < minimum:
+        raise ValueError(f"field {name!r} must be >= {minimum}, got {n}")
+    return n
+
+
+AZURE_COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
+
+
+def read_azure(
+    path: str | Path,
+    *,
+    block_size: int = 64,
+    vocab_size: int = 150_000,
+    skip_bad_lines: bool = False,
+    limit: int | None = None,
+    seed: int = 0,
+) -> Trace:
+    col = _Collector(path, skip_bad_lines)
+    rows: list[tuple[int, int, tuple[int, int]]] = []
+    lines = _open_lines(path)
+    header = next(lines, None)
+    if header is None or tuple(c.strip() for c in header[1].split(",")) != AZURE_COLUMNS:
+        raise TraceError(f"{path}:1: expected the header {','.join(AZURE_COLUMNS)}")
+    for line, text in lines:
+        if limit is not None and col.lines >= limit:
+            break
+        if not text.strip():
+            continue
+        col.lines += 1
+        try:
+            fields = next(csv.reader([text]))
+            if len(fields) != 3:
+                raise ValueError(f"expected 3 fields, got {len(fields)}")
+            ts = _azure_time(fields[0])
+            n_in = _azure_int(fields[1], "ContextTokens", 1)
+            n_out = _azure_int(fields[2], "GeneratedTokens", 1)
+        except ValueError as exc:
+            col.bad_line(line, str(exc))
+            continue
+        col.timestamp(ts)
+        rows.append((ts, line, (n_in, n_out)))
+    if not rows and not col.bad:
+        raise TraceError(f"{path}: no requests in the trace")
+    ordered = _order(rows)
+    t0 = ordered[0][0] if ordered else 0
+    turns: list[Turn] = []
+    for seq_id, (at, line, (n_in, n_out)) in enumerate(ordered):
+        # No prefix identity: the request's own tokens, keyed by its line.
+        prompt = synth_tokens(np.asarray([line]), n_in, vocab_size, seed + 0x5EED)[0]
+        turns.append(Turn(ev.RequestArrived(seq_id, prompt, n_out), arrival_s=(at - t0) / 1e7))
+    info = TraceInfo(
+        str(path),
+        "azure",
+        col.lines,
+        len(turns),
+        tuple(col.bad),
+        col.out_of_order,
+        max((a + b for _, _, (a, b) in rows), default=0),
+        sum(a + b for _, _, (a, b) in rows),
+        0.0,
+    )
+    return Trace(Workload(f"azure:{Path(path).name}", tuple(turns)), info)
+
+
+# ----------------------------------------------------------------------- event log
+
+
+def read_log_trace(path: str | Path, *, limit: int | None = None) -> Trace:
+    """The arrivals of a kvsched event log, at their logged arrival times (open loop)."""
+    from kvsched.events.codec import decode_record
+    from kvsched.events.log import CorruptLogError, read_log
+
+    try:
+        contents = read_log(str(path))
+    except CorruptLogError as exc:
+        raise TraceError(str(exc)) from None
+    except FileNotFoundError:
+        raise TraceError(f"{path}: no such event log") from None
+    except OSError as exc:
+        raise TraceError(f"{path}: cannot read event log ({exc.strerror or exc})") from None
+    rows: list[tuple[float, int, ev.RequestArrived]] = []
+    order = 0
+    for record in map(decode_record, contents.records):
+        e: ev.Event
+        for e in record.inputs:
+            if isinstance(e, ev.RequestArrived):
+                order += 1
+                rows.append((e.arrival_time, order, e))
+                if limit is not None and len(rows) >= limit:
+                    break
+        if limit is not None and len(rows) >= limit:
+            break
+    if not rows:
+        raise TraceError(f"{path}: the event log holds no requests")
+    ordered = _order(rows)
+    turns = tuple(Turn(e, arrival_s=at) for at, _, e in ordered)
+    lengths = [len(e.prompt) + e.max_tokens for _, _, e in ordered]
+    info = TraceInfo(
+        str(path), "log", len(rows), len(turns), (), 0, max(lengths), sum(lengths), None
+    )
+    return Trace(Workload(f"log:{Path(path).name}", turns), info)
+
+
+def log_config(path: str | Path) -> dict[str, Any]:
+    """The scheduler config recorded in an event log's header."""
+    from kvsched.events.log import read_log
+
+    header = read_log(str(path)).header
+    config = header.get("config")
+    if not isinstance(config, dict):
+        raise TraceError(f"{path}: the log header has no config")
+    return config

@@ -1,0 +1,333 @@
+"""Runs Mooncake scenarios inside a private network namespace (started by conftest.py as
+``unshare -rn sh -c 'ip link set lo up && exec python3 mooncake_agent.py'``).
+
+Protocol on the original stdout (fd 1 is redirected to stderr so Mooncake's own output cannot
+corrupt it): one JSON line ``{"ready": true}`` or ``{"skip": reason}``; then for each request
+line ``{"scenario": name}`` on stdin one reply ``{"ok": bool, "error": traceback, "info": {}}``.
+Scenarios share one cluster and one client; the fault scenarios start private clusters.
+``--reader`` runs process B of the two-process scenario.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: tests.connectors
+
+import numpy as np
+from tests.connectors.helpers import BLOCK_BYTES, chain, filled_buffer, save_chain
+
+from kvsched.connectors import (
+    HostBlockBuffer,
+    HostStateBuffer,
+    LookupRequest,
+    LookupResult,
+    RpcFailed,
+    StoreConnector,
+    StoreTimeout,
+    StoreUnavailable,
+    TransferEngine,
+    TransferFailed,
+    block_key,
+    state_key,
+)
+from kvsched.connectors.mooncake_cluster import MooncakeCluster
+
+Info = dict[str, Any]
+
+
+class Context:
+    def __init__(self) -> None:
+        self.cluster = MooncakeCluster.start()
+        self._store: Any = None
+
+    @property
+    def store(self) -> Any:
+        if self._store is None:
+            from kvsched.connectors.mooncake_store import MooncakeStore
+
+            self._store = MooncakeStore(self.cluster.master_address, timeout_s=5.0)
+        return self._store
+
+    def close(self) -> None:
+        if self._store is not None:
+            self._store.close()
+        self.cluster.stop()
+
+
+def _load(store: Any, keys: list[str], n_blocks: int, timeout_s: float = 10.0) -> tuple:
+    dst = HostBlockBuffer(n_blocks, BLOCK_BYTES)
+    engine = TransferEngine(store, dst, batch_blocks=4, job_timeout_s=timeout_s)
+    t0 = time.monotonic()
+    engine.start_load(1, keys, list(range(len(keys))))
+    report = engine.poll()
+    while report.is_empty:
+        assert time.monotonic() - t0 < timeout_s + 5, "load neither finished nor failed"
+        time.sleep(0.005)
+        report = engine.poll()
+    engine.close()
+    return dst, report, time.monotonic() - t0
+
+
+# ----------------------------------------------------------------------------- scenarios
+
+
+def round_trip(ctx: Context) -> Info:
+    store = ctx.store
+    root, hashes = chain(12, seed=11)
+    src = filled_buffer(12, seed=12)
+    save_chain(store, root, hashes, src, list(range(12)))
+    dst, report, elapsed = _load(store, [block_key(root, h) for h in hashes], 12)
+    assert report.finished_loads == {1}, report
+    assert np.array_equal(dst.data, src.data)
+    # state checkpoints
+    states = HostStateBuffer(2, 100, 3000)
+    states.conv[1], states.recurrent[1] = 5, 9
+    engine = TransferEngine(store, src, states)
+    engine.start_save(1, [], [], state=(state_key(root, hashes[-1]), 1))
+    assert engine.wait_idle() and engine.poll().finished_saves == {1}
+    back = HostStateBuffer(1, 100, 3000)
+    loader = TransferEngine(store, HostBlockBuffer(1, BLOCK_BYTES), back)
+    loader.start_load(2, [], [], state=(state_key(root, hashes[-1]), 0))
+    assert loader.wait_idle() and loader.poll().finished_loads == {2}
+    assert back.read_state(0) == states.read_state(1)
+    # byte-level semantics
+    assert store.get_many(["kvsched-test/absent"]) == [None]
+    store.put_many([("kvsched-test/x", b"first")])
+    store.put_many([("kvsched-test/x", b"second")])  # first writer wins
+    assert store.get_many(["kvsched-test/x"]) == [b"first"]
+    store.remove(["kvsched-test/x", "kvsched-test/absent"])
+    assert store.batch_exists(["kvsched-test/x"]) == [False]
+    return {"load_s": round(elapsed, 4)}
+
+
+def lookup_leading(ctx: Context) -> Info:
+    store = ctx.store
+    root, hashes = chain(8, seed=21)
+    store.put_many([(block_key(root, hashes[i]), b"v") for i in (0, 1, 2, 4, 5, 6)])
+    store.put_many([(state_key(root, hashes[1]), b"s")])
+    conn = StoreConnector(store, synchronous=True)
+    req = LookupRequest(seq_id=1, namespace_root=root, block_hashes=tuple(hashes))
+    assert conn.lookup(req) == LookupResult(3)
+    with_state = LookupRequest(
+        seq_id=2, namespace_root=root, block_hashes=tuple(hashes), with_state=True
+    )
+    assert conn.lookup(with_state) == LookupResult(2)
+    other_root, other = chain(8, seed=21, salt="other")
+    miss = LookupRequest(seq_id=3, namespace_root=other_root, block_hashes=tuple(other))
+    assert conn.lookup(miss) == LookupResult(0)
+    return {}
+
+
+def missing_and_failing_blocks(ctx: Context) -> Info:
+    store = ctx.store
+    root, hashes = chain(10, seed=31)
+    src = filled_buffer(10, seed=32)
+    save_chain(store, root, hashes, src, list(range(10)))
+    store.remove([block_key(root, hashes[6])])
+    dst, report, _ = _load(store, [block_key(root, h) for h in hashes], 10)
+    good, reason = report.failed_loads[1]
+    assert good == 6 and "missing" in reason, report
+    assert np.array_equal(dst.data[:6], src.data[:6]) and not dst.data[6:].any()
+    return {}
+
+
+def holder_killed_during_load(ctx: Context) -> Info:
+    with MooncakeCluster.start(client_ttl_s=2) as cluster:
+        from kvsched.connectors.mooncake_store import MooncakeStore
+
+        store = MooncakeStore(cluster.master_address, timeout_s=2.0)
+        root, hashes = chain(8, seed=41)
+        src = filled_buffer(8, seed=42)
+        save_chain(store, root, hashes, src, list(range(8)))
+        keys = [block_key(root, h) for h in hashes]
+        cluster.kill_holder()
+        _, report, elapsed = _load(store, keys, 8, timeout_s=5.0)
+        good, reason = report.failed_loads[1]
+        # TRANSFER_FAIL until the master's client TTL (2 s) drops the holder's keys, then
+        # the keys are simply missing; on a loaded machine either can be seen.
+        assert good == 0 and ("TRANSFER_FAIL" in reason or "missing" in reason), report
+        assert elapsed < 5.0
+        try:
+            assert store.get_many(keys[:1]) == [None], "a read from a dead holder succeeded"
+        except TransferFailed as exc:
+            assert exc.code == -800 and exc.name == "TRANSFER_FAIL"
+        store.close()
+        return {"load_fail_s": round(elapsed, 3), "reason": reason}
+
+
+def master_killed_during_load(ctx: Context) -> Info:
+    with MooncakeCluster.start() as cluster:
+        from kvsched.connectors.mooncake_store import MooncakeStore
+
+        store = MooncakeStore(cluster.master_address, timeout_s=2.0)
+        root, hashes = chain(8, seed=51)
+        save_chain(store, root, hashes, filled_buffer(8, seed=52), list(range(8)))
+        keys = [block_key(root, h) for h in hashes]
+        cluster.kill_master()
+        # Depending on timing the client gets RPC_FAIL (-900) at once or keeps reconnecting
+        # inside Mooncake, which the adapter's deadline turns into StoreTimeout.
+        unavailable = ("RPC_FAIL", "did not return within", "still blocked")
+        _, report, elapsed = _load(store, keys, 8, timeout_s=5.0)
+        good, reason = report.failed_loads[1]
+        assert good == 0 and any(u in reason for u in unavailable), report
+        assert elapsed < 5.0
+        try:
+            store.batch_exists(keys)
+            raise AssertionError("batch_exists succeeded without a master")
+        except RpcFailed as exc:
+            assert exc.code in (-900, -901)
+        except StoreUnavailable:
+            pass
+        conn = StoreConnector(store, synchronous=True)
+        request = LookupRequest(seq_id=1, namespace_root=root, block_hashes=tuple(hashes))
+        answer = conn.lookup(request)
+        assert isinstance(answer, LookupResult) and answer.num_blocks == 0
+        assert any(u in answer.reason for u in unavailable), answer
+        store.close()
+        return {"load_fail_s": round(elapsed, 3), "reason": reason}
+
+
+def master_frozen_during_load(ctx: Context) -> Info:
+    with MooncakeCluster.start() as cluster:
+        from kvsched.connectors.mooncake_store import MooncakeStore
+
+        store = MooncakeStore(cluster.master_address, timeout_s=1.0)
+        root, hashes = chain(4, seed=61)
+        save_chain(store, root, hashes, filled_buffer(4, seed=62), list(range(4)))
+        keys = [block_key(root, h) for h in hashes]
+        store.remove(keys[1:2])  # the load must ask the master about the missing block
+        os.kill(cluster.master.pid, signal.SIGSTOP)  # alive but silent: calls block ~30 s
+        try:
+            _, report, elapsed = _load(store, keys, 4, timeout_s=5.0)
+            good, reason = report.failed_loads[1]
+            assert good <= 1 and "did not return within" in reason, report
+            assert elapsed < 3.0
+            try:
+                store.batch_exists(keys)
+                raise AssertionError("batch_exists returned from a frozen master")
+            except StoreTimeout:
+                pass
+        finally:
+            os.kill(cluster.master.pid, signal.SIGCONT)
+        store.close()
+        return {"load_fail_s": round(elapsed, 3), "reason": reason}
+
+
+def two_processes_share_blocks(ctx: Context) -> Info:
+    store = ctx.store
+    root, hashes = chain(16, seed=71)
+    src = filled_buffer(16, seed=72)
+    save_chain(store, root, hashes, src, list(range(16)))
+    job = {
+        "master": ctx.cluster.master_address,
+        "root": root.hex(),
+        "hashes": [h.hex() for h in hashes],
+    }
+    t0 = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, __file__, "--reader"],
+        input=json.dumps(job),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["num_blocks"] == 16, out
+    assert out["sha256"] == hashlib.sha256(src.data.tobytes()).hexdigest()
+    return {"reader_s": round(time.monotonic() - t0, 3)}
+
+
+def reader_main() -> None:
+    """Process B: look the chain up and load it; print the digest of what it loaded."""
+    from kvsched.connectors.mooncake_store import MooncakeStore
+
+    job = json.loads(sys.stdin.read())
+    store = MooncakeStore(job["master"])
+    root, hashes = bytes.fromhex(job["root"]), [bytes.fromhex(h) for h in job["hashes"]]
+    conn = StoreConnector(store)
+    req = LookupRequest(seq_id=1, namespace_root=root, block_hashes=tuple(hashes))
+    deadline = time.monotonic() + 10
+    while not isinstance(answer := conn.lookup(req), LookupResult):
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
+    conn.bind(1, list(range(answer.num_blocks)))
+    from tests.connectors.test_connector_inprocess import _step_input
+
+    (load,) = conn.build_step(_step_input(0, [], [], [])).loads
+    dst = HostBlockBuffer(len(hashes), BLOCK_BYTES)
+    engine = TransferEngine(store, dst)
+    engine.start_load(load.seq_id, load.keys, load.block_ids)
+    assert engine.wait_idle(10)
+    report = engine.poll()
+    assert report.finished_loads == {1}, report
+    digest = hashlib.sha256(dst.data.tobytes()).hexdigest()
+    conn.close()
+    store.close()
+    print(json.dumps({"num_blocks": answer.num_blocks, "sha256": digest}), flush=True)
+
+
+SCENARIOS: dict[str, Callable[[Context], Info]] = {
+    f.__name__: f
+    for f in (
+        round_trip,
+        lookup_leading,
+        missing_and_failing_blocks,
+        holder_killed_during_load,
+        master_killed_during_load,
+        master_frozen_during_load,
+        two_processes_share_blocks,
+    )
+}
+
+
+def main() -> None:
+    proto = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)  # Mooncake writes to fd 1 and 2: keep both off the protocol channel
+
+    def reply(obj: dict[str, Any]) -> None:
+        proto.write(json.dumps(obj) + "\n")
+
+    try:
+        import mooncake.store  # noqa: F401
+    except ImportError as exc:
+        reply({"skip": f"mooncake.store cannot be imported here: {exc}"})
+        return
+    try:
+        ctx = Context()
+    except Exception as exc:
+        reply({"skip": f"cannot start a Mooncake master and memory holder: {exc}"[:2000]})
+        return
+    reply({"ready": True})
+    try:
+        for line in sys.stdin:
+            name = json.loads(line)["scenario"]
+            if name == "__exit__":
+                break
+            t0 = time.monotonic()
+            try:
+                info = SCENARIOS[name](ctx)
+                reply({"ok": True, "info": info, "s": round(time.monotonic() - t0, 3)})
+            except BaseException:
+                reply({"ok": False, "error": traceback.format_exc()})
+    finally:
+        ctx.close()
+        reply({"bye": True})
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] == ["--reader"]:
+        reader_main()
+    else:
+        main()
