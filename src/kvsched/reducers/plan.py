@@ -85,8 +85,7 @@ def plan_step(state: EngineState) -> StepPlan:
         input_ids[bounds[i] : bounds[i + 1]] = seq.tokens[starts[i] : ends[i]]
     nblocks = -(-ends // bs)
     width = int(nblocks.max()) if len(nblocks) else 0
-    tables = table.table[rows, :width]
-    tables = np.where(np.arange(width) < nblocks[:, None], tables, 0).astype(np.int32)
+    tables = table.table[rows, :width]  # entries past a row's blocks are kept zero
     return StepPlan(
         step=state.step,
         clock=state.clock,

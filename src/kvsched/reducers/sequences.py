@@ -124,6 +124,8 @@ class SequenceTable:
         self.seed = np.zeros(max_batch, dtype=np.int64)
         self.table = np.zeros((max_batch, max_blocks_per_seq), dtype=np.int32)
         self.free_rows: list[int] = list(range(max_batch - 1, -1, -1))
+        self._version = 0  # bumped when rows are taken or freed (invalidates _row_index)
+        self._row_index: tuple[int, np.ndarray, np.ndarray] | None = None
         self.num_finished = 0
 
     # ------------------------------------------------------------------------- queries
@@ -137,8 +139,10 @@ class SequenceTable:
 
     def rows_of(self, seq_ids: np.ndarray) -> np.ndarray:
         """Rows of running sequences, vectorised (raises KeyError if one is not running)."""
-        order = np.argsort(self.row_seq, kind="stable")
-        sorted_ids = self.row_seq[order]
+        if self._row_index is None or self._row_index[0] != self._version:
+            order = np.argsort(self.row_seq, kind="stable")
+            self._row_index = (self._version, order, self.row_seq[order])
+        _, order, sorted_ids = self._row_index
         pos = np.searchsorted(sorted_ids, seq_ids)
         pos = np.minimum(pos, len(order) - 1)
         rows = order[pos]
@@ -146,6 +150,14 @@ class SequenceTable:
             missing = seq_ids[self.row_seq[rows] != seq_ids]
             raise KeyError(f"sequences not running: {missing[:8].tolist()}")
         return rows
+
+    def set_nblocks(self, row: int, n: int) -> None:
+        """Shrink (or set) a row's block count; entries past it are kept zero (the null
+        block), so plans copy block tables without masking."""
+        old = int(self.nblocks[row])
+        if n < old:
+            self.table[row, n:old] = 0
+        self.nblocks[row] = n
 
     def blocks_of(self, row: int) -> np.ndarray:
         return self.table[row, : self.nblocks[row]]
@@ -166,7 +178,10 @@ class SequenceTable:
         self.free_rows.pop()
         self.waiting.pop(seq.seq_id, None)
         seq.row = row
+        # A fresh path: the old one may be shared (read-only) or referenced by cached blocks.
+        seq.path = np.zeros(0, dtype=np.int32)
         self.row_seq[row] = seq.seq_id
+        self._version += 1
         self.computed[row] = 0
         self.ntokens[row] = seq.n_tokens
         self.nblocks[row] = 0
@@ -196,8 +211,9 @@ class SequenceTable:
         row = seq.row
         self.flush(row)
         self.row_seq[row] = FREE_ROW
+        self._version += 1
         self.objs[row] = None
-        self.nblocks[row] = 0
+        self.set_nblocks(row, 0)
         self.computed[row] = 0
         self.registered[row] = 0
         self.free_rows.append(row)

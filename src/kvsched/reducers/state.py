@@ -389,7 +389,7 @@ class EngineState:
         n, k = int(t.nblocks[row]), len(blocks)
         if k > n or not np.array_equal(t.table[row, n - k : n], blocks):
             raise ReplayMismatch(f"sequence {seq.seq_id} does not hold {blocks} at its tail")
-        t.nblocks[row] = n - k
+        t.set_nblocks(row, n - k)
         t.registered[row] = min(int(t.registered[row]), n - k)
         t.computed[row] = min(int(t.computed[row]), (n - k) * self.block_size)
 
@@ -403,7 +403,7 @@ class EngineState:
         if not np.array_equal(t.table[row, :k], e.blocks):
             raise ReplayMismatch(f"sequence {e.seq_id} does not hold {e.blocks} at its head")
         t.table[row, : n - k] = t.table[row, k:n].copy()
-        t.nblocks[row] = n - k
+        t.set_nblocks(row, n - k)
         t.registered[row] = max(0, int(t.registered[row]) - k)
         session.held = np.array(e.blocks, dtype=np.int32)
 
@@ -544,7 +544,7 @@ class EngineState:
             raise ReplayMismatch(f"sequence {e.seq_id} cannot unpin checkpoint {e.ckpt_id}")
         self.ckpts.unpin(self.ckpts.get(e.ckpt_id))
         seq.pinned_ckpt, seq.n_pinned = -1, 0
-        t.nblocks[row] = 0
+        t.set_nblocks(row, 0)
         t.registered[row] = 0
         t.computed[row] = 0
 
