@@ -1,5 +1,40 @@
-"""Executors: apply StepPlans and report outcomes (simulated here; torch executor to come)."""
+"""Executors: apply StepPlans and report outcomes.
+
+``SimulatedExecutor`` (cost model, no tensors) imports eagerly. The torch executor and the
+hybrid model import torch, so they load lazily on first access: ``from kvsched.gpu import
+TorchExecutor`` works when torch is installed, and ``import kvsched.gpu`` works without it.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 from kvsched.gpu.sim import CostModel, SimulatedExecutor
 
-__all__ = ["CostModel", "SimulatedExecutor"]
+if TYPE_CHECKING:
+    from kvsched.gpu.model import HybridConfig, HybridModel, PagedCache
+    from kvsched.gpu.torch_executor import TorchExecutor
+
+_LAZY = {
+    "TorchExecutor": "kvsched.gpu.torch_executor",
+    "HybridModel": "kvsched.gpu.model",
+    "HybridConfig": "kvsched.gpu.model",
+    "PagedCache": "kvsched.gpu.model",
+}
+
+__all__ = [
+    "CostModel",
+    "HybridConfig",
+    "HybridModel",
+    "PagedCache",
+    "SimulatedExecutor",
+    "TorchExecutor",
+]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'kvsched.gpu' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)

@@ -1,0 +1,200 @@
+"""TorchExecutor: applies a StepPlan to a real model on paged KV and state slots.
+
+``execute(plan)`` runs, in this order:
+
+1. ``copy_blocks``: KV block copies (src -> dst) in every attention layer;
+2. ``zero_blocks``: KV blocks set to zero;
+3. ``state_zero``: runtime state slots reset (conv and recurrent);
+4. ``state_restore``: checkpoint slot -> runtime slot copies;
+5. the forward over every sequence's ``[start, end)``;
+6. ``state_save``: runtime slot -> checkpoint slot copies (the state after the forward);
+7. ``copy_blocks_after``: KV block copies after the forward (a partial block snapshot);
+8. sampling for the sequences with ``sample``: greedy at temperature 0, else a draw from
+   softmax(logits / temperature) with a CPU ``torch.Generator`` seeded from the sequence's
+   seed and the sampled position (deterministic, the same on CPU and CUDA).
+
+Copies within one list are simultaneous (all sources are read before any destination is
+written). The executor sees only the plan; it imports nothing else from kvsched.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from kvsched.events.types import StepExecuted
+from kvsched.gpu.model import BatchInputs, HybridModel, PagedCache
+from kvsched.reducers.plan import StepPlan
+
+_MASK64 = (1 << 64) - 1
+
+
+def sample_seed(seed: int, position: int) -> int:
+    """A 63-bit generator seed from (per-sequence seed, position): splitmix64 of both."""
+    x = (int(seed) * 0x9E3779B97F4A7C15 + int(position) + 0x632BE59BD9B4E019) & _MASK64
+    x ^= x >> 30
+    x = (x * 0xBF58476D1CE4E5B9) & _MASK64
+    x ^= x >> 27
+    x = (x * 0x94D049BB133111EB) & _MASK64
+    x ^= x >> 31
+    return x & ((1 << 63) - 1)
+
+
+def _default_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+class TorchExecutor:
+    """Runs StepPlans on a :class:`HybridModel` with a :class:`PagedCache`.
+
+    ``model_dir_or_model`` is a checkpoint directory (``config.json`` + safetensors, Hugging
+    Face names) or a loaded model (moved to ``device``). ``num_blocks``/``block_size`` size the
+    paged KV, ``num_state_slots`` the state pool (slot 0 is the null slot). ``device``
+    defaults to CUDA when available; ``dtype`` defaults to float32 (recurrent states are
+    always float32).
+    """
+
+    def __init__(
+        self,
+        model_dir_or_model: str | os.PathLike[str] | HybridModel,
+        num_blocks: int,
+        block_size: int,
+        num_state_slots: int,
+        device: str | torch.device | None = None,
+        *,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        self.device = torch.device(device) if device is not None else _default_device()
+        if isinstance(model_dir_or_model, HybridModel):
+            model = model_dir_or_model.to(device=self.device)
+            if dtype is not None:
+                model = model.to(dtype=dtype)
+        else:
+            model = HybridModel.from_pretrained(
+                Path(model_dir_or_model), device=self.device, dtype=dtype or torch.float32
+            )
+        self.model = model.eval()
+        self.config = model.config
+        if num_blocks < 1 or block_size < 1 or num_state_slots < 1:
+            raise ValueError("num_blocks, block_size and num_state_slots must be positive")
+        self.num_blocks, self.block_size, self.num_state_slots = (
+            num_blocks,
+            block_size,
+            num_state_slots,
+        )
+        self.cache: PagedCache = model.make_cache(num_blocks, block_size, num_state_slots)
+        self.is_hybrid = bool(self.config.linear_layers)
+        self.last_logits: torch.Tensor = torch.zeros((0, self.config.vocab_size))
+        self.last_seq_ids: np.ndarray = np.zeros(0, dtype=np.int64)
+
+    # ------------------------------------------------------------------ helpers
+
+    def _pairs(self, arr: np.ndarray, limit: int, what: str) -> torch.Tensor:
+        a = np.asarray(arr, dtype=np.int64).reshape(-1, 2)
+        if len(a) and (a.min() < 0 or a.max() >= limit):
+            raise ValueError(f"{what} out of range [0, {limit}): {a.tolist()}")
+        return torch.from_numpy(a.copy()).to(self.device)
+
+    def _ids(self, arr: np.ndarray, limit: int, what: str) -> torch.Tensor:
+        a = np.asarray(arr, dtype=np.int64).reshape(-1)
+        if len(a) and (a.min() < 0 or a.max() >= limit):
+            raise ValueError(f"{what} out of range [0, {limit}): {a.tolist()}")
+        return torch.from_numpy(a.copy()).to(self.device)
+
+    def _check(self, plan: StepPlan) -> None:
+        if plan.block_size != self.block_size:
+            raise ValueError(f"plan block_size {plan.block_size} != executor {self.block_size}")
+        lens = plan.ends - plan.starts
+        if len(lens) and lens.min() < 1:
+            raise ValueError("every sequence must compute at least one token")
+        if int(lens.sum()) != len(plan.input_ids) or len(plan.positions) != len(plan.input_ids):
+            raise ValueError("input_ids/positions do not match the sequences' token ranges")
+        if len(plan.slot_mapping) and (
+            plan.slot_mapping.min() < self.block_size
+            or plan.slot_mapping.max() >= self.num_blocks * self.block_size
+        ):
+            raise ValueError("slot_mapping outside the KV pool (or in the null block)")
+        if len(plan.input_ids) and (
+            plan.input_ids.min() < 0 or plan.input_ids.max() >= self.config.vocab_size
+        ):
+            raise ValueError("input_ids outside the vocabulary")
+        if self.is_hybrid and len(plan.state_slots):
+            slots = plan.state_slots
+            if slots.min() < 1 or slots.max() >= self.num_state_slots:
+                raise ValueError(
+                    f"hybrid model: state_slots must be in [1, {self.num_state_slots}), "
+                    f"got {slots.tolist()}"
+                )
+            if len(np.unique(slots)) != len(slots):
+                raise ValueError(f"two sequences share a state slot: {slots.tolist()}")
+
+    # ------------------------------------------------------------------ execute
+
+    def execute(self, plan: StepPlan) -> StepExecuted:
+        t0 = time.perf_counter()
+        self._check(plan)
+        cache, nb, ns = self.cache, self.num_blocks, self.num_state_slots
+        # validate everything before touching the cache
+        copy_blocks = self._pairs(plan.copy_blocks, nb, "copy_blocks")
+        zero_blocks = self._ids(plan.zero_blocks, nb, "zero_blocks")
+        state_zero = self._ids(plan.state_zero, ns, "state_zero")
+        state_restore = self._pairs(plan.state_restore, ns, "state_restore")
+        state_save = self._pairs(plan.state_save, ns, "state_save")
+        copy_blocks_after = self._pairs(plan.copy_blocks_after, nb, "copy_blocks_after")
+        cache.copy_blocks(copy_blocks)
+        cache.zero_blocks(zero_blocks)
+        cache.zero_states(state_zero)
+        cache.copy_states(state_restore)
+        sample = np.asarray(plan.sample, dtype=bool)
+        logits = torch.zeros((0, self.config.vocab_size))
+        if plan.num_seqs:
+            batch = BatchInputs.build(
+                input_ids=plan.input_ids,
+                positions=plan.positions,
+                slot_mapping=plan.slot_mapping,
+                starts=plan.starts,
+                ends=plan.ends,
+                block_tables=plan.block_tables,
+                state_slots=plan.state_slots,
+                block_size=self.block_size,
+                device=self.device,
+            )
+            last_rows = np.cumsum(plan.ends - plan.starts) - 1
+            index = torch.from_numpy(last_rows[sample].astype(np.int64)).to(self.device)
+            logits = self.model(batch, cache, index)
+        cache.copy_states(state_save)
+        cache.copy_blocks(copy_blocks_after)
+        tokens = self._sample(
+            logits, plan.temperature[sample], plan.seeds[sample], plan.ends[sample]
+        )
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.last_logits = logits
+        seq_ids = np.asarray(plan.seq_ids[sample], dtype=np.int64).copy()
+        self.last_seq_ids = seq_ids
+        return StepExecuted(plan.step, seq_ids, tokens, time.perf_counter() - t0)
+
+    def _sample(
+        self,
+        logits: torch.Tensor,
+        temperature: np.ndarray,
+        seeds: np.ndarray,
+        positions: np.ndarray,
+    ) -> np.ndarray:
+        n = logits.shape[0]
+        if n == 0:
+            return np.zeros(0, dtype=np.int32)
+        out = logits.argmax(dim=-1).cpu().numpy().astype(np.int32)
+        hot = np.nonzero(np.asarray(temperature) > 0)[0]
+        if len(hot):
+            temps = torch.as_tensor(np.asarray(temperature)[hot], dtype=torch.float32)
+            probs = torch.softmax(logits[torch.from_numpy(hot)].cpu() / temps[:, None], dim=-1)
+            gen = torch.Generator()
+            for j, i in enumerate(hot.tolist()):
+                gen.manual_seed(sample_seed(int(seeds[i]), int(positions[i])))
+                out[i] = int(torch.multinomial(probs[j], 1, generator=gen).item())
+        return out
