@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
 import sys
+import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -90,15 +92,52 @@ def _finish(
     return 0
 
 
+def _demo_model(args: argparse.Namespace, workdir: str) -> tuple[str, int]:
+    """The checkpoint for ``demo --executor torch``: --model DIR, else a seeded tiny
+    Qwen3.5-style model written to ``workdir``. Returns (directory, vocabulary size)."""
+    if args.model:
+        config_path = os.path.join(args.model, "config.json")
+        try:
+            with open(config_path) as f:
+                return args.model, int(json.load(f)["vocab_size"])
+        except (OSError, KeyError, ValueError) as exc:
+            raise UsageError(f"--model {args.model}: cannot read {config_path}: {exc}") from None
+    try:
+        from kvsched.gpu.fixtures import build_tiny_model
+    except ImportError as exc:
+        raise UsageError(f"--executor torch needs the torch extra: {exc}") from None
+    path, model_config = build_tiny_model(os.path.join(workdir, "tiny-qwen3.5"), seed=args.seed)
+    return str(path), int(model_config.vocab_size)
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
-    config = SchedulerConfig(num_blocks=args.cache_blocks, max_batch=args.max_batch)
+    try:
+        with tempfile.TemporaryDirectory(prefix="kvsched-demo-") as workdir:
+            return _demo(args, workdir)
+    except UsageError as exc:
+        return _fail(str(exc))
+
+
+def _demo(args: argparse.Namespace, workdir: str) -> int:
+    vocab, model_dir = ModelSpec().vocab_size, None
+    if args.executor == "torch":
+        _torch_module()  # fail before any work when torch is missing
+        model_dir, vocab = _demo_model(args, workdir)
+    config = SchedulerConfig(
+        model=ModelSpec(vocab_size=vocab),
+        num_blocks=args.cache_blocks,
+        max_batch=args.max_batch,
+        hybrid=args.hybrid or args.executor == "torch",  # the torch model is hybrid
+    )
     try:
         log = _open_log(args.log, config)
     except LogOpenError as exc:
         return _fail(str(exc))
-    workload = chat_workload(sessions=args.sessions, turns=args.turns, seed=args.seed)
+    workload = chat_workload(
+        sessions=args.sessions, turns=args.turns, seed=args.seed, vocab_size=vocab
+    )
     engine = Engine(config, log=log, check_invariants=args.check)
-    executor = SimulatedExecutor(config.model.vocab_size)
+    executor = make_executor(args.executor, config, CostModel(), model_dir)
     try:
         result = _replay(engine, executor, workload, desc="demo", quiet=args.quiet)
     finally:
@@ -471,6 +510,16 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--json", action="store_true", help="print the summary as JSON")
     demo.add_argument("--report", metavar="DIR", help="write metrics JSON and PNG plots here")
     demo.add_argument("--quiet", action="store_true", help="no progress bar")
+    demo.add_argument(
+        "--executor",
+        choices=["sim", "torch"],
+        default="sim",
+        help="sim: cost model; torch: a real forward pass (CPU or CUDA)",
+    )
+    demo.add_argument(
+        "--model", metavar="DIR", help="checkpoint for --executor torch (default: a tiny model)"
+    )
+    demo.add_argument("--hybrid", action="store_true", help="schedule a hybrid model's states")
     demo.set_defaults(func=cmd_demo)
     _add_replay(sub)
     diff = sub.add_parser("diff", help="where two event logs' decisions first differ")

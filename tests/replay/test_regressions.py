@@ -4,12 +4,11 @@ import os
 import tempfile
 
 import numpy as np
+from tests.replay.test_verify import record_run
 
 from kvsched.config import ModelSpec, SchedulerConfig
 from kvsched.events import types as ev
 from kvsched.replay.verify import verify_log
-
-from tests.replay.test_verify import record_run
 
 
 def test_a_sequence_readmitted_after_drain_and_wake_registers_into_a_fresh_path() -> None:

@@ -34,8 +34,10 @@ from kvsched.replay.driver import Executor, RunSummary, run
 from kvsched.replay.workload import Workload
 
 HIT_NOTE = (
-    "checkpoint and external hit rates are 0: hybrid state checkpoints and the external KV "
-    "connector are not built yet (issues 4 and 5)"
+    "local KV: prompt tokens served from attention-only prefix hits; checkpoint: served by a "
+    "hybrid model's restored state checkpoints; kv_only_unusable: cached KV a hybrid model "
+    "could not use for lack of a checkpoint; external hits are 0 until the scheduler's "
+    "external-KV coordination lands (issue 5)"
 )
 
 
@@ -148,6 +150,7 @@ class Recorder:
     def metrics(self, summary: RunSummary) -> dict[str, Any]:
         pool = self.engine.state.pool
         config = self.engine.config
+        stats, query = self.engine.state.stats, summary.query_tokens
         ttft, tpot, e2e = self.latencies()
         sim = summary.sim_time_s
         s = self.series
@@ -163,8 +166,9 @@ class Recorder:
             "hit_tokens": summary.hit_tokens,
             "query_tokens": summary.query_tokens,
             "token_hit_rate": summary.hit_rate,
-            "hit_rate_local_kv": summary.hit_rate,
-            "hit_rate_checkpoint": 0.0,
+            "hit_rate_local_kv": _ratio(stats.hit_tokens - stats.ckpt_hit_tokens, query),
+            "hit_rate_checkpoint": _ratio(stats.ckpt_hit_tokens, query),
+            "kv_only_unusable_rate": _ratio(stats.kv_only_hit_tokens, query),
             "hit_rate_external": 0.0,
             "hit_rate_note": HIT_NOTE,
             "throughput_tok_s": summary.generated_tokens / sim if sim else 0.0,
@@ -239,3 +243,7 @@ def replay_workload(
     summary = driver(engine, executor, workload, on_step=on_step, on_executed=recorder.on_executed)
     summary.wall_time_s = time.perf_counter() - wall
     return ReplayResult(summary, recorder.metrics(summary), recorder.series.arrays(), recorder)
+
+
+def _ratio(part: int, whole: int) -> float:
+    return part / whole if whole else 0.0

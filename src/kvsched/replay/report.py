@@ -41,8 +41,9 @@ def summary_rows(m: dict[str, Any]) -> list[tuple[str, str]]:
         ("prefill tokens computed", f"{m['prefill_tokens']:,}"),
         ("prefix hit rate", f"{_pct(m['token_hit_rate'])} of prompt tokens"),
         ("  local KV", _pct(m["hit_rate_local_kv"])),
-        ("  checkpoint", f"{_pct(m['hit_rate_checkpoint'])} (not built yet)"),
-        ("  external", f"{_pct(m['hit_rate_external'])} (not built yet)"),
+        ("  checkpoint (hybrid)", _pct(m["hit_rate_checkpoint"])),
+        ("  external", f"{_pct(m['hit_rate_external'])} (external KV not wired yet)"),
+        ("  KV unusable (hybrid)", f"{_pct(m.get('kv_only_unusable_rate', 0.0))} (no checkpoint)"),
     ]
     if m.get("ideal_hit_rate") is not None:
         rows.append(("  sequential ideal", f"{_pct(m['ideal_hit_rate'])} (infinite cache)"))
@@ -55,7 +56,7 @@ def summary_rows(m: dict[str, Any]) -> list[tuple[str, str]]:
             "TPOT p50 / p90 / p99",
             f"{_ms(m['tpot_p50_s'])} / {_ms(m['tpot_p90_s'])} / {_ms(m['tpot_p99_s'])}",
         ),
-        ("throughput (simulated)", f"{m['throughput_tok_s']:,.0f} output tok/s"),
+        ("throughput (clock)", f"{m['throughput_tok_s']:,.0f} output tok/s"),
         ("preemptions", f"{m['preemptions']:,}"),
         ("evictions", f"{m['evictions']:,} blocks"),
         (
@@ -65,7 +66,7 @@ def summary_rows(m: dict[str, Any]) -> list[tuple[str, str]]:
         ),
         ("peak queue", f"{m['max_waiting']:,} waiting"),
         ("steps", f"{m['steps']:,}"),
-        ("simulated time", f"{m['sim_time_s']:,.2f} s"),
+        ("clock (executor time)", f"{m['sim_time_s']:,.2f} s"),
         (
             "wall time",
             f"{m['wall_time_s']:.2f} s ({m['steps'] / max(m['wall_time_s'], 1e-9):,.0f} steps/s)",
