@@ -8,6 +8,7 @@ tentative prefix match that admission rejects is simply never emitted.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NamedTuple
 
 import attrs
 import numpy as np
@@ -53,8 +54,7 @@ class _StepBudget:
         self.long_chunks += 0 if final else 1
 
 
-@attrs.frozen
-class Match:
+class Match(NamedTuple):
     """A tentative prefix match: tokens served, their blocks, the checkpoint to restore."""
 
     num_tokens: int

@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Sequence
 from hashlib import blake2b
+from typing import cast
 
 import attrs
 import numpy as np
@@ -109,7 +110,7 @@ class CheckpointTable:
     def _transition(
         self, c: Checkpoint, event: CkptEvent, facts: frozenset[str] = frozenset()
     ) -> None:
-        c.state = CkptState(CHECKPOINT.next_state(c.ckpt_id, c.state, event, facts))
+        c.state = cast(CkptState, CHECKPOINT.next_state(c.ckpt_id, c.state, event, facts))
 
     def reserve(self, c: Checkpoint) -> None:
         if c.ckpt_id != self.next_id or not self.free_slots or self.free_slots[-1] != c.slot:

@@ -13,6 +13,8 @@ step updates every running sequence in a few vectorised operations:
 
 from __future__ import annotations
 
+from typing import cast
+
 import attrs
 import numpy as np
 
@@ -20,6 +22,8 @@ from kvsched.events.types import MultimodalSpan
 from kvsched.statemachines import SEQUENCE, SeqEvent, SeqState
 
 FREE_ROW = -1
+_NO_PATH = np.zeros(0, dtype=np.int32)
+_NO_PATH.flags.writeable = False
 
 
 @attrs.define(slots=True, eq=False)
@@ -97,7 +101,8 @@ class Seq:
         return self.tokens[: self.n_tokens]
 
     def transition(self, event: SeqEvent) -> None:
-        self.state = SeqState(SEQUENCE.next_state(self.seq_id, self.state, event))
+        # The compiled table returns the destination member itself: no enum construction.
+        self.state = cast(SeqState, SEQUENCE.next_state(self.seq_id, self.state, event))
 
 
 class SequenceTable:
@@ -115,13 +120,16 @@ class SequenceTable:
         self.nblocks = np.zeros(max_batch, dtype=np.int64)
         self.registered = np.zeros(max_batch, dtype=np.int64)
         self.last_token = np.zeros(max_batch, dtype=np.int32)
-        self.n_prompt = np.zeros(max_batch, dtype=np.int64)
-        self.max_tokens = np.zeros(max_batch, dtype=np.int64)
-        self.eos = np.full(max_batch, -1, dtype=np.int64)
+        # Per-row request constants, written in one assignment at activation; the named
+        # arrays are column views of it.
+        self._consts = np.zeros((max_batch, 5), dtype=np.int64)
+        self.n_prompt = self._consts[:, 0]
+        self.max_tokens = self._consts[:, 1]
+        self.eos = self._consts[:, 2]
+        self.failures = self._consts[:, 3]  # mirrors Seq.num_failures
+        self.seed = self._consts[:, 4]
         self.objs: list[Seq | None] = [None] * max_batch
-        self.failures = np.zeros(max_batch, dtype=np.int64)  # mirrors Seq.num_failures
         self.temperature = np.zeros(max_batch, dtype=np.float32)
-        self.seed = np.zeros(max_batch, dtype=np.int64)
         self.table = np.zeros((max_batch, max_blocks_per_seq), dtype=np.int32)
         self.free_rows: list[int] = list(range(max_batch - 1, -1, -1))
         self._version = 0  # bumped when rows are taken or freed (invalidates _row_index)
@@ -179,21 +187,17 @@ class SequenceTable:
         self.waiting.pop(seq.seq_id, None)
         seq.row = row
         # A fresh path: the old one may be shared (read-only) or referenced by cached blocks.
-        seq.path = np.zeros(0, dtype=np.int32)
+        seq.path = _NO_PATH
         self.row_seq[row] = seq.seq_id
         self._version += 1
-        self.computed[row] = 0
+        # computed, nblocks and registered are zero for a free row (``deactivate``).
         self.ntokens[row] = seq.n_tokens
-        self.nblocks[row] = 0
-        self.registered[row] = 0
         self.last_token[row] = seq.tokens[seq.n_tokens - 1]
-        self.n_prompt[row] = seq.n_prompt
-        self.max_tokens[row] = seq.max_tokens
-        self.eos[row] = seq.eos_token_id
+        self._consts[row] = (
+            seq.n_prompt, seq.max_tokens, seq.eos_token_id, seq.num_failures, seq.seed
+        )
         self.objs[row] = seq
-        self.failures[row] = seq.num_failures
         self.temperature[row] = seq.temperature
-        self.seed[row] = seq.seed
 
     def flush(self, row: int) -> Seq:
         """Copy the row's unflushed sampled tokens into its sequence; returns the sequence."""
