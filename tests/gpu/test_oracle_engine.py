@@ -16,11 +16,42 @@ from kvsched.engine import Engine
 from kvsched.events.types import StepExecuted
 from kvsched.gpu.torch_executor import TorchExecutor
 from kvsched.reducers.plan import StepPlan
-from kvsched.replay.driver import run
-from kvsched.replay.workload import chat_workload
+from kvsched.replay.driver import RunSummary, run
+from kvsched.replay.workload import Workload, chat_workload
 
 
-def test_oracle_engine_hybrid_chat_matches_hf_greedy(tiny_dir: Path, hf_model) -> None:
+def _run_and_compare(cfg: SchedulerConfig, wl: Workload, tiny_dir: Path, hf_model) -> RunSummary:  # type: ignore[no-untyped-def]  # noqa: E501
+    """Serve ``wl`` with the scheduler on the torch executor; every request's tokens must be
+    HF's greedy continuation of its full context."""
+    ex = TorchExecutor(tiny_dir, cfg.num_blocks, cfg.block_size, cfg.num_state_slots, "cpu")
+    outputs: dict[int, list[int]] = defaultdict(list)
+
+    class Recording:
+        def execute(self, plan: StepPlan) -> StepExecuted:
+            res = ex.execute(plan)
+            for sid, tok in zip(res.seq_ids.tolist(), res.tokens.tolist(), strict=True):
+                outputs[sid].append(tok)
+            return res
+
+    summary = run(Engine(cfg, check_invariants=True), Recording(), wl)
+    assert summary.finished == len(wl.turns)
+    context: dict[int, list[int]] = {}
+    for turn in wl.turns:
+        req = turn.request
+        prompt = (context[turn.follows] if turn.follows >= 0 else []) + req.prompt.tolist()
+        out = outputs[req.seq_id]
+        full = prompt + out
+        with torch.no_grad():
+            logits = hf_model(
+                input_ids=torch.tensor([full]), position_ids=torch.arange(len(full))[None]
+            ).logits[0]
+        want = logits[len(prompt) - 1 : len(full) - 1].argmax(-1).tolist()
+        assert out == want, f"request {req.seq_id}: {out} != HF greedy {want}"
+        context[req.seq_id] = full
+    return summary
+
+
+def test_oracle_engine_hybrid_chat_matches_hf_greedy(tiny_dir: Path, hf_model) -> None:  # type: ignore[no-untyped-def]  # noqa: E501
     cfg = SchedulerConfig(
         model=ModelSpec(vocab_size=512),
         block_size=16,
@@ -39,29 +70,32 @@ def test_oracle_engine_hybrid_chat_matches_hf_greedy(tiny_dir: Path, hf_model) -
         vocab_size=512,
         seed=1,
     )
-    ex = TorchExecutor(tiny_dir, cfg.num_blocks, cfg.block_size, cfg.num_state_slots, "cpu")
-    outputs: dict[int, list[int]] = defaultdict(list)
-
-    class Recording:
-        def execute(self, plan: StepPlan) -> StepExecuted:
-            res = ex.execute(plan)
-            for sid, tok in zip(res.seq_ids.tolist(), res.tokens.tolist(), strict=True):
-                outputs[sid].append(tok)
-            return res
-
-    summary = run(Engine(cfg, check_invariants=True), Recording(), wl)
-    assert summary.finished == len(wl.turns)
+    summary = _run_and_compare(cfg, wl, tiny_dir, hf_model)
     assert summary.hit_tokens > 0, "the workload should exercise checkpoint restores"
-    context: dict[int, list[int]] = {}
-    for turn in wl.turns:
-        req = turn.request
-        prompt = (context[turn.follows] if turn.follows >= 0 else []) + req.prompt.tolist()
-        out = outputs[req.seq_id]
-        full = prompt + out
-        with torch.no_grad():
-            logits = hf_model(
-                input_ids=torch.tensor([full]), position_ids=torch.arange(len(full))[None]
-            ).logits[0]
-        want = logits[len(prompt) - 1 : len(full) - 1].argmax(-1).tolist()
-        assert out == want, f"request {req.seq_id}: {out} != HF greedy {want}"
-        context[req.seq_id] = full
+
+
+def test_oracle_engine_preemption_and_recompute_match_hf_greedy(tiny_dir: Path, hf_model) -> None:  # type: ignore[no-untyped-def]  # noqa: E501
+    # A cache of 14 blocks for 4 concurrent requests: decode growth preempts (recompute), and
+    # preempted requests come back through checkpoint restores or a recompute from scratch.
+    cfg = SchedulerConfig(
+        model=ModelSpec(vocab_size=512),
+        block_size=16,
+        num_blocks=15,
+        max_batch=4,
+        max_prefill_tokens=32,
+        hybrid=True,
+        checkpoint_budget=4,
+        decode_checkpoint_interval=32,
+    )
+    wl = chat_workload(
+        sessions=5,
+        turns=1,
+        system_tokens=24,
+        user_tokens=(10, 40),
+        output_tokens=(30, 60),
+        vocab_size=512,
+        rate_per_s=1000.0,
+        seed=2,
+    )
+    summary = _run_and_compare(cfg, wl, tiny_dir, hf_model)
+    assert summary.preemptions > 0, "the workload should force preemptions"
