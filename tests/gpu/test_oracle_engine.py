@@ -20,7 +20,7 @@ from kvsched.replay.driver import RunSummary, run
 from kvsched.replay.workload import Workload, chat_workload
 
 
-def _run_and_compare(cfg: SchedulerConfig, wl: Workload, tiny_dir: Path, hf_model) -> RunSummary:  # type: ignore[no-untyped-def]  # noqa: E501
+def _run_and_compare(cfg: SchedulerConfig, wl: Workload, tiny_dir: Path, hf_model) -> RunSummary:  # type: ignore[no-untyped-def]
     """Serve ``wl`` with the scheduler on the torch executor; every request's tokens must be
     HF's greedy continuation of its full context."""
     ex = TorchExecutor(tiny_dir, cfg.num_blocks, cfg.block_size, cfg.num_state_slots, "cpu")
@@ -51,7 +51,7 @@ def _run_and_compare(cfg: SchedulerConfig, wl: Workload, tiny_dir: Path, hf_mode
     return summary
 
 
-def test_oracle_engine_hybrid_chat_matches_hf_greedy(tiny_dir: Path, hf_model) -> None:  # type: ignore[no-untyped-def]  # noqa: E501
+def test_oracle_engine_hybrid_chat_matches_hf_greedy(tiny_dir: Path, hf_model) -> None:  # type: ignore[no-untyped-def]
     cfg = SchedulerConfig(
         model=ModelSpec(vocab_size=512),
         block_size=16,
@@ -74,7 +74,7 @@ def test_oracle_engine_hybrid_chat_matches_hf_greedy(tiny_dir: Path, hf_model) -
     assert summary.hit_tokens > 0, "the workload should exercise checkpoint restores"
 
 
-def test_oracle_engine_preemption_and_recompute_match_hf_greedy(tiny_dir: Path, hf_model) -> None:  # type: ignore[no-untyped-def]  # noqa: E501
+def test_oracle_engine_preemption_and_recompute_match_hf_greedy(tiny_dir: Path, hf_model) -> None:  # type: ignore[no-untyped-def]
     # A cache of 14 blocks for 4 concurrent requests: decode growth preempts (recompute), and
     # preempted requests come back through checkpoint restores or a recompute from scratch.
     cfg = SchedulerConfig(
