@@ -649,3 +649,36 @@ def test_the_plan_counts_the_prefix_hit_tokens_of_the_steps_admissions() -> None
     assert done.plan.is_empty
     second = engine.step([ev.RequestArrived(1, prompt, 1)], 2.0)
     assert (second.plan.num_hit_tokens, second.plan.num_query_tokens) == (48, 49)
+
+
+def test_a_session_turn_with_another_adapter_does_not_reuse_the_history_identity() -> None:
+    h = Harness()
+    first = tokens(40, seed=11)
+    h.step([request(0, first, max_tokens=2, session_id=7)])
+    h.run_until_idle()
+    history = h.state.sessions[7].tokens.copy()
+    h.step([request(1, tokens(10, seed=12), max_tokens=1, session_id=7, adapter="lora-x")])
+    seq = h.state.seq(1)
+    plain = h.state.root_for("lora-x", "")
+    from kvsched.identity import chain_hashes
+
+    assert seq.hashes == chain_hashes(plain, seq.token_view(), 16)
+    assert len(history) == 42
+
+
+def test_a_session_keeps_the_multimodal_identity_of_its_history() -> None:
+    from kvsched.events.types import MultimodalSpan
+    from kvsched.identity import chain_hashes, span_extras
+
+    h = Harness()
+    image = MultimodalSpan(30, 40, b"cat-image-digest")  # reaches into the partial block
+    first = tokens(40, seed=13)
+    h.step([request(0, first, max_tokens=1, session_id=3, mm_spans=(image,))])
+    h.run_until_idle()
+    h.step([request(1, tokens(30, seed=14), max_tokens=1, session_id=3)])
+    seq = h.state.seq(1)
+    root = h.state.root_for("", "")
+    all_tokens = seq.token_view()
+    extras = span_extras((image,), 16, 0, len(all_tokens) // 16)
+    assert seq.hashes == chain_hashes(root, all_tokens, 16, 0, extras)
+    assert seq.hashes != chain_hashes(root, all_tokens, 16)  # the image is part of identity

@@ -37,6 +37,8 @@ class Session:
     hashes: list[bytes]
     held: np.ndarray  # blocks this session holds a reference on
     active_seq: int = -1
+    root: bytes = b""  # the namespace root its hashes chain from (adapter and salt)
+    spans: tuple[ev.MultimodalSpan, ...] = ()  # multimodal spans of the history
 
 
 @attrs.define(slots=True)
@@ -190,10 +192,19 @@ class EngineState:
         history = session.tokens if session is not None else np.zeros(0, np.int32)
         tokens = np.concatenate([history, prompt]).astype(np.int32)
         root = self.root_for(e.adapter, e.cache_salt)
-        keep = len(history) // bs if session is not None and not e.mm_spans else 0
-        hashes = session.hashes[:keep] if session is not None else []
+        # A turn's spans are given in its own prompt; the history keeps the earlier turns'.
+        offset = len(history)
+        spans = (session.spans if session is not None else ()) + tuple(
+            ev.MultimodalSpan(s.start + offset, s.end + offset, s.content_hash)
+            for s in e.mm_spans
+        )
+        # The history's full blocks keep their hashes if the namespace is unchanged (new spans
+        # lie past the history, so they cannot change those blocks).
+        same_root = session is not None and session.root == root
+        keep = len(history) // bs if same_root else 0
+        hashes = session.hashes[:keep] if session is not None and same_root else []
         parent = hashes[-1] if hashes else root
-        extras = span_extras(e.mm_spans, bs, keep, len(tokens) // bs) if e.mm_spans else None
+        extras = span_extras(spans, bs, keep, len(tokens) // bs) if spans else None
         hashes = hashes + chain_hashes(parent, tokens[keep * bs :], bs, keep, extras)
         seq = Seq(
             seq_id=e.seq_id,
@@ -210,7 +221,7 @@ class EngineState:
             want_experts=e.return_routed_experts,
             temperature=e.temperature,
             seed=e.seed,
-            mm_spans=e.mm_spans,
+            mm_spans=spans,
             root=root,
             hashes=hashes,
         )
@@ -458,6 +469,8 @@ class EngineState:
             return
         session.tokens = seq.token_view().copy()
         session.hashes = seq.hashes
+        session.root = seq.root
+        session.spans = seq.mm_spans
         session.active_seq = -1
 
     def _on_aborted(self, e: ev.SequenceAborted) -> None:
