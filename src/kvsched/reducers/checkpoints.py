@@ -83,6 +83,10 @@ class CheckpointTable:
     def runtime_slot(row: int) -> int:
         return 1 + row
 
+    @staticmethod
+    def runtime_slots(rows: np.ndarray) -> np.ndarray:
+        return (rows + 1).astype(np.int32)
+
     def get(self, ckpt_id: int) -> Checkpoint:
         return self.ckpts[ckpt_id]
 

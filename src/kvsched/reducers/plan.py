@@ -9,6 +9,7 @@ from __future__ import annotations
 import attrs
 import numpy as np
 
+from kvsched.reducers.checkpoints import CheckpointTable
 from kvsched.reducers.state import EngineState
 
 
@@ -101,7 +102,9 @@ def plan_step(state: EngineState) -> StepPlan:
         num_blocks=_frozen(nblocks.astype(np.int32)),
         copy_blocks=_pairs([(f, int(table.table[r, i])) for r, i, f in x.restore_blocks]),
         zero_blocks=_frozen(np.zeros(0, dtype=np.int32)),
-        state_slots=_frozen((rows + 1 if state.hybrid else rows * 0).astype(np.int32)),
+        state_slots=_frozen(
+            CheckpointTable.runtime_slots(rows) if state.hybrid else np.zeros(len(rows), np.int32)
+        ),
         state_zero=_frozen(np.asarray(x.state_zero, dtype=np.int32)),
         state_restore=_pairs(x.state_restore),
         state_save=_pairs(x.state_save),
