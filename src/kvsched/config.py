@@ -8,6 +8,7 @@ import attrs
 
 OrderPolicy = Literal["fcfs", "priority", "ttft"]
 TurnMode = Literal["mixed", "alternate"]
+Role = Literal["both", "prefill", "decode"]
 
 
 @attrs.frozen(kw_only=True)
@@ -43,6 +44,12 @@ class SchedulerConfig:
     checkpoint_budget: int = 256  # checkpoint state slots (besides one runtime slot per row)
     decode_checkpoint_interval: int = 0  # tokens between decode checkpoints (0: none)
     num_speculative_tokens: int = 0  # MTP: the last k cached blocks of a hit are recomputed
+    # External KV store: look up prefixes beyond the local cache and load them; save computed
+    # blocks (and aligned state checkpoints) to it (roles both and prefill).
+    external_kv: bool = False
+    # Disaggregation: a prefill-role engine ends each request after its first token (reason
+    # "migrated") once its prompt is saved; a decode-role engine loads prompts, saves nothing.
+    role: Role = "both"
 
     def __attrs_post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -59,6 +66,18 @@ class SchedulerConfig:
             raise ValueError("decode_checkpoint_interval must be a multiple of block_size")
         if self.turn_mode not in ("mixed", "alternate"):
             raise ValueError(f"unknown turn mode {self.turn_mode!r}")
+        if self.role not in ("both", "prefill", "decode"):
+            raise ValueError(f"unknown role {self.role!r}")
+        if self.role != "both" and not self.external_kv:
+            raise ValueError(f"role {self.role!r} needs external_kv (the store carries the KV)")
+
+    @property
+    def external_load(self) -> bool:
+        return self.external_kv
+
+    @property
+    def external_save(self) -> bool:
+        return self.external_kv and self.role != "decode"
 
     @property
     def num_state_slots(self) -> int:

@@ -60,19 +60,42 @@ class Engine:
         self.bus = bus
         self.check = check_invariants
         self._decisions: list[ev.Event] = []
+        # Chains of sequences this step's transfer decisions concern (kept for the bridge:
+        # a sequence may finish, and leave the table, in the step that started its save).
+        self._chains: dict[int, tuple[bytes, tuple[bytes, ...]]] = {}
 
     def _emit(self, event: ev.Event) -> None:
+        if isinstance(event, (ev.KVSaveStarted, ev.KVLookupStarted)):
+            seq = self.state.seq(event.seq_id)
+            self._chains[event.seq_id] = (seq.root, tuple(seq.hashes))
         self.state.apply(event)
         self._decisions.append(event)
 
     @property
     def has_work(self) -> bool:
         table = self.state.seqs
-        return bool(table.waiting) or table.num_running > 0
+        transfers = self.state.transfers
+        serving = not self.state.sleeping and (bool(table.waiting) or table.num_running > 0)
+        return serving or transfers.busy or transfers.drain_pending
+
+    def chain(self, seq_id: int) -> tuple[bytes, tuple[bytes, ...]]:
+        """(namespace root, full-block hash chain) of a live sequence: what store keys of its
+        blocks are made of (the external-KV bridge asks)."""
+        chain = self._chains.get(seq_id)
+        if chain is not None:
+            return chain
+        seq = self.state.seq(seq_id)
+        return seq.root, tuple(seq.hashes)
+
+    def transfers_in_flight(self) -> tuple[list[int], list[int]]:
+        """(sequences whose load is in flight, save ids in flight)."""
+        transfers = self.state.transfers
+        return transfers.in_flight_loads(), sorted(transfers.leases)
 
     def step(self, inputs: Sequence[ev.Event], clock: float) -> StepResult:
         """Fold the inputs, decide, plan, record. Returns the plan for the executor."""
         self._decisions = []
+        self._chains = {}
         step = self.state.step + 1
         self._emit(ev.StepStarted(step, clock))
         for event in inputs:
@@ -102,8 +125,13 @@ class Engine:
             state.apply(event)
         elif isinstance(event, ev.StepExecuted):
             state.apply(event)
+            reserved = state.reserved_identities()
             policy.publish_checkpoints(state, emit)
+            policy.start_saves(state, reserved, emit)
             policy.finish_finished(state, event, emit)
+        elif isinstance(event, (ev.KVLoadFinished, ev.KVLoadFailed)):
+            state.apply(event)
+            policy.settle_load(state, event.seq_id, emit)
         elif isinstance(event, ev.StepFailed):
             state.apply(event)
             policy.abandon_checkpoints(state, emit)

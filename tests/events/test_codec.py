@@ -71,10 +71,13 @@ SAMPLES: dict[type[ev.Event], ev.Event] = {
     ev.CheckpointUnpinned: ev.CheckpointUnpinned(1, 6),
     ev.CheckpointReleased: ev.CheckpointReleased(1, "evicted by pressure"),
     ev.CheckpointEvicted: ev.CheckpointEvicted(1),
-    ev.KVLookupStarted: ev.KVLookupStarted(6),
-    ev.KVLoadAdmitted: ev.KVLoadAdmitted(6, 4),
-    ev.KVLoadStarted: ev.KVLoadStarted(6, i32(40, 41, 42, 43)),
-    ev.KVSaveStarted: ev.KVSaveStarted(77, 6, i32(40, 41)),
+    ev.KVLookupStarted: ev.KVLookupStarted(6, 2, 9, True),
+    ev.KVLoadCancelled: ev.KVLoadCancelled(6, "drain"),
+    ev.KVLoadAdmitted: ev.KVLoadAdmitted(6, 3, 2, 6),
+    ev.KVLoadStarted: ev.KVLoadStarted(6, i32(40, 41, 42, 43), 2, 4),
+    ev.KVSaveStarted: ev.KVSaveStarted(77, 6, i32(40, 41), 0, 3, 300),
+    ev.AbortDeferred: ev.AbortDeferred(6, "session ended", True),
+    ev.DrainDeferred: ev.DrainDeferred(),
 }
 
 ALL_TYPES = ev.INPUT_TYPES + ev.DECISION_TYPES

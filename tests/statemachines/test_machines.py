@@ -176,11 +176,12 @@ def test_an_illegal_sequence_event_reads_as_a_sentence() -> None:
     assert (info.value.state, info.value.event) == ("FINISHED", "admit")
 
 
-def test_a_sequence_abort_during_a_kv_load_is_deferred_until_the_load_settles() -> None:
-    with pytest.raises(IllegalTransition, match="load_settled"):
+def test_a_loading_sequence_cannot_be_aborted_until_its_load_settles_into_running() -> None:
+    with pytest.raises(IllegalTransition, match="LOADING_KV"):
         SEQUENCE.next_state(3, SeqState.LOADING_KV, SeqEvent.abort)
-    settled = frozenset({"load_settled"})
-    assert SEQUENCE.next_state(3, SeqState.LOADING_KV, SeqEvent.abort, settled) == SeqState.ABORTED
+    for outcome in (SeqEvent.load_done, SeqEvent.load_failed):
+        assert SEQUENCE.next_state(3, SeqState.LOADING_KV, outcome) == SeqState.RUNNING
+    assert SEQUENCE.next_state(3, SeqState.RUNNING, SeqEvent.abort) == SeqState.ABORTED
 
 
 def test_a_sequence_abort_is_immediate_outside_a_kv_load() -> None:
@@ -205,10 +206,10 @@ def test_a_running_sequence_can_be_chunked_decoded_preempted_or_finished() -> No
 
 
 def test_a_kv_load_can_be_cancelled_only_before_the_transfer_starts() -> None:
-    for state in (LoadState.PLANNED, LoadState.ADMITTED, LoadState.ALLOCATED):
+    before = (LoadState.LOOKUP_PENDING, LoadState.PLANNED, LoadState.ADMITTED, LoadState.ALLOCATED)
+    for state in before:
         assert KVLOAD.next_state(1, state, LoadEvent.cancel) == LoadState.CANCELLED
-    for state in (LoadState.LOOKUP_PENDING, LoadState.LOADING):
-        assert not KVLOAD.is_legal(state, LoadEvent.cancel)
+    assert not KVLOAD.is_legal(LoadState.LOADING, LoadEvent.cancel)
 
 
 def test_a_kv_load_walks_from_lookup_to_ready() -> None:

@@ -132,28 +132,38 @@ class StoreConnector:
         if entry is not None and entry.future is not None:
             entry.future.cancel()
 
-    def bind(self, seq_id: int, block_ids: Sequence[int]) -> None:
-        """The destination blocks of the external part ``[num_computed_blocks, num_blocks)``
-        (fewer ids: load only that many leading blocks). Consumes the lookup answer."""
+    def bind(self, seq_id: int, block_ids: Sequence[int], first_block: int | None = None) -> None:
+        """The destination blocks of chain blocks ``[first_block, first_block + n)`` (default
+        ``first_block``: the lookup's ``num_computed_blocks``; fewer ids: load only that many
+        blocks). Consumes the lookup answer. With ``with_state`` the state at the end of the
+        range is loaded too (a range of no blocks then loads only the state)."""
         entry = self._lookups.get(seq_id)
         if entry is None or entry.result is None:
             raise ValueError(f"bind({seq_id}): no answered lookup for this sequence")
         req, res = entry.request, entry.result
-        available = res.num_blocks - req.num_computed_blocks
-        if len(block_ids) > available:
+        first = req.num_computed_blocks if first_block is None else first_block
+        if first < req.num_computed_blocks or first + len(block_ids) > res.num_blocks:
             raise ValueError(
-                f"bind({seq_id}): {len(block_ids)} blocks bound, only {available} available"
+                f"bind({seq_id}): blocks [{first}, {first + len(block_ids)}) outside the"
+                f" available [{req.num_computed_blocks}, {res.num_blocks})"
             )
         del self._lookups[seq_id]
-        if not block_ids:
+        end = first + len(block_ids)
+        if not block_ids and not (req.with_state and end):
             return
-        first = req.num_computed_blocks
-        hashes = req.block_hashes[first : first + len(block_ids)]
+        hashes = req.block_hashes[first:end]
         keys = tuple(block_key(req.namespace_root, h) for h in hashes)
-        state = state_key(req.namespace_root, hashes[-1]) if req.with_state else None
+        state = state_key(req.namespace_root, req.block_hashes[end - 1]) if req.with_state else None
         self._bound[seq_id] = LoadOrder(
             seq_id=seq_id, keys=keys, block_ids=tuple(int(b) for b in block_ids), state_key=state
         )
+
+    def take_loads(self) -> tuple[LoadOrder, ...]:
+        """The loads bound since the previous call (the worker starts them now)."""
+        loads = tuple(self._bound[s] for s in sorted(self._bound))
+        self._loading.update(self._bound)
+        self._bound.clear()
+        return loads
 
     def set_state_slot(self, seq_id: int, slot: int) -> None:
         """Hybrid models: the state slot a bound load restores its checkpoint into."""
@@ -163,9 +173,7 @@ class StoreConnector:
     # --------------------------------------------------------------------- steps
 
     def build_step(self, step_input: ConnectorInput) -> StepTransfers:
-        loads = tuple(self._bound[s] for s in sorted(self._bound))
-        self._loading.update(self._bound)
-        self._bound.clear()
+        loads = self.take_loads()
         saves: list[SaveOrder] = []
         if self.save_enabled:
             inp = step_input

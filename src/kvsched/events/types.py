@@ -237,23 +237,66 @@ class CheckpointEvicted(Event, frozen=True, tag="ckpt_evicted"):
 
 
 class KVLookupStarted(Event, frozen=True, tag="kv_lookup_started"):
+    """Ask the external store how many blocks of the chain ``[first_block, num_blocks)`` it
+    holds (the engine has ``[0, first_block)`` itself)."""
+
     seq_id: int
+    first_block: int
+    num_blocks: int
+    with_state: bool = False  # hybrid: a hit must end at a block with a stored state
+
+
+class KVLoadCancelled(Event, frozen=True, tag="kv_load_cancelled"):
+    """A lookup or planned load is dropped (abort, drain, or the local cache serves it)."""
+
+    seq_id: int
+    reason: str
 
 
 class KVLoadAdmitted(Event, frozen=True, tag="kv_load_admitted"):
+    """Admit a sequence whose chain blocks ``[first_block, num_blocks)`` are loaded from the
+    store: it takes batch row ``row`` and waits in LOADING_KV until the load settles."""
+
     seq_id: int
+    row: int
+    first_block: int
     num_blocks: int
 
 
 class KVLoadStarted(Event, frozen=True, tag="kv_load_started"):
+    """Load chain blocks ``[first_block, first_block + len(blocks))`` into ``blocks`` (and,
+    for a hybrid model, the state at the last of them into ``state_slot``)."""
+
     seq_id: int
     blocks: np.ndarray
+    first_block: int
+    state_slot: int = -1
 
 
 class KVSaveStarted(Event, frozen=True, tag="kv_save_started"):
+    """Save chain blocks ``[first_block, first_block + len(blocks))`` of ``seq_id`` (and, for
+    a hybrid model, checkpoint ``ckpt_id``'s state from ``state_slot``). The save holds a
+    lease (a block reference, a checkpoint pin) until ``KVSaveFinished``."""
+
     save_id: int
     seq_id: int
     blocks: np.ndarray
+    first_block: int
+    ckpt_id: int = -1
+    state_slot: int = -1
+
+
+class AbortDeferred(Event, frozen=True, tag="abort_deferred"):
+    """An abort (or end of session) of a sequence whose KV is loading: applied once the
+    load has settled."""
+
+    seq_id: int
+    reason: str
+    close_session: bool = False
+
+
+class DrainDeferred(Event, frozen=True, tag="drain_deferred"):
+    """Drain requested while loads or saves are in flight: it happens once they settle."""
 
 
 INPUT_TYPES: tuple[type[Event], ...] = (
@@ -293,9 +336,12 @@ DECISION_TYPES: tuple[type[Event], ...] = (
     CheckpointReleased,
     CheckpointEvicted,
     KVLookupStarted,
+    KVLoadCancelled,
     KVLoadAdmitted,
     KVLoadStarted,
     KVSaveStarted,
+    AbortDeferred,
+    DrainDeferred,
 )
 
 

@@ -16,10 +16,10 @@ import numpy as np
 from kvsched.config import SchedulerConfig
 from kvsched.events import types as ev
 from kvsched.policy.ordering import order_waiting
-from kvsched.reducers.checkpoints import Checkpoint, partial_key, tail_extra
+from kvsched.reducers.checkpoints import Checkpoint, CheckpointTable, partial_key, tail_extra
 from kvsched.reducers.sequences import Seq
 from kvsched.reducers.state import EngineState
-from kvsched.statemachines import SeqState
+from kvsched.statemachines import LoadState, SeqState
 
 Emit = Callable[[ev.Event], None]
 I32, I64 = np.int32, np.int64
@@ -77,6 +77,7 @@ class Policy:
     def __init__(self, config: SchedulerConfig) -> None:
         self.config = config
         self.bs = config.block_size
+        self._split_tail = config.hybrid and config.external_save
 
     # ----------------------------------------------------------------------- inputs
 
@@ -125,33 +126,78 @@ class Policy:
         length = (t.ntokens[rows] - t.n_prompt[rows] >= t.max_tokens[rows]) | (
             t.ntokens[rows] >= self.config.model.max_context
         )
-        done = np.nonzero(stop | length)[0]
+        migrate = self.config.role == "prefill"  # the first token ends a prefill-role request
+        done = np.nonzero(stop | length | migrate)[0]
         if len(done):
             seqs = [state.seq(int(s)) for s in outcome.seq_ids[done]]
-            reasons = tuple("stop" if stop[i] else "length" for i in done.tolist())
+            reasons = tuple(
+                "stop" if stop[i] else "length" if length[i] else "migrated"
+                for i in done.tolist()
+            )
             self._release(state, seqs, emit, keep_for_session=True)
             emit(ev.SequenceFinished(outcome.seq_ids[done].copy(), reasons))
 
-    def abort(self, state: EngineState, seq_id: int, reason: str, emit: Emit) -> None:
+    def abort(
+        self, state: EngineState, seq_id: int, reason: str, emit: Emit, close_session: bool = False
+    ) -> bool:
+        """Abort a sequence; False when the abort is deferred (its KV is loading: it is
+        applied, once, when the load settles)."""
         seq = state.seqs.seqs.get(seq_id)
         if seq is None:
-            return  # unknown or already retired: nothing to release
+            return True  # unknown or already retired: nothing to release
+        load = state.transfers.load_of(seq_id)
+        if seq.state == SeqState.LOADING_KV:
+            assert load is not None
+            if not load.abort_reason:  # a second abort of the same load changes nothing
+                emit(ev.AbortDeferred(seq_id, reason, close_session))
+            return False
+        if load is not None and load.open:
+            emit(ev.KVLoadCancelled(seq_id, reason))
         if seq.state == SeqState.RUNNING:
             self._release(state, [seq], emit)
         emit(ev.SequenceAborted(seq_id, reason))
+        return True
 
     def end_session(self, state: EngineState, session_id: int, emit: Emit) -> None:
         session = state.sessions.get(session_id)
         if session is None:
             return
-        if session.active_seq >= 0:
-            self.abort(state, session.active_seq, "session ended", emit)
+        active = session.active_seq
+        if active >= 0 and not self.abort(state, active, "session ended", emit, True):
+            return  # closed once the active turn's load settles
         self._free_session_hold(state, session_id, emit)
         emit(ev.SessionClosed(session_id))
 
+    def settle_load(self, state: EngineState, seq_id: int, emit: Emit) -> None:
+        """After a load finished or failed: a hybrid sequence whose load failed recomputes
+        from its local prefix (preempted; it will not try the store again); a deferred abort
+        or end of session happens now, exactly once."""
+        load = state.transfers.load_of(seq_id)
+        assert load is not None
+        seq = state.seq(seq_id)
+        if load.state == LoadState.FAILED and state.hybrid:
+            self.preempt(state, seq, emit, f"kv load failed: {load.failure}")
+        if load.abort_reason:
+            reason, close = load.abort_reason, load.close_session
+            session_id = seq.session_id
+            self.abort(state, seq_id, reason, emit)
+            if close:
+                self.end_session(state, session_id, emit)
+
     def drain(self, state: EngineState, emit: Emit) -> None:
         """Preempt everything running, drop session holds and checkpoints, clear the prefix
-        cache (sleep releases the device memory): afterwards nothing is held or cached."""
+        cache (sleep releases the device memory): afterwards nothing is held or cached.
+
+        Lookups are cancelled (they are asked again after waking). Loads and saves in flight
+        write or read device memory: the drain waits until they settle (``DrainDeferred``);
+        meanwhile nothing is scheduled."""
+        for seq_id, load in sorted(state.transfers.loads.items()):
+            if load.open:
+                emit(ev.KVLoadCancelled(seq_id, "drain"))
+        if state.transfers.busy:
+            if not state.transfers.drain_pending:
+                emit(ev.DrainDeferred())
+            return
         running = [state.seq(int(state.seqs.row_seq[r])) for r in state.seqs.running_rows()]
         for seq in running:
             self.preempt(state, seq, emit, reason="drain")
@@ -230,8 +276,9 @@ class Policy:
         return (seq.priority, -seq.arrival_time, -seq.seq_id)
 
     def _victims(self, state: EngineState) -> list[int]:
-        """Running rows in preemption order: lowest priority, then latest arrival."""
-        rows = state.seqs.running_rows().tolist()
+        """Running rows in preemption order: lowest priority, then latest arrival (a row
+        whose KV is loading is never a victim: a transfer is writing its blocks)."""
+        rows = state.seqs.schedulable_rows().tolist()
         return sorted(rows, key=lambda r: self._victim_key(state, r))
 
     def _make_room(self, state: EngineState, need_rows: np.ndarray, emit: Emit) -> np.ndarray:
@@ -256,8 +303,12 @@ class Policy:
     def schedule(self, state: EngineState, emit: Emit) -> None:
         if state.sleeping:
             return
+        if state.transfers.drain_pending:
+            if not state.transfers.busy:
+                self.drain(state, emit)
+            return
         table = state.seqs
-        rows = table.running_rows()
+        rows = table.schedulable_rows()
         decode_mask = table.computed[rows] == table.ntokens[rows] - 1
         decode_rows, chunk_rows = rows[decode_mask], rows[~decode_mask]
         alternate = self.config.turn_mode == "alternate"
@@ -315,6 +366,13 @@ class Policy:
         chunk length (a function of the request and the config only) or at the prompt end."""
         size = self.config.chunk_tokens
         end = min(seq.n_tokens, (start // size + 1) * size)
+        if self._split_tail and end == seq.n_tokens:
+            # Hybrid models saving to the store: end a chunk at the deepest block boundary a
+            # lookup of this prompt (or of it plus its first token) can use, so an aligned
+            # state checkpoint exists there to be saved.
+            cut = (seq.n_tokens - 1) // self.bs * self.bs
+            if start < cut < end:
+                end = cut
         return Chunk(start, end, end == seq.n_tokens)
 
     def _fits_budget(self, budget: _StepBudget, chunk: Chunk) -> bool:
@@ -372,6 +430,8 @@ class Policy:
                 return
             if seq.preempted_at == state.step:
                 continue  # preempted to make room this step: not readmitted in the same step
+            if self.config.external_load and self._awaits_lookup(state, seq, emit):
+                continue  # the store is being asked: skipped until it answers
             verdict = self._try_admit(state, seq, budget, emit)
             if verdict == "stop" and stop_on_failure:
                 return
@@ -462,10 +522,99 @@ class Policy:
                 )
             )
 
+    # ------------------------------------------------------------------ external KV
+
+    def _lookup_range(self, state: EngineState, seq: Seq) -> tuple[int, int]:
+        """(first, end): the chain blocks the store could add beyond the local match. A hit
+        never covers the last known token; for a hybrid model the local part is what a
+        checkpoint serves."""
+        end = (seq.n_tokens - 1) // self.bs - self.config.num_speculative_tokens
+        match = self.find_prefix(state, seq)
+        return match.num_tokens // self.bs, end
+
+    def _awaits_lookup(self, state: EngineState, seq: Seq, emit: Emit) -> bool:
+        """Start the store lookup of a sequence that has none; True while it is pending."""
+        load = state.transfers.load_of(seq.seq_id)
+        if load is None:
+            if seq.want_experts:
+                return False  # the store keeps no routed-expert ids: never loaded
+            first, end = self._lookup_range(state, seq)
+            if first >= end:
+                return False  # the local cache serves every block the store could
+            emit(ev.KVLookupStarted(seq.seq_id, first, end, state.hybrid))
+            return True
+        return load.state == LoadState.LOOKUP_PENDING
+
+    def _external_plan(self, state: EngineState, seq: Seq, match: Match) -> tuple[int, int]:
+        """(first, end) of a usable planned load, else (0, 0). The local part is the cached
+        KV chain (for a hybrid model the loaded state replaces a local checkpoint); it must
+        still reach the block the lookup started from."""
+        load = state.transfers.load_of(seq.seq_id)
+        if load is None or load.state != LoadState.PLANNED:
+            return 0, 0
+        end = load.num_blocks
+        if end * self.bs <= match.num_tokens:
+            return 0, 0  # the local cache now serves as much
+        local = state.pool.find_prefix_len(seq.hashes, end)
+        if local < load.first_block:
+            return 0, 0  # the local part the lookup relied on was evicted meanwhile
+        return local, end
+
+    def _admit_with_load(
+        self, state: EngineState, seq: Seq, first: int, end: int, emit: Emit
+    ) -> str:
+        """Admit a sequence whose chain blocks [first, end) load from the store: it takes a
+        row and every block of its prompt now (so concurrent loads never wait on each other
+        for their tails) and computes nothing until the load settles."""
+        pool = state.pool
+        hit = pool.find_blocks(seq.hashes, first)
+        need = _cdiv(seq.n_tokens, self.bs) - first
+        if not self._make_fit(state, seq, need, hit, -1, emit):
+            return "stop"
+        emit(ev.KVLoadAdmitted(seq.seq_id, state.seqs.peek_free_row(), first, end))
+        first_admission = seq.num_preemptions == 0
+        emit(
+            ev.PrefixMatched(
+                seq.seq_id, hit, first * self.bs, seq.n_prompt if first_admission else 0
+            )
+        )
+        if seq.session_id in state.sessions:
+            self._free_session_hold(state, seq.session_id, emit)
+        self._allocate(state, seq.seq_id, need, emit)
+        row = seq.row
+        blocks = state.seqs.table[row, first:end].copy()
+        slot = CheckpointTable.runtime_slot(row) if state.hybrid else -1
+        emit(ev.KVLoadStarted(seq.seq_id, blocks, first, slot))
+        return "admitted"
+
+    def _make_fit(
+        self, state: EngineState, seq: Seq, need: int, hit: np.ndarray, keep: int, emit: Emit
+    ) -> bool:
+        """Make ``need`` blocks available besides the ``hit`` an admission attaches, by
+        releasing other sessions' holds or evicting checkpoints only when that makes the
+        admission fit (a rejected admission leaves no trace). False: it cannot fit."""
+        pool = state.pool
+        shortfall = need - (pool.num_available - pool.count_unheld(hit))
+        if shortfall <= 0:
+            return True
+        if state.hybrid:
+            if not self._evict_checkpoints_for(state, need, emit, keep=keep):
+                return False
+        elif shortfall > self._reclaim_gain(state, seq.session_id, hit):
+            return False
+        else:
+            self._reclaim_sessions(state, need, emit, seq.session_id, hit)
+        # (Evicting a checkpoint whose path overlaps an unheld hit gains nothing for it.)
+        return need <= pool.num_available - pool.count_unheld(hit)
+
     def _try_admit(self, state: EngineState, seq: Seq, budget: _StepBudget, emit: Emit) -> str:
         """Admit one waiting sequence, or return why not ('skip' or 'stop') leaving no trace."""
-        pool, bs = state.pool, self.bs
+        bs = self.bs
         match = self.find_prefix(state, seq)
+        if self.config.external_load:
+            first, end = self._external_plan(state, seq, match)
+            if end:
+                return self._admit_with_load(state, seq, first, end, emit)
         chunk = self.chunk_of(seq, match.num_tokens)
         if not self._long_gate_open(budget, chunk):
             return "skip"
@@ -473,18 +622,11 @@ class Policy:
             return "stop"
         hit = match.blocks
         need = _cdiv(chunk.end, bs) - len(hit)
-        shortfall = need - (pool.num_available - pool.count_unheld(hit))
-        if shortfall > 0:
-            # Release other sessions' holds or evict checkpoints only when that makes the
-            # admission fit: a rejected admission leaves no trace.
-            if state.hybrid:
-                if not self._evict_checkpoints_for(state, need, emit, keep=match.ckpt_id):
-                    return "stop"
-            elif shortfall > self._reclaim_gain(state, seq.session_id, hit):
-                return "stop"
-            else:
-                self._reclaim_sessions(state, need, emit, seq.session_id, hit)
-            assert need <= pool.num_available - pool.count_unheld(hit)
+        if not self._make_fit(state, seq, need, hit, match.ckpt_id, emit):
+            return "stop"
+        load = state.transfers.load_of(seq.seq_id)
+        if load is not None and load.open:
+            emit(ev.KVLoadCancelled(seq.seq_id, "served by the local cache"))
         self.attach_prefix(state, seq, match, emit)
         if seq.session_id in state.sessions:
             self._free_session_hold(state, seq.session_id, emit)
@@ -533,6 +675,37 @@ class Policy:
                 emit(ev.CheckpointReleased(ckpt_id, "superseded"))
             else:
                 emit(ev.CheckpointPublished(ckpt_id))
+
+    def start_saves(
+        self, state: EngineState, published: list[tuple[int, int, bytes]], emit: Emit
+    ) -> None:
+        """After a successful step, save what became saveable to the store: an attention
+        model's newly computed full blocks; a hybrid model's blocks up to each aligned state
+        checkpoint the step published (``published``: (seq id, tokens, identity)), with the
+        state. Each save leases its blocks (and checkpoint) until the store confirms."""
+        if not self.config.external_save or state.transfers.drain_pending:
+            return
+        t = state.seqs
+        if state.hybrid:
+            for seq_id, step, key in published:
+                c = state.ckpts.find(key)
+                seq = t.seqs.get(seq_id)
+                if c is None or step % self.bs or seq is None or seq.row < 0:
+                    continue
+                self._save(state, seq.seq_id, seq.row, step // self.bs, c.ckpt_id, c.slot, emit)
+            return
+        rows = t.schedulable_rows()
+        for row in rows[t.registered[rows] > t.saved[rows]].tolist():
+            self._save(state, int(t.row_seq[row]), row, int(t.registered[row]), -1, -1, emit)
+
+    def _save(
+        self, state: EngineState, seq_id: int, row: int, end: int, ckpt: int, slot: int, emit: Emit
+    ) -> None:
+        lo = int(state.seqs.saved[row])
+        if end <= lo:
+            return
+        blocks = state.seqs.table[row, lo:end].copy()
+        emit(ev.KVSaveStarted(state.transfers.next_save_id, seq_id, blocks, lo, ckpt, slot))
 
     def abandon_checkpoints(self, state: EngineState, emit: Emit) -> None:
         """After a failed step: its saves never happened (publish rollback)."""

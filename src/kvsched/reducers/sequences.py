@@ -120,6 +120,10 @@ class SequenceTable:
         self.nblocks = np.zeros(max_batch, dtype=np.int64)
         self.registered = np.zeros(max_batch, dtype=np.int64)
         self.last_token = np.zeros(max_batch, dtype=np.int32)
+        # External KV: the row's prefix is loading (LOADING_KV); chain blocks [0, saved) are
+        # in the store or being saved (or were matched locally).
+        self.loading = np.zeros(max_batch, dtype=bool)
+        self.saved = np.zeros(max_batch, dtype=np.int64)
         # Per-row request constants, written in one assignment at activation; the named
         # arrays are column views of it.
         self._consts = np.zeros((max_batch, 5), dtype=np.int64)
@@ -143,7 +147,12 @@ class SequenceTable:
         return self.max_batch - len(self.free_rows)
 
     def running_rows(self) -> np.ndarray:
+        """Rows holding a sequence (RUNNING, or LOADING_KV: see ``loading``)."""
         return np.nonzero(self.row_seq != FREE_ROW)[0]
+
+    def schedulable_rows(self) -> np.ndarray:
+        """Rows whose sequence can compute (not waiting for a KV load)."""
+        return np.nonzero((self.row_seq != FREE_ROW) & ~self.loading)[0]
 
     def rows_of(self, seq_ids: np.ndarray) -> np.ndarray:
         """Rows of running sequences, vectorised (raises KeyError if one is not running)."""
@@ -183,6 +192,7 @@ class SequenceTable:
         if self.row_seq[row] != FREE_ROW or self.free_rows[-1] != row:
             raise ValueError(f"row {row} is not the next free row")
         seq.transition(event)
+        self.loading[row] = event == SeqEvent.begin_load
         self.free_rows.pop()
         self.waiting.pop(seq.seq_id, None)
         seq.row = row
@@ -220,6 +230,8 @@ class SequenceTable:
         self.set_nblocks(row, 0)
         self.computed[row] = 0
         self.registered[row] = 0
+        self.loading[row] = False
+        self.saved[row] = 0
         self.free_rows.append(row)
         seq.row = FREE_ROW
 

@@ -19,7 +19,9 @@ from kvsched.identity import chain_hashes, namespace_root, span_extras
 from kvsched.reducers.blocks import BlockPool, BlockPoolError
 from kvsched.reducers.checkpoints import Checkpoint, CheckpointTable, partial_key, tail_extra
 from kvsched.reducers.sequences import FREE_ROW, Seq, SequenceTable
-from kvsched.statemachines import CkptEvent, CkptState, SeqEvent, SeqState
+from kvsched.reducers.transfers import KVLoad as KVLoadT
+from kvsched.reducers.transfers import Lease, TransferTable
+from kvsched.statemachines import CkptEvent, CkptState, LoadEvent, LoadState, SeqEvent, SeqState
 
 
 class InvariantError(AssertionError):
@@ -56,6 +58,7 @@ class Stats:
     generated_tokens: int = 0
     preemptions: int = 0
     steps: int = 0
+    external_hit_tokens: int = 0  # prompt tokens admitted to be loaded from the store
 
 
 @attrs.define(slots=True)
@@ -110,6 +113,7 @@ class EngineState:
         self.failed_seq_ids: list[int] = []  # sequences of the latest failed step
         self.seqs = SequenceTable(config.max_batch, max_blocks, config.block_size)
         self.sessions: dict[int, Session] = {}
+        self.transfers = TransferTable()
         self.stats = Stats()
         self.pending = Pending()
         self.step = 0
@@ -144,6 +148,17 @@ class EngineState:
             ev.CheckpointUnpinned: self._on_ckpt_unpinned,
             ev.CheckpointReleased: self._on_ckpt_released,
             ev.CheckpointEvicted: self._on_ckpt_evicted,
+            ev.KVLookupStarted: self._on_lookup_started,
+            ev.KVLookupAnswered: self._on_lookup_answered,
+            ev.KVLoadCancelled: self._on_load_cancelled,
+            ev.KVLoadAdmitted: self._on_load_admitted,
+            ev.KVLoadStarted: self._on_load_started,
+            ev.KVLoadFinished: self._on_load_finished,
+            ev.KVLoadFailed: self._on_load_failed,
+            ev.KVSaveStarted: self._on_save_started,
+            ev.KVSaveFinished: self._on_save_finished,
+            ev.AbortDeferred: self._on_abort_deferred,
+            ev.DrainDeferred: self._on_drain_deferred,
         }
         self._ignored = (ev.RequestAborted, ev.SessionEnded, ev.DrainRequested, ev.WakeRequested)
 
@@ -178,6 +193,7 @@ class EngineState:
             held.append(t.blocks_of(row)[seq.n_pinned :])
         held.extend(s.held for s in self.sessions.values() if len(s.held))
         held.extend(self.ckpts.holders())
+        held.extend(self.transfers.lease_holders())
         return held
 
     # ------------------------------------------------------------------ input folds
@@ -359,6 +375,7 @@ class EngineState:
         t.nblocks[row] = k
         t.computed[row] = e.num_tokens
         t.registered[row] = k
+        t.saved[row] = max(int(t.saved[row]), k)  # matched blocks need no save
         seq.num_hit_tokens = e.num_tokens
         if e.num_query_tokens:  # re-admissions after preemption are not counted
             self.stats.query_tokens += e.num_query_tokens
@@ -381,6 +398,9 @@ class EngineState:
             n, k = int(t.nblocks[row]), int(e.counts[i])
             t.table[row, n : n + k] = blocks[bounds[i] : bounds[i + 1]]
             t.nblocks[row] = n + k
+            if t.loading[row]:
+                load = self.transfers.loads[seq_id]
+                load.transition(LoadEvent.allocate)
 
     def _on_freed(self, e: ev.BlocksFreed) -> None:
         bounds = _segments(e.counts)
@@ -448,6 +468,7 @@ class EngineState:
         seq = self.seq(e.seq_id)
         seq.transition(SeqEvent.preempt)
         self._release_row(seq)
+        self.transfers.forget(seq.seq_id, keep_failed=True)
         self.seqs.requeue(seq)
         seq.num_preemptions += 1
         seq.preempted_at = self.step
@@ -460,6 +481,7 @@ class EngineState:
             seq.finish_reason = reason
             self._release_row(seq)
             self._end_turn(seq)
+            self.transfers.forget(seq_id)
             self.seqs.retire(seq)
             self.stats.requests_finished += 1
 
@@ -478,6 +500,11 @@ class EngineState:
         if seq.state == SeqState.RUNNING:
             self._release_row(seq)
         seq.transition(SeqEvent.abort)
+        if seq.seq_id in self.transfers.loads:
+            load = self.transfers.loads[seq.seq_id]
+            if load.in_flight or load.open:
+                raise ReplayMismatch(f"sequence {e.seq_id} aborted with its load {load.state.name}")
+            self.transfers.forget(seq.seq_id)
         seq.finish_reason = e.reason
         session = self.sessions.get(seq.session_id)
         if session is not None:
@@ -493,11 +520,126 @@ class EngineState:
     def _on_drained(self, e: ev.Drained) -> None:
         if self.seqs.num_running or any(len(s.held) for s in self.sessions.values()):
             raise ReplayMismatch("drained while blocks are still held")
+        if self.transfers.busy:
+            raise ReplayMismatch("drained while KV transfers are in flight")
         self.pool.clear_cache()
         self.sleeping = True
+        self.transfers.drain_pending = False
 
     def _on_woken(self, e: ev.Woken) -> None:
         self.sleeping = False
+
+    # ------------------------------------------------------------------ external KV
+
+    def _load(self, seq_id: int) -> KVLoadT:
+        load = self.transfers.loads.get(seq_id)
+        if load is None:
+            raise ReplayMismatch(f"sequence {seq_id} has no KV load")
+        return load
+
+    def _on_lookup_started(self, e: ev.KVLookupStarted) -> None:
+        if self.seq(e.seq_id).state != SeqState.WAITING:
+            raise ReplayMismatch(f"lookup for sequence {e.seq_id}, which is not waiting")
+        self.transfers.start_lookup(e.seq_id, e.first_block, e.num_blocks, e.with_state)
+
+    def _on_lookup_answered(self, e: ev.KVLookupAnswered) -> None:
+        """An input: a stale answer (its lookup was cancelled meanwhile) is ignored."""
+        load = self.transfers.loads.get(e.seq_id)
+        if load is None or load.state != LoadState.LOOKUP_PENDING or e.pending:
+            return
+        if e.num_blocks > load.first_block:
+            load.num_blocks = min(e.num_blocks, load.num_blocks)
+            load.transition(LoadEvent.lookup_hit)
+        else:
+            load.transition(LoadEvent.lookup_miss)
+
+    def _on_load_cancelled(self, e: ev.KVLoadCancelled) -> None:
+        load = self._load(e.seq_id)
+        load.transition(LoadEvent.cancel)
+        del self.transfers.loads[e.seq_id]  # a waiting sequence may look up again later
+
+    def _on_load_admitted(self, e: ev.KVLoadAdmitted) -> None:
+        load = self._load(e.seq_id)
+        load.transition(LoadEvent.admit)
+        load.first_block, load.num_blocks = e.first_block, e.num_blocks
+        seq = self.seq(e.seq_id)
+        self.seqs.activate(seq, e.row, SeqEvent.begin_load)
+        self.seqs.saved[e.row] = e.num_blocks  # the store has them
+        if self.hybrid:
+            self.extras.state_zero.append(CheckpointTable.runtime_slot(e.row))
+        self.stats.external_hit_tokens += (e.num_blocks - e.first_block) * self.block_size
+
+    def _on_load_started(self, e: ev.KVLoadStarted) -> None:
+        load = self._load(e.seq_id)
+        row = self.seq(e.seq_id).row
+        lo, hi = load.first_block, load.num_blocks
+        if e.first_block != lo or not np.array_equal(self.seqs.table[row, lo:hi], e.blocks):
+            raise ReplayMismatch(f"sequence {e.seq_id}: load into blocks it does not hold")
+        load.transition(LoadEvent.start)
+        load.blocks = np.array(e.blocks, dtype=np.int32)
+
+    def _settle(self, seq_id: int, event: LoadEvent, good: int) -> None:
+        """The load ended with ``good`` leading blocks usable: the sequence runs from there."""
+        load = self._load(seq_id)
+        if not load.in_flight:
+            raise ReplayMismatch(f"sequence {seq_id}: load outcome without a load in flight")
+        load.transition(event)
+        seq = self.seq(seq_id)
+        seq.transition(SeqEvent.load_done if event == LoadEvent.finish else SeqEvent.load_failed)
+        row = seq.row
+        self.seqs.loading[row] = False
+        self.seqs.computed[row] = (load.first_block + good) * self.block_size
+        self._register_computed(np.asarray([row]))
+        self.transfers.loaded_blocks += good
+
+    def _on_load_finished(self, e: ev.KVLoadFinished) -> None:
+        load = self._load(e.seq_id)
+        self._settle(e.seq_id, LoadEvent.finish, load.num_blocks - load.first_block)
+
+    def _on_load_failed(self, e: ev.KVLoadFailed) -> None:
+        load = self._load(e.seq_id)
+        # A hybrid model cannot use blocks without the state at their end: it falls back.
+        good = 0 if self.hybrid else max(0, min(e.num_good_blocks, len(load.blocks)))
+        load.failure = e.reason
+        self._settle(e.seq_id, LoadEvent.fail, good)
+        self.transfers.failed_loads += 1
+
+    def _on_abort_deferred(self, e: ev.AbortDeferred) -> None:
+        load = self._load(e.seq_id)
+        if not load.in_flight or load.abort_reason:
+            raise ReplayMismatch(f"sequence {e.seq_id}: abort deferred twice or without a load")
+        load.abort_reason, load.close_session = e.reason, e.close_session
+
+    def _on_drain_deferred(self, e: ev.DrainDeferred) -> None:
+        self.transfers.drain_pending = True
+
+    def _on_save_started(self, e: ev.KVSaveStarted) -> None:
+        seq = self.seq(e.seq_id)
+        row, hi = seq.row, e.first_block + len(e.blocks)
+        if row == FREE_ROW or hi > self.seqs.registered[row]:
+            raise ReplayMismatch(f"save {e.save_id}: blocks of {e.seq_id} are not computed")
+        if not np.array_equal(self.seqs.table[row, e.first_block : hi], e.blocks):
+            raise ReplayMismatch(f"save {e.save_id}: blocks not held by sequence {e.seq_id}")
+        try:
+            self.transfers.add_lease(Lease(e.save_id, e.seq_id, e.blocks.copy(), e.ckpt_id))
+        except ValueError as exc:
+            raise ReplayMismatch(str(exc)) from exc
+        self.pool.attach(e.blocks)
+        if e.ckpt_id >= 0:
+            self.ckpts.pin(self.ckpts.get(e.ckpt_id))
+        self.seqs.saved[row] = hi
+
+    def _on_save_finished(self, e: ev.KVSaveFinished) -> None:
+        lease = self.transfers.leases.pop(e.save_id, None)
+        if lease is None:
+            raise ReplayMismatch(f"save {e.save_id} finished but was never started")
+        self.pool.release(lease.blocks)
+        if lease.ckpt_id >= 0:
+            self.ckpts.unpin(self.ckpts.get(lease.ckpt_id))
+        if e.ok:
+            self.transfers.saved_blocks += len(lease.blocks)
+        else:
+            self.transfers.failed_saves += 1
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -510,6 +652,14 @@ class EngineState:
             return anchor, anchor
         extra = tail_extra(seq.mm_spans, depth * bs, step)
         return partial_key(anchor, seq.tokens[depth * bs : step], extra), anchor
+
+    def reserved_identities(self) -> list[tuple[int, int, bytes]]:
+        """(seq id, tokens, identity) of each checkpoint the executed step saved."""
+        out = []
+        for ckpt_id in self.awaiting_publish:
+            c = self.ckpts.get(ckpt_id)
+            out.append((c.seq_id, c.step, c.key))
+        return out
 
     def _on_ckpt_reserved(self, e: ev.CheckpointReserved) -> None:
         seq = self.seq(e.seq_id)
@@ -588,7 +738,7 @@ class EngineState:
         except BlockPoolError as exc:
             raise InvariantError(str(exc)) from exc
         self._check_rows()
-        pins: dict[int, int] = {}
+        pins = self.transfers.lease_pins()
         for seq in self.seqs.seqs.values():
             self._check_seq(seq)
             if seq.pinned_ckpt >= 0:
@@ -599,6 +749,23 @@ class EngineState:
         for session in self.sessions.values():
             if session.active_seq >= 0 and session.active_seq not in self.seqs.seqs:
                 raise InvariantError(f"session {session.session_id} points at a retired seq")
+        self._check_transfers()
+
+    def _check_transfers(self) -> None:
+        t = self.seqs
+        loading = {s.seq_id for s in t.seqs.values() if s.state == SeqState.LOADING_KV}
+        rows = {int(t.row_seq[r]) for r in np.nonzero(t.loading)[0].tolist()}
+        if rows != loading:
+            raise InvariantError(f"loading rows {sorted(rows)} vs loading seqs {sorted(loading)}")
+        problem = self.transfers.check_invariants(loading)
+        if problem is not None:
+            raise InvariantError(problem)
+        for seq_id, load in self.transfers.loads.items():
+            seq = t.seqs.get(seq_id)
+            if seq is None:
+                raise InvariantError(f"load record of retired sequence {seq_id}")
+            if load.open and seq.state != SeqState.WAITING:
+                raise InvariantError(f"open load of {seq_id}, which is {seq.state.name}")
 
     def _check_rows(self) -> None:
         t = self.seqs
@@ -607,7 +774,8 @@ class EngineState:
             raise InvariantError("batch rows are not partitioned into used and free")
         for row in used:
             seq = t.seqs.get(int(t.row_seq[row]))
-            if seq is None or seq.row != row or seq.state != SeqState.RUNNING:
+            live = (SeqState.RUNNING, SeqState.LOADING_KV)
+            if seq is None or seq.row != row or seq.state not in live:
                 raise InvariantError(f"row {row} holds a sequence that is not running there")
 
     def _check_seq(self, seq: Seq) -> None:
@@ -621,7 +789,7 @@ class EngineState:
             if seq.row != FREE_ROW or seq.seq_id not in t.waiting:
                 raise InvariantError(f"waiting sequence {seq.seq_id} holds a row or is unqueued")
             return
-        if seq.state != SeqState.RUNNING:
+        if seq.state not in (SeqState.RUNNING, SeqState.LOADING_KV):
             raise InvariantError(f"sequence {seq.seq_id} is in state {seq.state.name}")
         row = seq.row
         if seq.seq_id in t.waiting:

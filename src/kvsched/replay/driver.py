@@ -17,6 +17,7 @@ import msgspec
 from kvsched.engine import Engine, StepResult
 from kvsched.events import types as ev
 from kvsched.reducers.plan import StepPlan
+from kvsched.replay.external import ExternalKV
 from kvsched.replay.workload import Turn, Workload
 
 
@@ -76,6 +77,7 @@ def run(
     on_step: Callable[[StepResult], None] | None = None,
     on_executed: Callable[[StepResult, ev.StepExecuted, float], None] | None = None,
     resume: Resume | None = None,
+    external: ExternalKV | None = None,
 ) -> RunSummary:
     """Run a workload to completion; returns totals.
 
@@ -83,7 +85,8 @@ def run(
     ``on_executed(result, outcome, end_clock)`` after the executor ran a non-empty plan, with
     the simulated clock at the end of the step (when its sampled tokens exist). An executor
     that raises becomes a ``StepFailed`` input of the next step. ``resume`` continues a run
-    recovered from its event log (see ``replay.recovery``).
+    recovered from its event log (see ``replay.recovery``). ``external`` connects the engine
+    to a KV store (lookups, loads and saves; see ``replay.external``).
     """
     wall = time.perf_counter()
     followers: dict[int, list[Turn]] = {}
@@ -104,11 +107,16 @@ def run(
     outcome: list[ev.Event] = []
     if resume is not None and not resume.plan.is_empty:
         clock = _execute(executor, resume.plan, outcome, clock)
+    if resume is not None and external is not None:
+        outcome.extend(ExternalKV.recovered_inputs(engine))
     summary = RunSummary()
     for _ in range(max_steps):
-        if not queue and not engine.has_work and not outcome:
+        transfers = external.inputs() if external is not None else []
+        outcome.extend(transfers)
+        busy = engine.has_work or bool(outcome)
+        if not queue and not busy:
             break
-        if not engine.has_work and not outcome and queue[0][0] > clock:
+        if not busy and queue[0][0] > clock:
             clock = queue[0][0]  # idle: jump to the next arrival
         inputs: list[ev.Event] = list(outcome)
         while queue and queue[0][0] <= clock:
@@ -125,6 +133,10 @@ def run(
             clock = _execute(executor, result.plan, outcome, clock)
             if on_executed is not None and isinstance(outcome[0], ev.StepExecuted):
                 on_executed(result, outcome[0], clock)
+        if external is not None:
+            external.after_step(engine, result.decisions)
+            if result.plan.is_empty and not outcome:
+                external.wait()  # only transfers are outstanding: do not spin
     _fill(summary, engine, clock, time.perf_counter() - wall)
     return summary
 

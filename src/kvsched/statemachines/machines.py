@@ -70,9 +70,8 @@ SEQUENCE_SPEC = MachineSpec(
     transitions=(
         T(_SE.admit, _S.WAITING, _S.RUNNING),
         T(_SE.begin_load, _S.WAITING, _S.LOADING_KV),
-        T(_SE.load_done, _S.LOADING_KV, _S.WAITING),
-        T(_SE.load_failed, _S.LOADING_KV, _S.WAITING),
-        T(_SE.abort, _S.LOADING_KV, _S.ABORTED, "load_settled"),
+        T(_SE.load_done, _S.LOADING_KV, _S.RUNNING),
+        T(_SE.load_failed, _S.LOADING_KV, _S.RUNNING),
         T(_SE.schedule_chunk, _S.RUNNING, _S.RUNNING),
         T(_SE.decode, _S.RUNNING, _S.RUNNING),
         T(_SE.preempt, _S.RUNNING, _S.WAITING),
@@ -83,9 +82,13 @@ SEQUENCE_SPEC = MachineSpec(
         T(_SE.abort, _S.MIGRATING_IN, _S.ABORTED),
     ),
     description=(
-        "A request from arrival to completion. MIGRATING_IN is the entry state of a sequence "
-        "migrated from another worker. An abort while KV is loading is deferred: it is legal "
-        "only once the load has settled (fact `load_settled`)."
+        "A request from arrival to completion. LOADING_KV: admitted (it holds a batch row and "
+        "every block of its prompt) while its prefix loads from the external store; it runs "
+        "from the loaded boundary (or, after a failure, from the last good block). There is "
+        "no abort edge from LOADING_KV: an abort or end of session during a load is recorded "
+        "and applied once the load has settled. MIGRATING_IN is the entry state reserved for "
+        "a sequence handed over by another worker's scheduler (migration through the store "
+        "currently arrives as a plain request whose prefix is loaded)."
     ),
 )
 
@@ -137,13 +140,18 @@ KVLOAD_SPEC = MachineSpec(
         T(_LE.start, _L.ALLOCATED, _L.LOADING),
         T(_LE.finish, _L.LOADING, _L.READY),
         T(_LE.fail, _L.LOADING, _L.FAILED),
+        T(_LE.cancel, _L.LOOKUP_PENDING, _L.CANCELLED),
         T(_LE.cancel, _L.PLANNED, _L.CANCELLED),
         T(_LE.cancel, _L.ADMITTED, _L.CANCELLED),
         T(_LE.cancel, _L.ALLOCATED, _L.CANCELLED),
     ),
     description=(
-        "Loading a sequence's KV blocks from an external tier. A load can be cancelled "
-        "until its transfer starts; once LOADING it either finishes or fails."
+        "Loading a sequence's KV blocks (and, for a hybrid model, the state at the loaded "
+        "boundary) from an external store. The lookup is asynchronous (it may stay pending "
+        "for steps); PLANNED -> ADMITTED -> ALLOCATED -> LOADING happen in one admission "
+        "(row, every prompt block, transfer start). A load can be cancelled until its "
+        "transfer starts; once LOADING it either finishes or fails (with the number of good "
+        "leading blocks: the sequence recomputes from there)."
     ),
 )
 
