@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
 import json
 import os
@@ -16,11 +17,14 @@ import attrs
 from tqdm import tqdm
 
 from kvsched.config import ModelSpec, SchedulerConfig
+from kvsched.connectors import InProcessStore, StoreConnector, TransferEngine
+from kvsched.connectors.buffers import HostBlockBuffer, HostStateBuffer
 from kvsched.engine import Engine, create_log
 from kvsched.events.log import CorruptLogError, EventLog, LogOpenError
 from kvsched.gpu.sim import CostModel, SimulatedExecutor
 from kvsched.replay.diff import diff_logs, format_diff
 from kvsched.replay.driver import Executor, run
+from kvsched.replay.external import ExternalKV
 from kvsched.replay.metrics import ReplayResult, replay_workload
 from kvsched.replay.report import format_sweep, format_table, write_report, write_sweep
 from kvsched.replay.traces import (
@@ -58,13 +62,31 @@ def _replay(
     *,
     desc: str,
     quiet: bool,
+    external: ExternalKV | None = None,
 ) -> ReplayResult:
     """The one replay path of ``demo`` and ``replay``: driver + metrics recorder + progress."""
     progress, bar = _progress_bar(len(workload.turns), desc, quiet)
+    driver = functools.partial(run, external=external) if external is not None else run
     try:
-        return replay_workload(engine, executor, workload, progress=progress, driver=run)
+        return replay_workload(engine, executor, workload, progress=progress, driver=driver)
     finally:
         bar.close()
+
+
+def _external(store: InProcessStore, config: SchedulerConfig, executor: Executor) -> ExternalKV:
+    """The bridge to ``store``: the torch executor's cache as buffers, host buffers for the
+    simulated executor (whose KV has no contents)."""
+    blocks: Any
+    states: Any
+    if isinstance(executor, SimulatedExecutor):
+        blocks = HostBlockBuffer(config.num_blocks, 64)
+        states = HostStateBuffer(config.num_state_slots, 8, 8)
+    else:
+        from kvsched.gpu.transfer_buffer import TorchCacheBuffer
+
+        blocks = states = TorchCacheBuffer(executor)  # type: ignore[arg-type]
+    worker = TransferEngine(store, blocks, states if config.hybrid else None)
+    return ExternalKV(StoreConnector(store, synchronous=True), worker)
 
 
 def _open_log(path: str | None, config: SchedulerConfig) -> EventLog | None:
@@ -128,6 +150,7 @@ def _demo(args: argparse.Namespace, workdir: str) -> int:
         num_blocks=args.cache_blocks,
         max_batch=args.max_batch,
         hybrid=args.hybrid or args.executor == "torch",  # the torch model is hybrid
+        external_kv=args.external,
     )
     try:
         log = _open_log(args.log, config)
@@ -136,6 +159,8 @@ def _demo(args: argparse.Namespace, workdir: str) -> int:
     workload = chat_workload(
         sessions=args.sessions, turns=args.turns, seed=args.seed, vocab_size=vocab
     )
+    if args.external:
+        return _demo_external(args, config, workload, model_dir, log)
     engine = Engine(config, log=log, check_invariants=args.check)
     executor = make_executor(args.executor, config, CostModel(), model_dir)
     try:
@@ -145,6 +170,51 @@ def _demo(args: argparse.Namespace, workdir: str) -> int:
             log.close()
     title = f"kvsched demo: {len(workload.turns)} chat turns"
     return _finish(args, title, result, {"workload": workload.name})
+
+
+def _demo_external(
+    args: argparse.Namespace,
+    config: SchedulerConfig,
+    workload: Workload,
+    model_dir: str | None,
+    log: EventLog | None,
+) -> int:
+    """Serve the workload on engine A, saving to an in-process store; then on engine B (a
+    restarted server: empty cache, same store), which loads A's prefixes. B's run is the one
+    logged and reported."""
+    store = InProcessStore(capacity_bytes=8 << 30)
+    first = Engine(config, check_invariants=args.check)
+    ex_a = make_executor(args.executor, config, CostModel(), model_dir)
+    res_a = _replay(
+        first,
+        ex_a,
+        workload,
+        desc="demo A",
+        quiet=args.quiet,
+        external=_external(store, config, ex_a),
+    )
+    engine = Engine(config, log=log, check_invariants=args.check)
+    ex_b = make_executor(args.executor, config, CostModel(), model_dir)
+    try:
+        result = _replay(
+            engine,
+            ex_b,
+            workload,
+            desc="demo B",
+            quiet=args.quiet,
+            external=_external(store, config, ex_b),
+        )
+    finally:
+        if log is not None:
+            log.close()
+    title = f"kvsched demo --external: {len(workload.turns)} chat turns, second engine"
+    extra = {
+        "workload": workload.name,
+        "external_hit_tokens": engine.state.stats.external_hit_tokens,
+        "engine_a_prefill_tokens": res_a.metrics.get("prefill_tokens", 0),
+        "store_values": len(store),
+    }
+    return _finish(args, title, result, extra)
 
 
 # ---------------------------------------------------------------------- replay
@@ -520,6 +590,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--model", metavar="DIR", help="checkpoint for --executor torch (default: a tiny model)"
     )
     demo.add_argument("--hybrid", action="store_true", help="schedule a hybrid model's states")
+    demo.add_argument(
+        "--external",
+        action="store_true",
+        help="serve the workload twice through one in-process KV store: the second engine"
+        " (empty cache) loads the first one's saved prefixes; the second run is reported",
+    )
     demo.set_defaults(func=cmd_demo)
     _add_replay(sub)
     diff = sub.add_parser("diff", help="where two event logs' decisions first differ")

@@ -5,7 +5,8 @@ Protocol on the original stdout (fd 1 is redirected to stderr so Mooncake's own 
 corrupt it): one JSON line ``{"ready": true}`` or ``{"skip": reason}``; then for each request
 line ``{"scenario": name}`` on stdin one reply ``{"ok": bool, "error": traceback, "info": {}}``.
 Scenarios share one cluster and one client; the fault scenarios start private clusters.
-``--reader`` runs process B of the two-process scenario.
+``--reader`` runs process B of the two-process scenario, ``--engine`` engine B of the
+engine-sharing scenarios.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
 from collections.abc import Callable
@@ -278,6 +280,118 @@ def reader_main() -> None:
     print(json.dumps({"num_blocks": answer.num_blocks, "sha256": digest}), flush=True)
 
 
+# ----------------------------------------------------------------- engines sharing a store
+
+ENGINE_PROMPT_TOKENS = 250  # 15 full 16-token blocks and a 10-token suffix
+ENGINE_MAX_TOKENS = 6
+
+
+def engines_share_prefix_attention(ctx: Context) -> Info:
+    return _engines_share_prefix(ctx, hybrid=False)
+
+
+def engines_share_prefix_hybrid(ctx: Context) -> Info:
+    return _engines_share_prefix(ctx, hybrid=True)
+
+
+def _engines_share_prefix(ctx: Context, hybrid: bool) -> Info:
+    """Engine A (this process) serves a prompt and saves it to the store; engine B (a second
+    process with its own Mooncake client) serves the same prompt; a cold engine (no store)
+    serves it too. Returns what each did (see ``serve_prompt``)."""
+    from kvsched.gpu.fixtures import TINY_CONFIG, build_tiny_model
+
+    attention_only = {"layer_types": ["full_attention"] * TINY_CONFIG["num_hidden_layers"]}
+    rng = np.random.default_rng(81)
+    prompt = rng.integers(1, TINY_CONFIG["vocab_size"], ENGINE_PROMPT_TOKENS).tolist()
+    with tempfile.TemporaryDirectory(prefix="kvsched-tiny-") as tmp:
+        model_dir, _ = build_tiny_model(tmp, seed=0, **({} if hybrid else attention_only))
+        job = {"model_dir": str(model_dir), "hybrid": hybrid, "prompt": prompt}
+        cold = serve_prompt(None, {**job, "seq_id": 1})
+        a = serve_prompt(ctx.store, {**job, "seq_id": 2})
+        t0 = time.monotonic()
+        proc = subprocess.run(
+            [sys.executable, __file__, "--engine"],
+            input=json.dumps({**job, "seq_id": 3, "master": ctx.cluster.master_address}),
+            capture_output=True,
+            text=True,
+            timeout=45,
+        )
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        b = json.loads(proc.stdout)
+    return {
+        "prompt_tokens": len(prompt),
+        "cold": cold,
+        "a": a,
+        "b": b,
+        "b_process_s": round(time.monotonic() - t0, 3),
+    }
+
+
+def serve_prompt(store: Any, job: Info) -> Info:
+    """Serve ``job["prompt"]`` (greedy) on one engine with a torch executor on the tiny model
+    in ``job["model_dir"]``, with external KV through ``store`` unless it is None; then drain
+    and check that nothing leaks. Returns the tokens and what the engine did."""
+    import torch
+    from tests.replay.external_helpers import Node, config
+
+    from kvsched.config import ModelSpec
+    from kvsched.events import types as ev
+    from kvsched.gpu.model import HybridConfig
+    from kvsched.gpu.torch_executor import TorchExecutor
+    from kvsched.gpu.transfer_buffer import TorchCacheBuffer
+
+    torch.set_num_threads(1)  # tiny tensors: one thread is the fastest on a small machine
+    hybrid = job["hybrid"]
+    # the two tiny models differ: distinct names keep their KV apart in the shared store
+    name = "kvsched-test-tiny-hybrid" if hybrid else "kvsched-test-tiny-attention"
+    vocab = HybridConfig.from_pretrained(job["model_dir"]).vocab_size
+    cfg = config(
+        model=ModelSpec(name=name, vocab_size=vocab, max_context=512),
+        hybrid=hybrid,
+        external_kv=store is not None,
+    )
+    executor = TorchExecutor(
+        job["model_dir"],
+        num_blocks=cfg.num_blocks,
+        block_size=cfg.block_size,
+        num_state_slots=cfg.num_state_slots,
+        device="cpu",
+    )
+    node = Node(store, cfg, executor=executor, buffers=TorchCacheBuffer(executor))
+    seq_id = job["seq_id"]
+    prompt = np.asarray(job["prompt"], dtype=np.int32)
+    node.run([ev.RequestArrived(seq_id, prompt, max_tokens=ENGINE_MAX_TOKENS)])
+    loads = node.of_type(ev.KVLoadStarted)
+    info = {
+        "tokens": node.outputs[seq_id],
+        "prefill_tokens": node.prefill_tokens,
+        "loads": len(loads),
+        "state_loads": sum(d.state_slot >= 0 for d in loads),
+        "load_failures": [e.reason for e in node.inputs if isinstance(e, ev.KVLoadFailed)],
+        "saves": len(node.of_type(ev.KVSaveStarted)),
+        "saves_failed": sum(not e.ok for e in node.inputs if isinstance(e, ev.KVSaveFinished)),
+        "external_hit_tokens": node.engine.state.stats.external_hit_tokens,
+    }
+    node.assert_nothing_leaks()
+    return info
+
+
+def engine_main() -> None:
+    """Engine B: serve the job on stdin with its own Mooncake client; print the report."""
+    from kvsched.connectors.mooncake_store import MooncakeStore
+
+    out = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)  # Mooncake writes to fd 1: keep it off the report
+    job = json.loads(sys.stdin.read())
+    store = MooncakeStore(job["master"])
+    try:
+        info = serve_prompt(store, job)
+    finally:
+        store.close()
+    out.write(json.dumps(info))
+    out.close()
+
+
 SCENARIOS: dict[str, Callable[[Context], Info]] = {
     f.__name__: f
     for f in (
@@ -288,6 +402,8 @@ SCENARIOS: dict[str, Callable[[Context], Info]] = {
         master_killed_during_load,
         master_frozen_during_load,
         two_processes_share_blocks,
+        engines_share_prefix_attention,
+        engines_share_prefix_hybrid,
     )
 }
 
@@ -329,5 +445,7 @@ def main() -> None:
 if __name__ == "__main__":
     if sys.argv[1:] == ["--reader"]:
         reader_main()
+    elif sys.argv[1:] == ["--engine"]:
+        engine_main()
     else:
         main()

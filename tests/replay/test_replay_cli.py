@@ -254,6 +254,21 @@ def test_demo_goes_through_the_replay_path_and_reports_its_metrics(
     assert m["token_hit_rate"] > 0 and m["ttft_p99_s"] > 0 and m["workload"] == "chat"
 
 
+@pytest.mark.parametrize("hybrid", [[], ["--hybrid"]], ids=["attention", "hybrid"])
+def test_demo_external_second_engine_loads_the_first_ones_prefixes_and_its_log_verifies(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, hybrid: list[str]
+):
+    args = ("--sessions", "4", "--turns", "2", "--json", "--quiet", *hybrid)
+    plain = json.loads(run_cli(capsys, "demo", *args)[1])
+    log = str(tmp_path / "b.kvlog")
+    code, out, _ = run_cli(capsys, "demo", "--external", "--log", log, *args)
+    m = json.loads(out)
+    assert code == 0 and m["finished"] == 8
+    assert m["hit_rate_external"] > 0 and m["external_hit_tokens"] > 0
+    assert m["prefill_tokens"] < plain["prefill_tokens"] / 2
+    assert run_cli(capsys, "verify", log)[0] == 0
+
+
 # ------------------------------------------------------------------------- failures
 
 

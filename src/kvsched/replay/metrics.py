@@ -10,8 +10,8 @@ Definitions (all on the driver's simulated clock):
   with at least two output tokens;
 * token hit rate: prompt tokens attached from the local prefix cache at a request's first
   admission / prompt tokens (``PrefixMatched``; re-admissions after preemption are not
-  counted). Checkpoint (hybrid state) and external (KV connector) hits do not exist yet: they
-  are reported as 0;
+  counted), plus prompt tokens admitted to be loaded from an external KV store
+  (``KVLoadAdmitted``; a load that later fails still counts here);
 * cache use: blocks held by running sequences or sessions / usable blocks, and blocks holding
   any KV (held plus cached-evictable) / usable blocks;
 * queue length: waiting requests at the start of each step (after the step's arrivals).
@@ -36,8 +36,7 @@ from kvsched.replay.workload import Workload
 HIT_NOTE = (
     "local KV: prompt tokens served from attention-only prefix hits; checkpoint: served by a "
     "hybrid model's restored state checkpoints; kv_only_unusable: cached KV a hybrid model "
-    "could not use for lack of a checkpoint; external hits are 0 until the scheduler's "
-    "external-KV coordination lands (issue 5)"
+    "could not use for lack of a checkpoint; external: admitted to be loaded from the KV store"
 )
 
 
@@ -165,11 +164,11 @@ class Recorder:
             "prefill_tokens": summary.prefill_tokens,
             "hit_tokens": summary.hit_tokens,
             "query_tokens": summary.query_tokens,
-            "token_hit_rate": summary.hit_rate,
+            "token_hit_rate": _ratio(summary.hit_tokens + stats.external_hit_tokens, query),
             "hit_rate_local_kv": _ratio(stats.hit_tokens - stats.ckpt_hit_tokens, query),
             "hit_rate_checkpoint": _ratio(stats.ckpt_hit_tokens, query),
             "kv_only_unusable_rate": _ratio(stats.kv_only_hit_tokens, query),
-            "hit_rate_external": 0.0,
+            "hit_rate_external": _ratio(stats.external_hit_tokens, query),
             "hit_rate_note": HIT_NOTE,
             "throughput_tok_s": summary.generated_tokens / sim if sim else 0.0,
             "prompt_throughput_tok_s": summary.prompt_tokens / sim if sim else 0.0,

@@ -42,7 +42,7 @@ def summary_rows(m: dict[str, Any]) -> list[tuple[str, str]]:
         ("prefix hit rate", f"{_pct(m['token_hit_rate'])} of prompt tokens"),
         ("  local KV", _pct(m["hit_rate_local_kv"])),
         ("  checkpoint (hybrid)", _pct(m["hit_rate_checkpoint"])),
-        ("  external", f"{_pct(m['hit_rate_external'])} (external KV not wired yet)"),
+        ("  external", f"{_pct(m['hit_rate_external'])} (loaded from the KV store)"),
         ("  KV unusable (hybrid)", f"{_pct(m.get('kv_only_unusable_rate', 0.0))} (no checkpoint)"),
     ]
     if m.get("ideal_hit_rate") is not None:
