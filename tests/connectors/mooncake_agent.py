@@ -18,6 +18,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -392,6 +393,146 @@ def engine_main() -> None:
     out.close()
 
 
+# ------------------------------------------------------------- engine-level store faults
+
+FAULT_PROMPT_TOKENS = 300  # 18 full 16-token blocks (the load) and a 12-token suffix
+FAULT_GATE_AT_READ = 2  # the load's 1st read (16 blocks) passes; the store dies before its 2nd
+
+
+class GatedReads:
+    """Engine B's view of its store: the load's ``gate_at``-th ``get_many`` (one
+    TransferEngine batch) stops, says so on ``reached`` and waits for ``release``, so the test
+    kills the store while the load is in flight: deterministically mid-load, where an ungated
+    load of 18 tiny blocks over loopback ends in milliseconds. Everything else passes."""
+
+    def __init__(self, inner: Any, gate_at: int) -> None:
+        self.inner = inner
+        self.gate_at = gate_at
+        self.reads = 0
+        self.reached = threading.Event()
+        self.release = threading.Event()
+
+    def get_many(self, keys: Any) -> list[bytes | None]:
+        self.reads += 1
+        if self.reads == self.gate_at:
+            self.reached.set()
+            self.release.wait(timeout=20)
+        result: list[bytes | None] = self.inner.get_many(keys)
+        return result
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+def engine_load_survives_store_killed(ctx: Context) -> Info:
+    """The whole store (memory holder, then master) is SIGKILLed during engine B's load."""
+    return _engine_load_store_killed(kill_master=True)
+
+
+def engine_load_survives_holder_killed(ctx: Context) -> Info:
+    """Only the memory holder is SIGKILLed during engine B's load; the master lives on."""
+    return _engine_load_store_killed(kill_master=False)
+
+
+def _engine_load_store_killed(kill_master: bool) -> Info:
+    """Engine A saves prompt P to a private Mooncake cluster (FingerprintExecutor, attention
+    only); engine B (own client, ``synchronous=False``) serves P, its lookup hits 18 blocks and
+    it starts the load; the load's first batch (16 blocks) is read, then, before its second
+    batch, the store is killed (see ``GatedReads``). B must get ``KVLoadFailed`` within a
+    bounded time, keep the 16 good blocks, compute the rest and produce a cold run's tokens,
+    and hold nothing after a drain."""
+    from tests.replay.external_helpers import Node, config, prompt
+
+    from kvsched.connectors.mooncake_store import MooncakeStore
+    from kvsched.events import types as ev
+    from kvsched.statemachines import SeqState
+
+    p = prompt(FAULT_PROMPT_TOKENS, seed=91)
+    cold = Node(None, config())
+    cold.run([ev.RequestArrived(1, p, ENGINE_MAX_TOKENS)])
+    assert cold.prefill_tokens == len(p) and cold.executor.mismatches == []
+    # a private cluster: the shared one (the fixture's, one per session) must survive
+    with MooncakeCluster.start(client_ttl_s=2) as cluster:
+        store_a = MooncakeStore(cluster.master_address, timeout_s=2.0)
+        store_b = MooncakeStore(cluster.master_address, timeout_s=2.0)
+        gated = GatedReads(store_b, FAULT_GATE_AT_READ)
+        try:
+            a = Node(store_a, config(external_kv=True))
+            a.run([ev.RequestArrived(2, p, ENGINE_MAX_TOKENS)])
+            assert a.of_type(ev.KVSaveStarted), "engine A saved nothing"
+            assert all(e.ok for e in a.inputs if isinstance(e, ev.KVSaveFinished)), a.inputs
+            assert a.outputs[2] == cold.outputs[1]
+            a.assert_nothing_leaks()
+
+            b = Node(gated, config(external_kv=True), synchronous=False, job_timeout_s=5.0)
+            seq = 3
+            b.step([ev.RequestArrived(seq, p, ENGINE_MAX_TOKENS)])
+            assert b.of_type(ev.KVLookupStarted), b.decisions
+            for _ in range(5):  # the lookup is answered at once; its answer starts the load
+                if b.of_type(ev.KVLoadStarted):
+                    break
+                b.step()
+            (load,) = b.of_type(ev.KVLoadStarted)
+            t_load_started = time.monotonic()
+            assert b.engine.state.seq(seq).state == SeqState.LOADING_KV
+            assert len(load.blocks) == (len(p) - 1) // 16, load
+            assert gated.reached.wait(timeout=10), "the load never reached its second read"
+            t_gate = time.monotonic()  # the first 16 blocks are read and written by now
+            assert b.engine.state.seq(seq).state == SeqState.LOADING_KV  # still in flight
+            t_kill = time.monotonic()
+            cluster.kill_holder()
+            if kill_master:
+                cluster.kill_master()
+            gated.release.set()
+            failed: list[ev.KVLoadFailed] = []
+            deadline = t_kill + 15.0
+            while not failed:
+                assert time.monotonic() < deadline, "the load neither failed nor finished"
+                assert not any(isinstance(e, ev.KVLoadFinished) for e in b.inputs), b.inputs
+                if not b.pending:
+                    time.sleep(0.001)
+                b.step()
+                failed = [e for e in b.inputs if isinstance(e, ev.KVLoadFailed)]
+            t_failed = time.monotonic()
+            b.run()
+            (failure,) = failed
+            info: Info = {
+                "prompt_tokens": len(p),
+                "killed": "holder+master" if kill_master else "holder",
+                "load_blocks": len(load.blocks),
+                "good_blocks": failure.num_good_blocks,
+                "reason": failure.reason,
+                "kill_to_failure_s": round(t_failed - t_kill, 3),
+                "load_start_to_failure_s": round(t_failed - t_load_started, 3),
+                "first_batch_s": round(t_gate - t_load_started, 4),
+                "b_prefill_tokens": b.prefill_tokens,
+                "b_loads": len(b.of_type(ev.KVLoadStarted)),
+                "b_saves": len(b.of_type(ev.KVSaveStarted)),
+                "b_saves_failed": sum(
+                    not e.ok for e in b.inputs if isinstance(e, ev.KVSaveFinished)
+                ),
+                "b_tokens_equal_cold": b.outputs[seq] == cold.outputs[1],
+                "b_mismatches": len(b.executor.mismatches),
+            }
+            assert t_failed - t_kill < 10.0, info
+            assert failure.seq_id == seq and failure.num_good_blocks == 16, info
+            assert b.outputs[seq] == cold.outputs[1], (b.outputs[seq], cold.outputs[1])
+            assert b.executor.mismatches == [], b.executor.mismatches
+            # attention keeps the 16 good blocks and computes only the rest of the prompt
+            assert b.prefill_tokens == len(p) - 16 * 16, info
+            transfers = b.engine.state.transfers
+            assert transfers.loaded_blocks == 16 and transfers.failed_loads == 1, info
+            t0 = time.monotonic()
+            b.assert_nothing_leaks()
+            info["b_drain_s"] = round(time.monotonic() - t0, 3)
+            info["tokens"] = b.outputs[seq]
+            return info
+        finally:
+            gated.release.set()  # never leave the load's thread parked on the gate
+            store_b.close()  # each close is bounded by the client's timeout_s
+            store_a.close()
+
+
 SCENARIOS: dict[str, Callable[[Context], Info]] = {
     f.__name__: f
     for f in (
@@ -404,6 +545,8 @@ SCENARIOS: dict[str, Callable[[Context], Info]] = {
         two_processes_share_blocks,
         engines_share_prefix_attention,
         engines_share_prefix_hybrid,
+        engine_load_survives_store_killed,
+        engine_load_survives_holder_killed,
     )
 }
 

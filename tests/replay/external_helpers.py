@@ -50,6 +50,8 @@ class Node:
         executor: Any = None,
         buffers: Any = None,
         synchronous: bool = True,
+        async_lookups: bool = False,
+        lookup_timeout_s: float = 5.0,
         job_timeout_s: float = 10.0,
         log_path: str | None = None,
     ) -> None:
@@ -66,9 +68,10 @@ class Node:
             self.worker = TransferEngine(
                 store, buf, buf if cfg.hybrid else None, job_timeout_s=job_timeout_s
             )
-            self.external = ExternalKV(
-                StoreConnector(store, synchronous=True), self.worker, synchronous=synchronous
+            connector = StoreConnector(
+                store, synchronous=not async_lookups, lookup_timeout_s=lookup_timeout_s
             )
+            self.external = ExternalKV(connector, self.worker, synchronous=synchronous)
         self.outputs: dict[int, list[int]] = defaultdict(list)
         self.pending: list[ev.Event] = []
         self.decisions: list[ev.Event] = []

@@ -4,7 +4,10 @@ cold run on the FingerprintExecutor, whose tokens depend on the KV and state con
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -107,6 +110,8 @@ def test_one_failing_block_among_several_keeps_the_good_ones_and_recomputes_the_
     if hybrid:
         (pre,) = b.of_type(ev.SequencePreempted)
         assert pre.reason.startswith("kv load failed")
+    else:  # the blocks the load could not bring are saved again once recomputed
+        assert b.of_type(ev.KVSaveStarted)[0].first_block == 9
     b.assert_nothing_leaks()
 
 
@@ -146,6 +151,47 @@ def test_an_unreachable_store_answers_lookups_with_no_blocks_and_nothing_waits()
     b = serve_b(store, False)
     assert not b.of_type(ev.KVLoadStarted)
     assert b.outputs[7] == cold(False) and b.prefill_tokens == 300
+    b.assert_nothing_leaks()
+
+
+class GatedProbes:
+    """A store whose lookups (``batch_exists``) block until the test opens the gate."""
+
+    def __init__(self, inner: InProcessStore) -> None:
+        self.inner = inner
+        self.gate = threading.Event()
+
+    def batch_exists(self, keys: Sequence[str]) -> list[bool]:
+        self.gate.wait(timeout=10)
+        return self.inner.batch_exists(keys)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+def test_a_pending_lookup_keeps_its_request_waiting_while_others_are_served() -> None:
+    store = GatedProbes(saved_store(False))
+    b = Node(store, config(external_kv=True), async_lookups=True)  # type: ignore[arg-type]
+    other = prompt(12, seed=9)  # shorter than a block: nothing to look up
+    b.step([ev.RequestArrived(7, P, 6), ev.RequestArrived(8, other, 3)])
+    for _ in range(8):
+        b.step()
+        assert b.engine.state.seq(7).state == SeqState.WAITING
+    assert not any(isinstance(i, ev.KVLookupAnswered) for i in b.inputs)
+    assert len(b.outputs[8]) == 3  # served meanwhile
+    store.gate.set()
+    b.run()
+    assert b.outputs[7] == cold(False) and len(b.of_type(ev.KVLoadStarted)) == 1
+    b.assert_nothing_leaks()
+
+
+def test_a_lookup_that_times_out_answers_no_blocks_and_the_prompt_is_computed() -> None:
+    store = GatedProbes(saved_store(False))  # the gate never opens
+    b = Node(store, config(external_kv=True), async_lookups=True, lookup_timeout_s=0.05)  # type: ignore[arg-type]
+    b.run([ev.RequestArrived(7, P, 6)])
+    assert not b.of_type(ev.KVLoadStarted)
+    assert b.outputs[7] == cold(False) and b.prefill_tokens == 300
+    store.gate.set()
     b.assert_nothing_leaks()
 
 
@@ -232,3 +278,10 @@ def test_a_prefill_role_engine_hands_its_prompt_to_a_decode_role_engine(
     assert dec.prefill_tokens <= 16  # only the prompt's partial tail block (and the token)
     assert not dec.of_type(ev.KVSaveStarted)  # the decode role saves nothing
     dec.assert_nothing_leaks()
+
+
+def test_a_role_needs_external_kv_and_must_be_known() -> None:
+    with pytest.raises(ValueError, match="needs external_kv"):
+        config(role="prefill")
+    with pytest.raises(ValueError, match="unknown role"):
+        config(external_kv=True, role="router")

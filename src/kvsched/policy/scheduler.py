@@ -558,6 +558,8 @@ class Policy:
         local = state.pool.find_prefix_len(seq.hashes, end)
         if local < load.first_block:
             return 0, 0  # the local part the lookup relied on was evicted meanwhile
+        if local >= end and not state.hybrid:
+            return 0, 0  # nothing to load (a hybrid model may still load the state at end)
         return local, end
 
     def _admit_with_load(

@@ -589,6 +589,8 @@ class EngineState:
         row = seq.row
         self.seqs.loading[row] = False
         self.seqs.computed[row] = (load.first_block + good) * self.block_size
+        # Blocks the load could not bring are recomputed, and saved again.
+        self.seqs.saved[row] = min(int(self.seqs.saved[row]), load.first_block + good)
         self._register_computed(np.asarray([row]))
         self.transfers.loaded_blocks += good
 
@@ -630,16 +632,12 @@ class EngineState:
         self.seqs.saved[row] = hi
 
     def _on_save_finished(self, e: ev.KVSaveFinished) -> None:
-        lease = self.transfers.leases.pop(e.save_id, None)
+        lease = self.transfers.end_lease(e.save_id, e.ok)
         if lease is None:
             raise ReplayMismatch(f"save {e.save_id} finished but was never started")
         self.pool.release(lease.blocks)
         if lease.ckpt_id >= 0:
             self.ckpts.unpin(self.ckpts.get(lease.ckpt_id))
-        if e.ok:
-            self.transfers.saved_blocks += len(lease.blocks)
-        else:
-            self.transfers.failed_saves += 1
 
     # ------------------------------------------------------------------ checkpoints
 

@@ -18,7 +18,7 @@ from typing import cast
 import attrs
 import numpy as np
 
-from kvsched.statemachines import KVLOAD, LoadEvent, LoadState
+from kvsched.statemachines import KVLOAD, KVSAVE, LoadEvent, LoadState, SaveEvent, SaveState
 
 _NO_BLOCKS = np.zeros(0, dtype=np.int32)
 
@@ -50,10 +50,17 @@ class KVLoad:
 
 @attrs.define(slots=True, eq=False)
 class Lease:
+    """A save in flight (KVSave machine: PENDING -> SAVING at its start, then SAVED or
+    FAILED when the store's answer is folded, and the lease ends)."""
+
     save_id: int
     seq_id: int
     blocks: np.ndarray
     ckpt_id: int = -1
+    state: SaveState = SaveState.PENDING
+
+    def transition(self, event: SaveEvent) -> None:
+        self.state = cast(SaveState, KVSAVE.next_state(self.save_id, self.state, event))
 
 
 class TransferTable:
@@ -110,8 +117,20 @@ class TransferTable:
     def add_lease(self, lease: Lease) -> None:
         if lease.save_id != self.next_save_id:
             raise ValueError(f"save id {lease.save_id}, expected {self.next_save_id}")
+        lease.transition(SaveEvent.start)
         self.leases[lease.save_id] = lease
         self.next_save_id += 1
+
+    def end_lease(self, save_id: int, ok: bool) -> Lease | None:
+        """The store answered a save: the lease ends (None: no such save in flight)."""
+        lease = self.leases.pop(save_id, None)
+        if lease is not None:
+            lease.transition(SaveEvent.confirm if ok else SaveEvent.fail)
+            if ok:
+                self.saved_blocks += len(lease.blocks)
+            else:
+                self.failed_saves += 1
+        return lease
 
     def check_invariants(self, loading_seqs: set[int]) -> str | None:
         """``loading_seqs``: the sequences in LOADING_KV. None when consistent."""
@@ -126,4 +145,6 @@ class TransferTable:
         for save_id, lease in self.leases.items():
             if save_id >= self.next_save_id or lease.save_id != save_id:
                 return f"lease of save {save_id} is not a started save"
+            if lease.state != SaveState.SAVING:
+                return f"lease of save {save_id} in state {lease.state.name}"
         return None

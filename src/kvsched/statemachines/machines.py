@@ -193,7 +193,10 @@ KVSAVE_SPEC = MachineSpec(
         T(_VE.cancel, _V.PENDING, _V.CANCELLED),
     ),
     description=(
-        "Saving KV blocks to an external tier. Only a save not yet started can be cancelled."
+        "Saving KV blocks (and, for a hybrid model, an aligned state checkpoint) to an "
+        "external store. A save starts in the step that decides it and holds a lease (block "
+        "references, a checkpoint pin) until the store confirms or fails it. Only a save not "
+        "yet started can be cancelled."
     ),
 )
 
