@@ -183,27 +183,16 @@ def _demo_external(
     restarted server: empty cache, same store), which loads A's prefixes. B's run is the one
     logged and reported."""
     store = InProcessStore(capacity_bytes=8 << 30)
-    first = Engine(config, check_invariants=args.check)
-    ex_a = make_executor(args.executor, config, CostModel(), model_dir)
-    res_a = _replay(
-        first,
-        ex_a,
-        workload,
-        desc="demo A",
-        quiet=args.quiet,
-        external=_external(store, config, ex_a),
-    )
+
+    def serve(engine: Engine, desc: str) -> ReplayResult:
+        executor = make_executor(args.executor, config, CostModel(), model_dir)
+        external = _external(store, config, executor)
+        return _replay(engine, executor, workload, desc=desc, quiet=args.quiet, external=external)
+
+    res_a = serve(Engine(config, check_invariants=args.check), "demo A")
     engine = Engine(config, log=log, check_invariants=args.check)
-    ex_b = make_executor(args.executor, config, CostModel(), model_dir)
     try:
-        result = _replay(
-            engine,
-            ex_b,
-            workload,
-            desc="demo B",
-            quiet=args.quiet,
-            external=_external(store, config, ex_b),
-        )
+        result = serve(engine, "demo B")
     finally:
         if log is not None:
             log.close()

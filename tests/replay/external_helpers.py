@@ -8,8 +8,9 @@ from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
+from tests.policy import helpers as policy_helpers
 
-from kvsched.config import ModelSpec, SchedulerConfig
+from kvsched.config import SchedulerConfig
 from kvsched.connectors import StoreConnector, TransferEngine
 from kvsched.connectors.protocol import KVStore
 from kvsched.engine import Engine, StepResult, create_log
@@ -17,21 +18,13 @@ from kvsched.events import types as ev
 from kvsched.gpu.fingerprint import FingerprintExecutor
 from kvsched.replay.external import ExternalKV
 
-VOCAB = 1000
+VOCAB = policy_helpers.VOCAB
 
 
 def config(**overrides: object) -> SchedulerConfig:
-    """16-token blocks, 64 blocks, 8 rows, 64-token prefill budget, 8 checkpoint slots."""
-    base: dict[str, object] = {
-        "model": ModelSpec(vocab_size=VOCAB, max_context=1024),
-        "block_size": 16,
-        "num_blocks": 64,
-        "max_batch": 8,
-        "max_prefill_tokens": 64,
-        "checkpoint_budget": 8,
-    }
-    base.update(overrides)
-    return SchedulerConfig(**base)  # type: ignore[arg-type]
+    """The policy tests' small config (16-token blocks, 64 blocks, 8 rows, 64-token prefill
+    budget) with 8 checkpoint slots."""
+    return policy_helpers.config(**{"checkpoint_budget": 8, **overrides})
 
 
 def prompt(n: int, seed: int = 0) -> np.ndarray:
