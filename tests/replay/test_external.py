@@ -242,6 +242,17 @@ def test_an_end_of_session_during_a_load_closes_the_session_once_the_load_settle
     b.assert_nothing_leaks()
 
 
+def test_an_abort_then_an_end_of_session_during_a_load_abort_once_and_close_the_session() -> None:
+    b = Node(_slow_store(False), config(external_kv=True), synchronous=False)
+    _start_load(b, ev.RequestArrived(7, P, 6, session_id=3))
+    b.step([ev.RequestAborted(7), ev.SessionEnded(3), ev.SessionEnded(3)])
+    assert len(b.of_type(ev.AbortDeferred)) == 2  # the second one adds the session's end
+    b.run()
+    assert [d.reason for d in b.of_type(ev.SequenceAborted)] == ["client abort"]
+    assert [d.session_id for d in b.of_type(ev.SessionClosed)] == [3]
+    b.assert_nothing_leaks()
+
+
 @MODELS
 def test_sleep_during_a_load_waits_for_it_then_drains_and_serving_resumes(hybrid: bool) -> None:
     b = Node(_slow_store(hybrid), config(hybrid=hybrid, external_kv=True), synchronous=False)

@@ -148,8 +148,9 @@ class Policy:
         load = state.transfers.load_of(seq_id)
         if seq.state == SeqState.LOADING_KV:
             assert load is not None
-            if not load.abort_reason:  # a second abort of the same load changes nothing
-                emit(ev.AbortDeferred(seq_id, reason, close_session))
+            # A second abort changes nothing, unless it adds the end of the session.
+            if not load.abort_reason or (close_session and not load.close_session):
+                emit(ev.AbortDeferred(seq_id, load.abort_reason or reason, close_session))
             return False
         if load is not None and load.open:
             emit(ev.KVLoadCancelled(seq_id, reason))

@@ -608,9 +608,11 @@ class EngineState:
 
     def _on_abort_deferred(self, e: ev.AbortDeferred) -> None:
         load = self._load(e.seq_id)
-        if not load.in_flight or load.abort_reason:
+        adds_close = e.close_session and not load.close_session
+        if not load.in_flight or (load.abort_reason and not adds_close):
             raise ReplayMismatch(f"sequence {e.seq_id}: abort deferred twice or without a load")
-        load.abort_reason, load.close_session = e.reason, e.close_session
+        load.abort_reason = load.abort_reason or e.reason
+        load.close_session = load.close_session or e.close_session
 
     def _on_drain_deferred(self, e: ev.DrainDeferred) -> None:
         self.transfers.drain_pending = True
