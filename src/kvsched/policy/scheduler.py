@@ -492,9 +492,9 @@ class Policy:
         tails = ckpts.find_partials(anchor) if not seq.want_experts else {}
         for step in sorted(tails, reverse=True) if tails else ():
             if step <= limit and self._boundary_safe(seq, step):
-                partial = ckpts.get(tails[step])
                 extra = tail_extra(seq.mm_spans, depth * bs, step)
-                if partial.key == partial_key(anchor, seq.tokens[depth * bs : step], extra):
+                partial = ckpts.find(partial_key(anchor, seq.tokens[depth * bs : step], extra))
+                if partial is not None:
                     return partial
         if depth:
             aligned = ckpts.find(anchor)
@@ -597,16 +597,20 @@ class Policy:
         releasing other sessions' holds or evicting checkpoints only when that makes the
         admission fit (a rejected admission leaves no trace). False: it cannot fit."""
         pool = state.pool
-        shortfall = need - (pool.num_available - pool.count_unheld(hit))
+        unheld = pool.count_unheld(hit)
+        shortfall = need - (pool.num_available - unheld)
         if shortfall <= 0:
             return True
         if state.hybrid:
-            if not self._evict_checkpoints_for(state, need, emit, keep=keep):
+            # Unheld hit blocks count as available but are attached, not taken.
+            if not self._evict_checkpoints_for(state, need + unheld, emit, keep=keep):
                 return False
-        elif shortfall > self._reclaim_gain(state, seq.session_id, hit):
+        elif shortfall > self._reclaim_gain(state, -1, hit):
             return False
         else:
-            self._reclaim_sessions(state, need, emit, seq.session_id, hit)
+            # Any session's hold may go, the admitted sequence's own too: the admission
+            # releases it anyway (after attaching what the hit shares with it).
+            self._reclaim_sessions(state, need, emit, -1, hit)
         # (Evicting a checkpoint whose path overlaps an unheld hit gains nothing for it.)
         return need <= pool.num_available - pool.count_unheld(hit)
 

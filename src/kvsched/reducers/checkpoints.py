@@ -69,7 +69,9 @@ class CheckpointTable:
         self.free_slots: list[int] = list(range(self.num_slots - 1, self.first_ckpt_slot - 1, -1))
         self.ckpts: dict[int, Checkpoint] = {}
         self.index: dict[bytes, int] = {}  # identity -> published (or pinned) checkpoint
-        self.partials: dict[bytes, dict[int, int]] = {}  # anchor -> {tail length: ckpt id}
+        # anchor -> {tail length: published partial checkpoints of that length}; several can
+        # share an anchor and a length (different tail tokens): the index tells them apart.
+        self.partials: dict[bytes, dict[int, int]] = {}
         self.lru: deque[tuple[int, int]] = deque()  # (stamp, ckpt id), lazily cleaned
         self.clock = 0
         self.next_id = 1
@@ -95,6 +97,7 @@ class CheckpointTable:
         return None if ckpt_id is None else self.ckpts[ckpt_id]
 
     def find_partials(self, anchor: bytes) -> dict[int, int]:
+        """{tail length: count} of published partial checkpoints after ``anchor``."""
         return self.partials.get(anchor, {})
 
     def _evictable(self, stamp: int, ckpt_id: int) -> bool:
@@ -129,7 +132,8 @@ class CheckpointTable:
         c.path = path
         self.index[c.key] = c.ckpt_id
         if c.frozen_block:
-            self.partials.setdefault(c.anchor, {})[c.step] = c.ckpt_id
+            tails = self.partials.setdefault(c.anchor, {})
+            tails[c.step] = tails.get(c.step, 0) + 1
         self._touch(c)
 
     def pin(self, c: Checkpoint) -> None:
@@ -151,7 +155,9 @@ class CheckpointTable:
             del self.index[c.key]
             if c.frozen_block:
                 tails = self.partials[c.anchor]
-                del tails[c.step]
+                tails[c.step] -= 1
+                if not tails[c.step]:
+                    del tails[c.step]
                 if not tails:
                     del self.partials[c.anchor]
         del self.ckpts[c.ckpt_id]

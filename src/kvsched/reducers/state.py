@@ -528,6 +528,7 @@ class EngineState:
 
     def _on_woken(self, e: ev.Woken) -> None:
         self.sleeping = False
+        self.transfers.drain_pending = False  # a wake before a deferred drain cancels it
 
     # ------------------------------------------------------------------ external KV
 
@@ -624,11 +625,14 @@ class EngineState:
             raise ReplayMismatch(f"save {e.save_id}: blocks of {e.seq_id} are not computed")
         if not np.array_equal(self.seqs.table[row, e.first_block : hi], e.blocks):
             raise ReplayMismatch(f"save {e.save_id}: blocks not held by sequence {e.seq_id}")
+        # The lease holds the whole prefix up to the saved blocks, not only them: a cached
+        # block must never outlive its parent (the prefix index stays prefix-closed).
+        held = self.seqs.table[row, :hi].copy()
         try:
-            self.transfers.add_lease(Lease(e.save_id, e.seq_id, e.blocks.copy(), e.ckpt_id))
+            self.transfers.add_lease(Lease(e.save_id, e.seq_id, held, len(e.blocks), e.ckpt_id))
         except ValueError as exc:
             raise ReplayMismatch(str(exc)) from exc
-        self.pool.attach(e.blocks)
+        self.pool.attach(held)
         if e.ckpt_id >= 0:
             self.ckpts.pin(self.ckpts.get(e.ckpt_id))
         self.seqs.saved[row] = hi

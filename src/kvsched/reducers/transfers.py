@@ -5,8 +5,10 @@ PLANNED (the store holds ``[first_block, num_blocks)``) -> ADMITTED -> ALLOCATED
 READY | FAILED; or CANCELLED. Records of terminal loads stay until the sequence leaves its row
 (a FAILED record survives a preemption, so the sequence does not try the store again).
 
-A lease is what a save in flight holds: one pool reference on each block it reads and, for a
-hybrid model, one pin on the checkpoint whose state it reads. Leases end with
+A lease is what a save in flight holds: one pool reference on each block of the sequence's
+prefix up to the last block it saves (not only the blocks it reads: a cached block never
+outlives its parent, so the prefix index stays prefix-closed) and, for a hybrid model, one
+pin on the checkpoint whose state it reads. Leases end with
 ``KVSaveFinished`` (confirmed or failed); until then the blocks cannot be reused, so a
 finished sequence's blocks outlive it exactly as long as its saves.
 """
@@ -55,7 +57,8 @@ class Lease:
 
     save_id: int
     seq_id: int
-    blocks: np.ndarray
+    blocks: np.ndarray  # referenced: the prefix up to the last saved block
+    num_saved: int  # the trailing blocks being saved
     ckpt_id: int = -1
     state: SaveState = SaveState.PENDING
 
@@ -127,7 +130,7 @@ class TransferTable:
         if lease is not None:
             lease.transition(SaveEvent.confirm if ok else SaveEvent.fail)
             if ok:
-                self.saved_blocks += len(lease.blocks)
+                self.saved_blocks += lease.num_saved
             else:
                 self.failed_saves += 1
         return lease
