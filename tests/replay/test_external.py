@@ -17,6 +17,8 @@ from kvsched.connectors import InProcessStore
 from kvsched.connectors.keys import block_key
 from kvsched.events import types as ev
 from kvsched.identity import chain_hashes
+from kvsched.replay.external import ExternalKV
+from kvsched.replay.recovery import recover
 from kvsched.replay.verify import verify_log
 from kvsched.statemachines import SeqState
 
@@ -265,6 +267,29 @@ def test_sleep_during_a_load_waits_for_it_then_drains_and_serving_resumes(hybrid
     b.run([ev.WakeRequested()])
     assert b.outputs[7] == cold(hybrid)  # preempted by the drain, served after waking
     b.assert_nothing_leaks()
+
+
+def test_after_a_crash_mid_load_the_lost_transfers_are_failed_and_nothing_leaks(
+    tmp_path: Path,
+) -> None:
+    path = str(tmp_path / "crash.kvlog")
+    b = Node(_slow_store(False), config(external_kv=True), synchronous=False, log_path=path)
+    b.run([ev.RequestArrived(3, prompt(40, seed=3), 2)])  # leaves a save or two behind it
+    _start_load(b, ev.RequestArrived(7, P, 6))
+    b.engine.log.flush()  # type: ignore[union-attr]  # the process dies here
+    recovered = recover(path, check_invariants=True)
+    engine = recovered.engine
+    loads, saves = engine.transfers_in_flight()
+    assert loads == [7]
+    lost = ExternalKV.recovered_inputs(engine)
+    assert [type(e) for e in lost] == [ev.KVLoadFailed] + [ev.KVSaveFinished] * len(saves)
+    after = Node(InProcessStore(), config(external_kv=True))  # the restarted process
+    after.engine = engine
+    if not recovered.resume.plan.is_empty:  # the last step's outcome died with the process
+        after.pending = [after.executor.execute(recovered.resume.plan)]
+    after.run(lost)
+    assert after.outputs[7] == cold(False)
+    after.assert_nothing_leaks()
 
 
 # --------------------------------------------------------------------------- migration

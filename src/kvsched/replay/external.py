@@ -113,8 +113,10 @@ class ExternalKV:
         self.saves_started += len(saves)
         if not transfers.is_empty:
             self.worker.apply(transfers)
-            if self.synchronous and not self.worker.wait_idle(self.wait_timeout_s):
-                pass  # the worker reports the stuck transfer as failed at its deadline
+            if self.synchronous:
+                # A transfer still running at the timeout is reported failed by the worker
+                # at its own deadline, so a stuck store cannot stall the run for longer.
+                self.worker.wait_idle(self.wait_timeout_s)
 
     def _start_lookup(self, engine: ChainSource, d: ev.KVLookupStarted) -> None:
         root, hashes = engine.chain(d.seq_id)
