@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import Phase, settings
+from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+from tests.planted import assert_machine_catches
 
 from kvsched.config import ModelSpec, SchedulerConfig
 from kvsched.engine import Engine
@@ -161,22 +162,7 @@ TestEngineStateMachine = EngineMachine.TestCase
 
 
 def _run_broken(monkeypatch: pytest.MonkeyPatch, target: object, name: str, broken: object) -> None:
-    monkeypatch.setattr(target, name, broken)
-    from hypothesis.stateful import run_state_machine_as_test
-
-    with pytest.raises(Exception):  # noqa: B017 - any detected violation will do
-        run_state_machine_as_test(
-            EngineMachine,
-            settings=settings(
-                max_examples=150,
-                stateful_step_count=30,
-                deadline=None,
-                database=None,
-                derandomize=True,
-                print_blob=False,
-                phases=[Phase.generate],  # finding the planted bug is enough: no shrinking
-            ),
-        )
+    assert_machine_catches(monkeypatch, EngineMachine, target, name, broken)
 
 
 def test_a_missing_reference_decrement_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -17,7 +17,7 @@ from typing import TypeVar
 
 import numpy as np
 import pytest
-from hypothesis import Phase, settings
+from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     RuleBasedStateMachine,
@@ -26,6 +26,8 @@ from hypothesis.stateful import (
     precondition,
     rule,
 )
+from tests.planted import assert_machine_catches
+from tests.policy.helpers import Harness
 
 from kvsched.config import ModelSpec, SchedulerConfig
 from kvsched.engine import Engine
@@ -473,22 +475,7 @@ TestExternalKVStateMachine = ExternalKVMachine.TestCase
 
 
 def _run_broken(monkeypatch: pytest.MonkeyPatch, target: object, name: str, broken: object) -> None:
-    monkeypatch.setattr(target, name, broken)
-    from hypothesis.stateful import run_state_machine_as_test
-
-    with pytest.raises(Exception):  # noqa: B017 - any detected violation will do
-        run_state_machine_as_test(
-            ExternalKVMachine,
-            settings=settings(
-                max_examples=150,
-                stateful_step_count=30,
-                deadline=None,
-                database=None,
-                derandomize=True,
-                print_blob=False,
-                phases=[Phase.generate],  # finding the planted bug is enough: no shrinking
-            ),
-        )
+    assert_machine_catches(monkeypatch, ExternalKVMachine, target, name, broken)
 
 
 def test_a_save_that_keeps_its_blocks_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -540,7 +527,7 @@ def test_a_failed_load_that_is_forgotten_is_caught(monkeypatch: pytest.MonkeyPat
 # ------------------------------------------------------- regressions the machine found
 
 
-class _Node:
+class _Node(Harness):
     """An engine and a simulated executor, stepped by hand (the store is the test)."""
 
     def __init__(self, **overrides: object) -> None:
@@ -552,15 +539,10 @@ class _Node:
             "max_prefill_tokens": 4,
             "external_kv": True,
         }
-        base.update(overrides)
-        self.engine = Engine(SchedulerConfig(**base), check_invariants=True)  # type: ignore[arg-type]
-        self.executor = SimulatedExecutor(VOCAB)
-        self.outcome: list[ev.Event] = []
+        super().__init__(**{**base, **overrides})
 
-    def step(self, *inputs: ev.Event) -> list[ev.Event]:
-        result = self.engine.step([*self.outcome, *inputs], 0.0)
-        self.outcome = [] if result.plan.is_empty else [self.executor.execute(result.plan)]
-        return list(result.decisions[1:])
+    def step(self, *inputs: ev.Event) -> list[ev.Event]:  # type: ignore[override]
+        return list(super().step(inputs).decisions[1:])
 
     def owed(self) -> list[ev.Event]:
         """Everything a prompt store owes: lookups answered in full, loads and saves done."""
