@@ -22,6 +22,7 @@ from kvsched.events.codec import StepRecord, encode
 from kvsched.events.log import EventLog
 from kvsched.policy import Policy
 from kvsched.reducers.plan import StepPlan, plan_step
+from kvsched.reducers.sequences import Seq
 from kvsched.reducers.state import EngineState, ReplayMismatch
 
 
@@ -60,14 +61,14 @@ class Engine:
         self.bus = bus
         self.check = check_invariants
         self._decisions: list[ev.Event] = []
-        # Chains of sequences this step's transfer decisions concern (kept for the bridge:
-        # a sequence may finish, and leave the table, in the step that started its save).
-        self._chains: dict[int, tuple[bytes, tuple[bytes, ...]]] = {}
+        # Sequences this step's transfer decisions concern (kept for the bridge: a sequence
+        # may finish, and leave the table, in the step that started its save; its hash chain
+        # only ever grows, so the object still answers for the blocks the save names).
+        self._transfer_seqs: dict[int, Seq] = {}
 
     def _emit(self, event: ev.Event) -> None:
         if isinstance(event, (ev.KVSaveStarted, ev.KVLookupStarted)):
-            seq = self.state.seq(event.seq_id)
-            self._chains[event.seq_id] = (seq.root, tuple(seq.hashes))
+            self._transfer_seqs[event.seq_id] = self.state.seq(event.seq_id)
         self.state.apply(event)
         self._decisions.append(event)
 
@@ -81,10 +82,7 @@ class Engine:
     def chain(self, seq_id: int) -> tuple[bytes, tuple[bytes, ...]]:
         """(namespace root, full-block hash chain) of a live sequence: what store keys of its
         blocks are made of (the external-KV bridge asks)."""
-        chain = self._chains.get(seq_id)
-        if chain is not None:
-            return chain
-        seq = self.state.seq(seq_id)
+        seq = self._transfer_seqs.get(seq_id) or self.state.seq(seq_id)
         return seq.root, tuple(seq.hashes)
 
     def transfers_in_flight(self) -> tuple[list[int], list[int]]:
@@ -95,7 +93,7 @@ class Engine:
     def step(self, inputs: Sequence[ev.Event], clock: float) -> StepResult:
         """Fold the inputs, decide, plan, record. Returns the plan for the executor."""
         self._decisions = []
-        self._chains = {}
+        self._transfer_seqs = {}
         step = self.state.step + 1
         self._emit(ev.StepStarted(step, clock))
         for event in inputs:
@@ -125,7 +123,8 @@ class Engine:
             state.apply(event)
         elif isinstance(event, ev.StepExecuted):
             state.apply(event)
-            reserved = state.reserved_identities()
+            saving = self.config.external_save and state.hybrid
+            reserved = state.reserved_identities() if saving else []
             policy.publish_checkpoints(state, emit)
             policy.start_saves(state, reserved, emit)
             policy.finish_finished(state, event, emit)
