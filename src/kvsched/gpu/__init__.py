@@ -13,14 +13,16 @@ from typing import TYPE_CHECKING, Any
 from kvsched.gpu.sim import CostModel, SimulatedExecutor
 
 if TYPE_CHECKING:
-    from kvsched.gpu.model import HybridConfig, HybridModel, PagedCache
+    from kvsched.gpu.cache import PagedCache
+    from kvsched.gpu.config import HybridConfig
+    from kvsched.gpu.model import HybridModel
     from kvsched.gpu.torch_executor import TorchExecutor
 
 _LAZY = {
     "TorchExecutor": "kvsched.gpu.torch_executor",
     "HybridModel": "kvsched.gpu.model",
-    "HybridConfig": "kvsched.gpu.model",
-    "PagedCache": "kvsched.gpu.model",
+    "HybridConfig": "kvsched.gpu.config",
+    "PagedCache": "kvsched.gpu.cache",
 }
 
 __all__ = [

@@ -26,8 +26,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvsched.gpu.config import HybridConfig
 from kvsched.gpu.fixtures import TINY_CONFIG
-from kvsched.gpu.model import HybridConfig, HybridModel, count_parameters
+from kvsched.gpu.model import HybridModel, count_parameters
 from kvsched.gpu.torch_executor import TorchExecutor
 from kvsched.reducers.plan import StepPlan
 

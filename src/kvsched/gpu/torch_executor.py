@@ -27,7 +27,9 @@ import numpy as np
 import torch
 
 from kvsched.events.types import StepExecuted
-from kvsched.gpu.model import BatchInputs, HybridModel, PagedCache
+from kvsched.gpu.batch import BatchInputs
+from kvsched.gpu.cache import PagedCache
+from kvsched.gpu.model import HybridModel
 from kvsched.reducers.plan import StepPlan
 
 _MASK64 = (1 << 64) - 1

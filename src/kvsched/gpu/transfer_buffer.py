@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from kvsched.connectors.errors import CorruptValueError
-from kvsched.gpu.model import PagedCache
+from kvsched.gpu.cache import PagedCache
 from kvsched.gpu.torch_executor import TorchExecutor
 
 __all__ = ["TorchCacheBuffer"]
