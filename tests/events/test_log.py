@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 import pickle
 import struct
+import subprocess
+import sys
 import time
 import zlib
 from collections.abc import Callable
@@ -21,6 +23,7 @@ from kvsched.events.log import (
     PREFIX_SIZE,
     CorruptLogError,
     EventLog,
+    LogLockedError,
     LogOpenError,
     TornTail,
     encode_frame,
@@ -399,6 +402,120 @@ def test_open_append_on_corrupt_log_raises_and_leaves_file_unchanged(tmp_path: P
 def test_open_append_on_missing_file_raises_log_open_error(tmp_path: Path) -> None:
     with pytest.raises(LogOpenError, match="No such file"):
         EventLog.open_append(tmp_path / "nope.kvlog")
+
+
+# --------------------------------------------------------------------------- the writer's lock
+
+
+def open_writer(path: Path, payloads: list[bytes]) -> EventLog:
+    """A writer left open (holding the lock) with ``payloads`` appended and flushed."""
+    log = EventLog.create(path, schema_version=3, kvsched_version="0.1.0", config=CONFIG)
+    for payload in payloads:
+        log.append(payload)
+    log.flush()
+    return log
+
+
+def test_a_second_create_on_a_log_open_for_writing_raises_locked_and_leaves_the_file_intact(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "run.kvlog"
+    with open_writer(path, PAYLOADS) as first:
+        before = path.read_bytes()
+
+        with pytest.raises(LogLockedError) as info:
+            EventLog.create(path, schema_version=1, kvsched_version="0", config={})
+
+        assert path.read_bytes() == before
+        first.append(b"still-writing")
+    assert str(info.value) == (
+        f"cannot write event log {path}: another writer holds it (its exclusive lock is taken)"
+    )
+    assert isinstance(info.value, LogOpenError)
+    assert info.value.path == str(path)
+    assert str(pickle.loads(pickle.dumps(info.value))) == str(info.value)
+    assert read_log(path).records == [*PAYLOADS, b"still-writing"]
+
+
+def test_open_append_on_a_log_open_for_writing_raises_locked_and_leaves_the_file_intact(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "run.kvlog"
+    with open_writer(path, PAYLOADS) as first:
+        before = path.read_bytes()
+
+        with pytest.raises(LogLockedError, match="another writer holds it"):
+            EventLog.open_append(path)
+
+        assert path.read_bytes() == before
+        first.append(b"still-writing")
+    assert read_log(path).records == [*PAYLOADS, b"still-writing"]
+
+
+def test_after_close_the_log_can_be_reopened_for_append_and_then_locks_again(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "run.kvlog"
+    open_writer(path, PAYLOADS).close()
+
+    with EventLog.open_append(path) as log:
+        log.append(b"appended")
+        with pytest.raises(LogLockedError):
+            EventLog.open_append(path)
+    with EventLog.open_append(path) as log:
+        log.append(b"again")
+
+    assert read_log(path).records == [*PAYLOADS, b"appended", b"again"]
+
+
+def test_readers_do_not_lock_and_are_not_blocked_by_a_writer(tmp_path: Path) -> None:
+    path = tmp_path / "run.kvlog"
+    with open_writer(path, PAYLOADS):
+        assert read_log(path).records == PAYLOADS
+        assert [r.payload for r in iter_log(path)] == PAYLOADS
+
+
+_SECOND_WRITER = """
+import sys, time
+from kvsched.events.log import EventLog, LogLockedError
+start = time.monotonic()
+try:
+    EventLog.{call}
+except LogLockedError as exc:
+    print(f"locked in {{time.monotonic() - start:.3f}} s: {{exc}}")
+    sys.exit(3)
+sys.exit(0)
+"""
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        "create(sys.argv[1], schema_version=1, kvsched_version='0', config={})",
+        "open_append(sys.argv[1])",
+    ],
+    ids=["create", "open_append"],
+)
+def test_a_second_writer_in_another_process_fails_at_once(tmp_path: Path, call: str) -> None:
+    path = tmp_path / "run.kvlog"
+    src = str(Path(__file__).resolve().parents[2] / "src")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
+    with open_writer(path, PAYLOADS):
+        before = path.read_bytes()
+        done = subprocess.run(
+            [sys.executable, "-c", _SECOND_WRITER.format(call=call), str(path)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        assert path.read_bytes() == before
+
+    assert done.returncode == 3, done.stderr
+    assert f"cannot write event log {path}: another writer holds it" in done.stdout
+    seconds = float(done.stdout.split()[2])
+    assert seconds < 1.0  # non-blocking: it did not wait for the lock
+    assert read_log(path).records == PAYLOADS
 
 
 # --------------------------------------------------------------------------- performance

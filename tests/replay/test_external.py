@@ -276,7 +276,8 @@ def test_after_a_crash_mid_load_the_lost_transfers_are_failed_and_nothing_leaks(
     b = Node(_slow_store(False), config(external_kv=True), synchronous=False, log_path=path)
     b.run([ev.RequestArrived(3, prompt(40, seed=3), 2)])  # leaves a save or two behind it
     _start_load(b, ev.RequestArrived(7, P, 6))
-    b.engine.log.flush()  # type: ignore[union-attr]  # the process dies here
+    b.engine.log.flush()  # type: ignore[union-attr]  # the process dies here:
+    b.engine.log.close()  # type: ignore[union-attr]  # its file (and the log's lock) is released
     recovered = recover(path, check_invariants=True)
     engine = recovered.engine
     loads, saves = engine.transfers_in_flight()

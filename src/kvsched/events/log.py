@@ -16,13 +16,25 @@ Reading never skips anything silently:
 * a frame whose prefix checksum fails, or whose payload checksum fails, raises
   :class:`CorruptLogError` naming that frame's byte offset.
 
-The writer is single-process, single-thread; it is not safe to share.
+The writer is single-process, single-thread; it is not safe to share.  A
+writer holds an exclusive advisory lock (``flock(LOCK_EX | LOCK_NB)``) on the
+file from :meth:`EventLog.create` or :meth:`EventLog.open_append` until
+:meth:`EventLog.close`, so a second writer, in this process or another, fails
+at once with :class:`LogLockedError` instead of silently interleaving frames.
+``create`` takes the lock before truncating, so a refused ``create`` leaves the
+holder's file intact.  Readers do not lock.  The lock is advisory: it binds
+only writers that take it (every :class:`EventLog` does); it belongs to the
+open file, so it is released when the writer's process dies (and shared with a
+forked child that inherits the file).
 """
 
 from __future__ import annotations
 
+import errno as _errno
+import fcntl
 import logging
 import os
+import stat
 import struct
 import zlib
 from collections.abc import Iterator
@@ -39,6 +51,7 @@ __all__ = [
     "CorruptLogError",
     "EventLog",
     "LogContents",
+    "LogLockedError",
     "LogOpenError",
     "LogReader",
     "LogRecord",
@@ -94,8 +107,30 @@ class LogOpenError(OSError):
         return (type(self), (self.path, self.reason, self.errno))
 
 
+class LogLockedError(LogOpenError):
+    """Another writer holds the log's exclusive lock (it is open for writing elsewhere)."""
+
+    def __init__(
+        self,
+        path: StrPath,
+        reason: str = "another writer holds it (its exclusive lock is taken)",
+        errno: int | None = _errno.EWOULDBLOCK,
+    ) -> None:
+        super().__init__(path, reason, errno)
+
+
 def _open_error(path: StrPath, exc: OSError) -> LogOpenError:
     return LogOpenError(path, exc.strerror or str(exc), exc.errno)
+
+
+def _lock(fd: int, path: StrPath) -> None:
+    """Take the writer's exclusive lock on ``fd`` without blocking, or raise."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError as exc:
+        raise LogLockedError(path) from exc
+    except OSError as exc:
+        raise _open_error(path, exc) from exc
 
 
 # --------------------------------------------------------------------------- data
@@ -364,15 +399,28 @@ class EventLog:
     ) -> EventLog:
         """Create (truncating) a log and write magic + header.
 
-        Raises :class:`LogOpenError` if ``path`` cannot be opened for writing,
-        and ``TypeError`` (before touching the file) if the header cannot be
-        encoded.
+        The file is opened without truncation, locked, and only then truncated.
+        Raises :class:`LogLockedError` (touching nothing) if another writer
+        holds the log, :class:`LogOpenError` if ``path`` cannot be opened for
+        writing, and ``TypeError`` (before touching the file) if the header
+        cannot be encoded.
         """
         header_bytes = _encode_header(schema_version, kvsched_version, config, extra)
         try:
-            file = open(path, "wb", buffering=_WRITE_BUFFER)  # noqa: SIM115 - owned by EventLog
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o666)
         except OSError as exc:
             raise _open_error(path, exc) from exc
+        try:
+            _lock(fd, path)
+            try:
+                if stat.S_ISREG(os.fstat(fd).st_mode):  # as O_TRUNC: a device is left as is
+                    os.ftruncate(fd, 0)
+            except OSError as exc:
+                raise _open_error(path, exc) from exc
+            file = open(fd, "wb", buffering=_WRITE_BUFFER)  # noqa: SIM115 - owned by EventLog
+        except BaseException:
+            os.close(fd)
+            raise
         try:
             file.write(MAGIC)
             file.write(encode_frame(header_bytes))
@@ -387,15 +435,18 @@ class EventLog:
     def open_append(cls, path: StrPath) -> EventLog:
         """Reopen an existing log for appending, cutting off a torn tail first.
 
-        A cut tail is logged as a warning and kept in ``recovered_tail``.
-        Raises :class:`CorruptLogError` if the log is damaged (nothing is
-        modified then) and :class:`LogOpenError` if it cannot be opened.
+        The lock is taken before the log is read.  A cut tail is logged as a
+        warning and kept in ``recovered_tail``.  Raises :class:`CorruptLogError`
+        if the log is damaged (nothing is modified then),
+        :class:`LogLockedError` if another writer holds it, and
+        :class:`LogOpenError` if it cannot be opened.
         """
         try:
             file = open(path, "r+b", buffering=_WRITE_BUFFER)  # noqa: SIM115 - owned by EventLog
         except OSError as exc:
             raise _open_error(path, exc) from exc
         try:
+            _lock(file.fileno(), path)
             reader = LogReader(path, data=file.read())
             reader.read_all()
             end, torn = reader.valid_size, reader.torn_tail
@@ -440,7 +491,7 @@ class EventLog:
         os.fsync(self._file.fileno())
 
     def close(self) -> None:
-        """Flush and close; idempotent."""
+        """Flush and close, releasing the writer's lock; idempotent."""
         if not self._file.closed:
             self._file.close()
 
