@@ -276,6 +276,27 @@ def test_a_pinned_checkpoint_is_never_evicted_under_kv_pressure():
     assert h.state.ckpts.get(a.ckpt_id).state == CkptState.PUBLISHED
 
 
+def test_an_admission_under_kv_pressure_never_evicts_the_checkpoint_it_restores():
+    h = hybrid(num_blocks=16, max_prefill_tokens=256)  # 15 usable blocks
+    prompt = tokens(40, seed=40)
+    # Served first and with a frozen tail: the first eviction candidate by either rule.
+    (target,) = [p for r in serve(h, 0, prompt) for p in published(r)]
+    (other,) = [p for r in serve(h, 1, tokens(32, seed=41)) for p in published(r)]
+    # Checkpoints hold 3 + 2 blocks; the hog takes the other 10 (its own save is skipped).
+    hog = h.step([request(2, tokens(150, seed=42), max_tokens=5)])
+    assert admitted(hog) == [2] and not evicted(hog)
+    # Extends the prompt: restores ``target`` and needs one fresh block, which only an
+    # eviction can give.
+    result = h.step([request(3, np.concatenate([prompt, tokens(8, seed=43)]), max_tokens=2)])
+    assert admitted(result) == [3]
+    assert matched(result)[3].ckpt_id == target
+    pins = of_type(result.decisions, ev.CheckpointPinned)
+    assert [(p.ckpt_id, p.seq_id) for p in pins] == [(target, 3)]
+    assert evicted(result) == [other]
+    h.run_until_idle()  # (the harness checks the engine's invariants after every step)
+    assert h.state.stats.requests_finished == 4
+
+
 def test_eviction_happens_only_when_it_makes_the_admission_fit():
     h = hybrid(num_blocks=16, max_prefill_tokens=256)
     serve(h, 0, tokens(32, seed=20))  # holds 2 blocks

@@ -157,6 +157,21 @@ def test_the_budget_is_filled_in_order_and_the_first_prefill_is_always_admitted(
     assert prefills(result) == [(0, 0, 96)]  # the first prefill uses the whole budget
 
 
+def test_a_second_prefill_that_exactly_fills_the_token_budget_is_admitted_in_the_same_step():
+    h = Harness(max_prefill_tokens=64)
+    result = h.step([request(0, 40, arrival_time=0.0), request(1, 24, arrival_time=0.1)])
+    assert admitted(result) == [0, 1]
+    assert prefills(result) == [(0, 0, 40), (1, 0, 24)]  # 40 + 24 == 64
+
+
+def test_a_second_prefill_one_token_over_the_token_budget_waits_for_the_next_step():
+    h = Harness(max_prefill_tokens=64)
+    result = h.step([request(0, 40, arrival_time=0.0), request(1, 25, arrival_time=0.1)])
+    assert admitted(result) == [0]
+    assert prefills(result) == [(0, 0, 40)]  # 40 + 25 == 65 > 64
+    assert prefills(h.step()) == [(1, 0, 25)]
+
+
 # --------------------------------------------------------------------- 3. chunking
 
 
@@ -375,6 +390,31 @@ def test_a_second_turn_hits_every_full_block_of_the_first_turn_and_the_session_h
     assert h.state.pool.ref.sum() == 0
 
 
+def first_idle_session_reclaimed(sessions_by_last_use: list[int]) -> int:
+    """Whose held blocks an admission short of blocks releases first, among idle sessions
+    listed least recently used first. The order is stated here only: the lowest session id."""
+    return min(sessions_by_last_use)
+
+
+def test_an_admission_short_of_blocks_releases_only_the_first_idle_session_hold_in_order():
+    h = Harness(max_prefill_tokens=128, num_blocks=12)  # 11 usable blocks
+    by_last_use = [5, 3, 7]  # neither id order nor its reverse
+    for turn, session_id in enumerate(by_last_use):
+        h.step([request(turn, 40, max_tokens=2, session_id=session_id)])
+        h.run_until_idle()
+    # Each session holds the 2 full blocks of its 42-token history: 5 blocks are free.
+    result = h.step([request(10, 90, max_tokens=2)])  # needs 6: one session's hold must go
+    assert admitted(result) == [10]
+    freed = [s for f in of_type(result.decisions, ev.BlocksFreed) for s in f.seq_ids.tolist()]
+    first = first_idle_session_reclaimed(by_last_use)
+    assert freed == [-first - 1]  # a session's hold is freed under holder id -session_id - 1
+    h.run_until_idle()
+    for session_id in by_last_use:  # the others kept theirs: ending them releases 2 blocks
+        end = h.step([ev.SessionEnded(session_id)])
+        released = [int(f.counts.sum()) for f in of_type(end.decisions, ev.BlocksFreed)]
+        assert released == ([] if session_id == first else [2]), session_id
+
+
 # ----------------------------------------------------------- 8. abort, end, drain
 
 
@@ -467,6 +507,28 @@ def test_drain_leaves_nothing_held_and_admits_nothing_until_woken():
     assert admitted(woken)
     h.run_until_idle()
     assert state.stats.requests_finished == 4
+
+
+# ------------------------------------------------------------- executor failures
+
+
+def test_a_sequence_in_more_failed_steps_than_max_step_retries_is_aborted_at_the_next_failure():
+    retries = 2
+    h = Harness(max_step_retries=retries)
+    result = h.step([request(0, 40, max_tokens=4)])
+    for failure in range(1, retries + 2):
+        assert result.plan.seq_ids.tolist() == [0]  # the same work, retried
+        h.outcome = [ev.StepFailed(result.plan.step, "device error")]  # not the executor's
+        result = h.step()
+        aborts = of_type(result.decisions, ev.SequenceAborted)
+        if failure <= retries:
+            assert not aborts, f"aborted after only {failure} failed steps"
+            assert prefills(result) == [(0, 0, 40)]
+    [abort] = aborts
+    assert abort.seq_id == 0
+    assert f"{retries + 1} times" in abort.reason and "device error" in abort.reason
+    assert result.plan.is_empty
+    assert h.state.stats.requests_aborted == 1
 
 
 # ------------------------------------------------------------------- 9. no leaks

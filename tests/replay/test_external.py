@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from tests.policy.helpers import Harness, of_type, prefills
 from tests.replay.external_helpers import Node, config, prompt
 
 from kvsched.connectors import InProcessStore
@@ -197,6 +198,35 @@ def test_a_lookup_that_times_out_answers_no_blocks_and_the_prompt_is_computed() 
     assert b.outputs[7] == cold(False) and b.prefill_tokens == 300
     store.gate.set()
     b.assert_nothing_leaks()
+
+
+# ------------------------------------------------------------ answers beyond the question
+
+
+@MODELS
+def test_a_store_answer_beyond_the_blocks_asked_loads_only_the_range_the_lookup_asked(
+    hybrid: bool,
+) -> None:
+    h = Harness(config(hybrid=hybrid, external_kv=True))  # the test is the store
+    asked = of_type(h.step([ev.RequestArrived(7, P[:100], 2)]).decisions, ev.KVLookupStarted)
+    assert [(a.seq_id, a.first_block, a.num_blocks) for a in asked] == [(7, 0, 6)]
+    result = h.step([ev.KVLookupAnswered(7, 9)])  # claims 3 blocks more than asked
+    (admit,) = of_type(result.decisions, ev.KVLoadAdmitted)
+    (load,) = of_type(result.decisions, ev.KVLoadStarted)
+    assert (admit.first_block, admit.num_blocks) == (0, 6)
+    assert (load.first_block, len(load.blocks)) == (0, 6)
+    assert h.state.stats.external_hit_tokens == 6 * 16
+    reports: list[ev.Event] = [ev.KVLoadFinished(7)]
+    computed = []
+    for _ in range(20):
+        result = h.step(reports)
+        computed += [(s, e) for _, s, e in prefills(result)]
+        saves = of_type(result.decisions, ev.KVSaveStarted)
+        reports = [ev.KVSaveFinished(d.save_id) for d in saves]
+        if not h.engine.has_work and not h.outcome and not reports:
+            break
+    assert computed[0] == (96, 100)  # the prompt's tail beyond the 6 loaded blocks
+    assert h.state.stats.requests_finished == 1
 
 
 # ---------------------------------------------------- aborts, sessions, sleep mid-load

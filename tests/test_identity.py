@@ -1,0 +1,57 @@
+"""Block identity of multimodal prompts: which blocks a span's content hash marks, and what
+that means for sharing KV between requests."""
+
+from __future__ import annotations
+
+import pytest
+from tests.policy.helpers import Harness, matched, request, tokens
+
+from kvsched.events.types import MultimodalSpan
+from kvsched.identity import chain_hashes, namespace_root, span_extras
+
+BS = 16
+
+
+@pytest.mark.parametrize(
+    ("start", "end", "blocks"),
+    [
+        (20, 28, [1]),  # inside one block, ending mid-block
+        (16, 32, [1]),  # exactly one whole block
+        (20, 32, [1]),  # ending exactly at a block end: the next block is not marked
+        (20, 33, [1, 2]),  # one token into the next block marks it
+        (0, 1, [0]),
+        (15, 17, [0, 1]),
+        (8, 64, [0, 1, 2, 3]),
+    ],
+)
+def test_a_span_marks_exactly_the_blocks_holding_its_positions(
+    start: int, end: int, blocks: list[int]
+) -> None:
+    extras = span_extras((MultimodalSpan(start, end, b"img"),), BS, 0, 8)
+    assert extras == {b: b"img" for b in blocks}
+
+
+def test_the_block_after_an_image_ending_at_a_block_end_has_the_identity_of_plain_tokens():
+    image = MultimodalSpan(20, 32, b"cat-image-digest")
+    prompt = tokens(60, seed=31)
+    h = Harness()
+    h.step([request(0, prompt, max_tokens=4, mm_spans=(image,))])
+    root, chain = h.engine.chain(0)
+    assert root == namespace_root(h.config.model, BS)
+    # Computed without span_extras: only block 1 holds image positions.
+    digest = image.content_hash
+    assert list(chain) == chain_hashes(root, prompt, BS, 0, {1: digest})
+    assert list(chain) != chain_hashes(root, prompt, BS, 0, {1: digest, 2: digest})
+
+
+@pytest.mark.parametrize(("content", "hit"), [(b"image-a", 48), (b"image-b", 16)])
+def test_two_images_inside_one_block_share_its_kv_only_when_their_content_is_identical(
+    content: bytes, hit: int
+) -> None:
+    prompt = tokens(60, seed=32)
+    h = Harness()
+    h.step([request(0, prompt, max_tokens=2, mm_spans=(MultimodalSpan(20, 28, b"image-a"),))])
+    h.run_until_idle()
+    result = h.step([request(1, prompt, mm_spans=(MultimodalSpan(20, 28, content),))])
+    # Block 0 precedes the image: shared whatever the image; from block 1 on only the same one.
+    assert matched(result)[1].num_tokens == hit
