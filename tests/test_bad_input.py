@@ -12,6 +12,8 @@ import numpy as np
 import pytest
 
 import kvsched.cli
+import kvsched.replay.demo
+import kvsched.replay.runs
 from kvsched.config import ModelSpec, SchedulerConfig
 from kvsched.engine import Engine, StepResult, create_log
 from kvsched.events import types as ev
@@ -253,9 +255,9 @@ def no_work(monkeypatch: pytest.MonkeyPatch) -> None:
     def forbidden(*args: object, **kwargs: object) -> None:
         raise AssertionError("the demo started working before checking its log path")
 
-    monkeypatch.setattr(kvsched.cli, "chat_workload", forbidden)
-    monkeypatch.setattr(kvsched.cli, "Engine", forbidden)
-    monkeypatch.setattr(kvsched.cli, "run", forbidden)
+    monkeypatch.setattr(kvsched.replay.demo, "chat_workload", forbidden)
+    monkeypatch.setattr(kvsched.replay.demo, "Engine", forbidden)
+    monkeypatch.setattr(kvsched.replay.runs, "run", forbidden)
 
 
 DEMO_ARGS = ["--sessions", "2", "--turns", "1", "--quiet"]

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 import kvsched.cli
+import kvsched.replay.setup
 from kvsched.config import ModelSpec, SchedulerConfig
 from kvsched.engine import Engine
 from kvsched.gpu.sim import SimulatedExecutor
@@ -311,7 +312,7 @@ def test_torch_executor_that_cannot_be_imported_exits_2_with_a_clear_message(
             raise ImportError("No module named 'kvsched.gpu.torch_executor'")
         return real_import(name, package)
 
-    monkeypatch.setattr(kvsched.cli.importlib, "import_module", no_torch_executor)
+    monkeypatch.setattr(kvsched.replay.setup.importlib, "import_module", no_torch_executor)
 
     code, out, err = run_cli(
         capsys, "replay", str(small_trace(tmp_path)), "--executor", "torch", "--quiet"

@@ -1,0 +1,97 @@
+"""Runs of a workload: the one replay path of ``kvsched demo`` and ``kvsched replay`` (driver +
+metrics recorder + progress), one run of a trace, and a sweep of one config key."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import attrs
+
+from kvsched.config import SchedulerConfig
+from kvsched.engine import Engine
+from kvsched.replay.driver import Executor, run
+from kvsched.replay.external import ExternalKV
+from kvsched.replay.metrics import ReplayResult, replay_workload
+from kvsched.replay.setup import Sweep, TraceReplay, make_executor, open_log, sweep_config
+from kvsched.replay.workload import Workload
+
+Progress = Callable[[str, int], contextlib.AbstractContextManager[Callable[[int], None] | None]]
+"""``progress(desc, total)`` opens a progress display for a run of ``total`` requests; the
+context's value, unless None, is called after each step with the number of requests done."""
+
+
+@contextlib.contextmanager
+def no_progress(desc: str, total: int) -> Iterator[None]:
+    """The ``Progress`` that shows nothing."""
+    yield None
+
+
+def replay(
+    engine: Engine,
+    executor: Executor,
+    workload: Workload,
+    *,
+    desc: str = "replay",
+    progress: Progress = no_progress,
+    external: ExternalKV | None = None,
+) -> ReplayResult:
+    """Run ``workload`` through ``engine`` and ``executor`` (through the ``external`` KV
+    bridge when given) with a metrics recorder attached and a ``progress`` named ``desc``."""
+    driver = functools.partial(run, external=external) if external is not None else run
+    with progress(desc, len(workload.turns)) as update:
+        return replay_workload(engine, executor, workload, progress=update, driver=driver)
+
+
+def replay_trace(
+    setup: TraceReplay,
+    config: SchedulerConfig,
+    *,
+    log: str | None = None,
+    check: bool = False,
+    progress: Progress = no_progress,
+) -> ReplayResult:
+    """One run of the trace on a fresh engine, recorded to the event log ``log`` if given."""
+    executor = make_executor(setup.executor, config, setup.cost, setup.model)
+    event_log = open_log(log, config)
+    try:
+        engine = Engine(config, log=event_log, check_invariants=check)
+        return replay(engine, executor, setup.trace.workload, progress=progress)
+    finally:
+        if event_log is not None:
+            event_log.close()
+
+
+@attrs.frozen
+class SweepRun:
+    """One run of a sweep: ``metrics`` are the run's, the trace's extra ones
+    (``TraceReplay.extra``) and the sweep point (``sweep_key``, ``sweep_value``)."""
+
+    value: int
+    metrics: dict[str, Any]
+    result: ReplayResult
+
+
+def sweep_runs(
+    setup: TraceReplay,
+    config: SchedulerConfig,
+    sweep: Sweep,
+    *,
+    check: bool = False,
+    progress: Progress = no_progress,
+) -> Iterator[SweepRun]:
+    """Replay the trace once per value of ``sweep`` (KEY, values), each on a fresh engine
+    whose config is ``config`` with KEY set; yields each run as it ends."""
+    key, values = sweep
+    extra = setup.extra()
+    for value in values:
+        cfg = sweep_config(config, key, value)
+        executor = make_executor(setup.executor, cfg, setup.cost, setup.model)
+        engine = Engine(cfg, check_invariants=check)
+        result = replay(
+            engine, executor, setup.trace.workload, desc=f"{key}={value}", progress=progress
+        )
+        metrics = {**result.metrics, **extra, "sweep_key": key, "sweep_value": value}
+        yield SweepRun(value, metrics, result)

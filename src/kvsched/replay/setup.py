@@ -1,0 +1,219 @@
+"""Setting up a replay: option checks, the scheduler config of a trace, sweeps, executors.
+
+Everything here raises ``SetupError`` for a problem with what was asked (the command line
+maps it to ``kvsched: error: ...`` and exit code 2); messages name the option at fault.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+import attrs
+
+from kvsched.config import ModelSpec, SchedulerConfig
+from kvsched.engine import create_log
+from kvsched.events.log import EventLog
+from kvsched.gpu.sim import CostModel, SimulatedExecutor
+from kvsched.replay.driver import Executor
+from kvsched.replay.traces import Trace, TraceInfo, detect_format, log_config, read_trace
+from kvsched.replay.workload import speed_up
+
+TRACE_VOCAB = 150_000
+"""The vocabulary of the synthetic prompts of Mooncake and Azure traces."""
+
+SWEEP_KEYS = {
+    "cache-blocks": "num_blocks",
+    "block-size": "block_size",
+    "max-batch": "max_batch",
+    "max-prefill-tokens": "max_prefill_tokens",
+}
+"""Sweepable options (``--sweep KEY=...``) and the ``SchedulerConfig`` field each sets."""
+
+Sweep = tuple[str, list[int]]
+
+
+class SetupError(ValueError):
+    """A replay or demo that cannot be set up as asked; the message names the option."""
+
+
+def parse_sweep(spec: str) -> Sweep:
+    """``KEY=V1,V2,...`` (KEY one of ``SWEEP_KEYS``, positive integers) as (KEY, values)."""
+    key, sep, raw = spec.partition("=")
+    key = key.strip()
+    if not sep or key not in SWEEP_KEYS:
+        raise SetupError(
+            f"--sweep {spec!r}: expected KEY=V1,V2,... with KEY one of {', '.join(SWEEP_KEYS)}"
+        )
+    try:
+        values = [int(v.replace("_", "")) for v in raw.split(",") if v.strip()]
+    except ValueError:
+        raise SetupError(f"--sweep {spec!r}: values must be integers") from None
+    if not values or min(values) <= 0:
+        raise SetupError(f"--sweep {spec!r}: give one or more positive values")
+    return key, values
+
+
+def sweep_config(config: SchedulerConfig, key: str, value: int) -> SchedulerConfig:
+    """``config`` with the sweep key ``key`` set to ``value``."""
+    try:
+        return SchedulerConfig.from_dict({**config.to_dict(), SWEEP_KEYS[key]: value})
+    except ValueError as exc:
+        raise SetupError(f"--sweep {key}={value}: {exc}") from None
+
+
+def torch_module() -> Any:
+    """``kvsched.gpu.torch_executor``, or a SetupError saying how to install it."""
+    try:
+        return importlib.import_module("kvsched.gpu.torch_executor")
+    except ImportError as exc:
+        raise SetupError(
+            f"--executor torch: the torch executor is not available ({exc}); "
+            "install it with pip install 'kvsched[torch]' or use --executor sim"
+        ) from None
+
+
+def make_executor(
+    kind: str, config: SchedulerConfig, cost: CostModel, model: str | None = None
+) -> Executor:
+    """The ``sim`` (cost model) or ``torch`` (checkpoint ``model``) executor for ``config``."""
+    if kind == "sim":
+        return SimulatedExecutor(config.model.vocab_size, cost)
+    factory = getattr(torch_module(), "TorchExecutor", None)
+    if factory is None:
+        raise SetupError("--executor torch: kvsched.gpu.torch_executor has no TorchExecutor")
+    if model is None:
+        raise SetupError("--executor torch needs --model DIR (a checkpoint directory)")
+    try:
+        executor: Executor = factory(
+            model, config.num_blocks, config.block_size, config.num_state_slots
+        )
+    except Exception as exc:  # a missing GPU, driver or weights: say so, exit 2
+        raise SetupError(f"--executor torch: cannot start the torch executor: {exc}") from None
+    return executor
+
+
+def open_log(path: str | None, config: SchedulerConfig) -> EventLog | None:
+    """A new event log at ``path`` for a run of ``config``; None without a path."""
+    return create_log(path, config) if path else None
+
+
+@attrs.frozen
+class TraceReplay:
+    """A trace read for ``kvsched replay`` with its checked options."""
+
+    trace: Trace
+    cost: CostModel
+    sweep: Sweep | None = None
+    executor: str = "sim"
+    model: str | None = None
+    speedup: float = 1.0
+
+    def extra(self) -> dict[str, Any]:
+        """What the metrics of each run add about the trace and the options."""
+        info = self.trace.info
+        return {
+            "trace": info.path,
+            "format": info.format,
+            "trace_lines": info.lines,
+            "bad_lines": len(info.bad_lines),
+            "out_of_order": info.out_of_order,
+            "ideal_hit_rate": info.ideal_hit_rate,
+            "executor": self.executor,
+            "speedup": self.speedup,
+            "cost_model": self.cost.to_dict(),
+        }
+
+
+def load_trace_replay(
+    path: str,
+    *,
+    executor: str = "sim",
+    model: str | None = None,
+    fmt: str | None = None,
+    block_size: int | None = None,
+    skip_bad_lines: bool = False,
+    limit: int | None = None,
+    speedup: float = 1.0,
+    cost: str | None = None,
+    sweep: str | None = None,
+    log: str | None = None,
+) -> TraceReplay:
+    """Check the options (before reading anything where they allow) and read the trace.
+
+    Raises SetupError for bad options and ``TraceError`` for a trace that cannot be read.
+    """
+    kind = detect_format(path, fmt)
+    try:
+        cost_model = CostModel.parse(cost or "")
+    except ValueError as exc:
+        raise SetupError(str(exc)) from None
+    parsed = parse_sweep(sweep) if sweep else None
+    if parsed and log:
+        raise SetupError("--log records one run: it cannot be combined with --sweep")
+    if executor == "torch":
+        torch_module()  # fail before reading the trace
+        if model is None:
+            raise SetupError("--executor torch needs --model DIR (a checkpoint directory)")
+    trace = read_trace(
+        path,
+        kind,
+        block_size=block_size or 64,
+        vocab_size=TRACE_VOCAB,
+        skip_bad_lines=skip_bad_lines,
+        limit=limit,
+    )
+    if speedup != 1.0:
+        if not speedup > 0:
+            raise SetupError(f"--speedup must be positive, got {speedup}")
+        trace = attrs.evolve(trace, workload=speed_up(trace.workload, speedup))
+    return TraceReplay(trace, cost_model, parsed, executor, model, speedup)
+
+
+def unbounded_blocks(info: TraceInfo, requests: int, block_size: int) -> int:
+    """Enough blocks that nothing is ever evicted: every request's prompt and output in
+    blocks of its own (an upper bound on the distinct blocks of the whole trace)."""
+    return info.total_tokens // block_size + 2 * requests + 2
+
+
+def trace_config(
+    trace: Trace,
+    *,
+    block_size: int | None = None,
+    cache_blocks: int | None = None,
+    max_batch: int | None = None,
+    max_prefill_tokens: int | None = None,
+    order: str | None = None,
+    hybrid: bool = False,
+) -> SchedulerConfig:
+    """The scheduler config to replay ``trace`` with: a kvsched event log's header config
+    (else the defaults with the trace vocabulary), a context that fits the longest request,
+    an unbounded cache unless ``cache_blocks`` is given, then the options that are given."""
+    base: dict[str, Any] = {}
+    if trace.info.format == "log":
+        base = log_config(trace.info.path)
+    model = dict(base.get("model", {}))
+    if trace.info.format != "log":
+        model["vocab_size"] = TRACE_VOCAB
+    longest = trace.info.max_request_tokens + 1
+    context = int(model.get("max_context", ModelSpec().max_context))
+    while context < longest:
+        context *= 2
+    model["max_context"] = context
+    block = block_size or int(base.get("block_size", 64))
+    if cache_blocks is None:
+        cache_blocks = unbounded_blocks(trace.info, trace.info.requests, block)
+    fields = {
+        **{k: v for k, v in base.items() if k != "model"},
+        "model": ModelSpec(**model),
+        "block_size": block,
+        "num_blocks": cache_blocks,
+    }
+    given = {"max_batch": max_batch, "max_prefill_tokens": max_prefill_tokens, "order": order}
+    fields.update({k: v for k, v in given.items() if v is not None})
+    if hybrid:
+        fields["hybrid"] = True
+    try:
+        return SchedulerConfig(**fields)
+    except (TypeError, ValueError) as exc:
+        raise SetupError(f"bad configuration: {exc}") from None
