@@ -42,43 +42,12 @@ def request(
     return ev.RequestArrived(seq_id, tokens(n_prompt, seq_id), max_tokens, **kw)  # type: ignore[arg-type]
 
 
-def fingerprint(engine: Engine) -> dict[str, object]:
-    """Everything the engine state holds (stats without ``requests_rejected``)."""
+def fingerprint(engine: Engine) -> tuple[object, ...]:
+    """Everything the engine state holds (statistics without ``requests_rejected``)."""
     s = engine.state
-    t = s.seqs
     stats = attrs.asdict(s.stats)
     del stats["requests_rejected"]
-    rows, starts, ends = s.pending.arrays()
-    return {
-        "pool": s.pool.snapshot(),
-        "table": {
-            name: getattr(t, name).tobytes()
-            for name in (
-                "row_seq",
-                "computed",
-                "ntokens",
-                "nblocks",
-                "registered",
-                "last_token",
-                "temperature",
-                "seed",
-                "table",
-            )
-        },
-        "free_rows": list(t.free_rows),
-        "waiting": list(t.waiting),
-        "seqs": {
-            i: (q.state, q.row, q.token_view().tobytes(), q.max_tokens, q.session_id, q.hashes)
-            for i, q in t.seqs.items()
-        },
-        "sessions": {
-            i: (x.tokens.tobytes(), x.held.tobytes(), x.active_seq, x.hashes)
-            for i, x in s.sessions.items()
-        },
-        "stats": stats,
-        "pending": (s.pending.step, rows.tobytes(), starts.tobytes(), ends.tobytes()),
-        "step": (s.step, s.clock, s.sleeping, s.decode_turns),
-    }
+    return (s.snapshot()[:-1], stats)
 
 
 def encoded(decisions: tuple[ev.Event, ...] | list[ev.Event]) -> list[bytes]:

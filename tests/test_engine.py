@@ -14,7 +14,7 @@ from kvsched.config import ModelSpec, SchedulerConfig
 from kvsched.engine import Engine, StepResult
 from kvsched.events import types as ev
 from kvsched.gpu.sim import SimulatedExecutor
-from kvsched.reducers.plan import StepPlan
+from kvsched.plan import StepPlan
 from kvsched.replay.driver import run
 from kvsched.replay.workload import Turn, Workload
 

@@ -183,9 +183,9 @@ def test_a_checkpoint_evicted_while_pinned_is_caught(monkeypatch: pytest.MonkeyP
 
 
 def test_a_preemption_that_keeps_its_blocks_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
-    from kvsched.policy.scheduler import Policy
+    from kvsched.policy.growth import Growth
 
     def preempt_without_release(self, state, seq, emit, reason):  # type: ignore[no-untyped-def]
         emit(ev.SequencePreempted(seq.seq_id, reason))
 
-    _run_broken(monkeypatch, Policy, "preempt", preempt_without_release)
+    _run_broken(monkeypatch, Growth, "preempt", preempt_without_release)

@@ -34,7 +34,6 @@ from kvsched.engine import Engine
 from kvsched.events import types as ev
 from kvsched.gpu.sim import SimulatedExecutor
 from kvsched.policy.scheduler import Policy
-from kvsched.reducers.state import EngineState
 from kvsched.reducers.transfers import TransferTable
 from kvsched.statemachines import CkptState, LoadState, SeqState
 
@@ -272,7 +271,7 @@ class ExternalKVMachine(RuleBasedStateMachine):
             assert seq_id in self.loads
         # The engine sleeps iff the client's latest request was to sleep (a drain waiting for
         # transfers to settle is not asleep yet).
-        if not state.transfers.drain_pending:
+        if not state.serving.drain_pending:
             assert state.sleeping == self.want_sleep, (
                 "asleep after a wake" if state.sleeping else "awake after a drain"
             )
@@ -375,19 +374,22 @@ class ExternalKVMachine(RuleBasedStateMachine):
         report=st.sampled_from(["later", "finished", "failed"]),
     )
     def abort_while_loading(self, pick: int, how: str, report: str) -> None:
-        """Abort a sequence whose KV is loading (or end its session, or both): deferred until
-        the load settles, maybe in this very step."""
+        """Abort a sequence whose KV is loading (or end its session, or both) in a step that
+        brings no report of its load: deferred until the load settles (maybe in the next
+        step). A report given in the same step as the abort is applied first (outcomes and
+        reports come before client inputs), so that abort is not deferred at all."""
         seq_id = sorted(self.loads)[pick % len(self.loads)]
         session = self.session_of.get(seq_id, -1)
         if how != "end session" or session < 0:
             self.inputs.append(ev.RequestAborted(seq_id, "client abort"))
         if how != "abort" and session >= 0:
             self.inputs.append(ev.SessionEnded(session))
-        if report != "later":
+        self._step()
+        if report != "later" and seq_id in self.loads:
             n = self.loads[seq_id]
             ok = report == "finished"
             report_ = ev.KVLoadFinished(seq_id) if ok else ev.KVLoadFailed(seq_id, n // 2, "x")
-            self._step([report_], reports_first=False)  # the abort comes first: deferred
+            self._step([report_], reports_first=False)
 
     @rule(session=st.integers(0, NUM_SESSIONS - 1))
     def end_session(self, session: int) -> None:
@@ -479,13 +481,12 @@ def _run_broken(monkeypatch: pytest.MonkeyPatch, target: object, name: str, brok
 
 
 def test_a_save_that_keeps_its_blocks_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
-    def save_finished_without_release(self: EngineState, e: ev.KVSaveFinished) -> None:
-        lease = self.transfers.end_lease(e.save_id, e.ok)
-        assert lease is not None
-        if lease.ckpt_id >= 0:
-            self.ckpts.unpin(self.ckpts.get(lease.ckpt_id))
+    original = TransferTable._on_save_finished
 
-    _run_broken(monkeypatch, EngineState, "_on_save_finished", save_finished_without_release)
+    def save_finished_without_release(self: TransferTable, e: ev.KVSaveFinished) -> None:
+        original(self, e)  # the lease ends, but its references are never dropped
+
+    _run_broken(monkeypatch, TransferTable, "_on_save_finished", save_finished_without_release)
 
 
 def test_an_abort_that_does_not_wait_for_the_load_is_caught(
@@ -499,7 +500,7 @@ def test_an_abort_that_does_not_wait_for_the_load_is_caught(
         if load is not None and load.open:
             emit(ev.KVLoadCancelled(seq_id, reason))
         if seq.state != SeqState.WAITING:  # loading or running: release its row's blocks
-            self._release(state, [seq], emit)
+            self.growth.release(state, [seq], emit)
         emit(ev.SequenceAborted(seq_id, reason))
         return True
 
@@ -509,19 +510,24 @@ def test_an_abort_that_does_not_wait_for_the_load_is_caught(
 def test_a_deferred_abort_that_is_forgotten_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
     def settle_without_the_deferred_abort(self, state, seq_id, emit):  # type: ignore[no-untyped-def]
         load = state.transfers.load_of(seq_id)
-        if load.state == LoadState.FAILED and state.hybrid:
-            self.preempt(state, state.seq(seq_id), emit, "kv load failed")
+        failed = load.state == LoadState.FAILED
+        good = 0 if failed and state.hybrid else load.good_blocks
+        emit(ev.KVLoadSettled(seq_id, load.first_block + good))
+        seq = state.seq(seq_id)
+        self.growth.cache_computed(state, np.asarray([seq.row]), emit)
+        if failed and state.hybrid:
+            self.preempt(state, seq, emit, "kv load failed")
 
     _run_broken(monkeypatch, Policy, "settle_load", settle_without_the_deferred_abort)
 
 
 def test_a_failed_load_that_is_forgotten_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
-    original = TransferTable.forget
+    original = TransferTable._forget
 
     def forget_failed_too(self: TransferTable, seq_id: int, keep_failed: bool = False) -> None:
         original(self, seq_id, keep_failed=False)
 
-    _run_broken(monkeypatch, TransferTable, "forget", forget_failed_too)
+    _run_broken(monkeypatch, TransferTable, "_forget", forget_failed_too)
 
 
 # ------------------------------------------------------- regressions the machine found

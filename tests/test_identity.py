@@ -4,8 +4,9 @@ that means for sharing KV between requests."""
 from __future__ import annotations
 
 import pytest
-from tests.policy.helpers import Harness, matched, request, tokens
+from tests.policy.helpers import Harness, matched, of_type, request, tokens
 
+from kvsched.events import types as ev
 from kvsched.events.types import MultimodalSpan
 from kvsched.identity import chain_hashes, namespace_root, span_extras
 
@@ -36,12 +37,16 @@ def test_the_block_after_an_image_ending_at_a_block_end_has_the_identity_of_plai
     prompt = tokens(60, seed=31)
     h = Harness()
     h.step([request(0, prompt, max_tokens=4, mm_spans=(image,))])
-    root, chain = h.engine.chain(0)
-    assert root == namespace_root(h.config.model, BS)
+    results = h.run_until_idle()
+    # The identities the engine gave the prompt's full blocks, as its event stream says.
+    cached = [d for r in results for d in of_type(r.decisions, ev.BlocksCached)]
+    chain = [x for d in cached for x in ev.split_hashes(d.hashes)][:3]
+    root = namespace_root(h.config.model, BS)
+    assert ev.split_hashes(cached[0].parents)[0] == root
     # Computed without span_extras: only block 1 holds image positions.
     digest = image.content_hash
-    assert list(chain) == chain_hashes(root, prompt, BS, 0, {1: digest})
-    assert list(chain) != chain_hashes(root, prompt, BS, 0, {1: digest, 2: digest})
+    assert chain == chain_hashes(root, prompt, BS, 0, {1: digest})
+    assert chain != chain_hashes(root, prompt, BS, 0, {1: digest, 2: digest})
 
 
 @pytest.mark.parametrize(("content", "hit"), [(b"image-a", 48), (b"image-b", 16)])

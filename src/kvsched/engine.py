@@ -1,8 +1,15 @@
-"""The engine shell: wires inputs, policy, reducers, plan, log and bus for one step at a time.
+"""The engine shell: wires inputs, policy, reducers, plan, log and publishers one step at a time.
 
+    inputs    = check_inputs(inputs)         validated and ordered; nothing folded on error
     decisions = [StepStarted] + policy(inputs) + policy.schedule(state)
     plan      = plan_step(state)
-    log      <- StepRecord(step, clock, inputs, decisions)
+    log      <- StepRecord(step, clock, inputs, decisions, plan_digest(plan))
+
+A step is transactional towards its caller: an input the engine refuses raises an
+``InputError`` before anything is folded (the state stays bit-for-bit unchanged and the
+engine keeps serving). A failure after folding began is a bug or a broken invariant: the
+engine halts (every later step raises ``EngineHalted``) rather than serve from a state that
+no log describes.
 
 The engine never runs the executor: its caller (a driver) does, and feeds the outcome back as
 an input of the next step. The engine holds no clock: the caller passes each step's clock.
@@ -10,7 +17,9 @@ an input of the next step. The engine holds no clock: the caller passes each ste
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
+from typing import Protocol
 
 import attrs
 
@@ -18,12 +27,25 @@ import kvsched
 from kvsched.config import SchedulerConfig
 from kvsched.events import types as ev
 from kvsched.events.bus import EventBus
-from kvsched.events.codec import StepRecord, encode
+from kvsched.events.codec import SCHEMA_VERSION, StepRecord, encode
 from kvsched.events.log import EventLog
+from kvsched.plan import StepPlan, plan_digest
 from kvsched.policy import Policy
-from kvsched.reducers.plan import StepPlan, plan_step
-from kvsched.reducers.sequences import Seq
-from kvsched.reducers.state import EngineState, ReplayMismatch
+from kvsched.reducers.inputs import InputError, MalformedInput
+from kvsched.reducers.planner import plan_step
+from kvsched.reducers.state import EngineState
+
+__all__ = ["Engine", "EngineHalted", "InputError", "RecordSink", "StepResult", "create_log"]
+
+
+class EngineHalted(RuntimeError):
+    """A step failed after folding began; the engine serves no more steps."""
+
+
+class RecordSink(Protocol):
+    """Where each step's encoded record goes besides the log (e.g. a ZMQ publisher)."""
+
+    def publish(self, payload: bytes) -> None: ...
 
 
 @attrs.frozen
@@ -34,11 +56,20 @@ class StepResult:
     decisions: tuple[ev.Event, ...]
 
 
+def log_header(config: SchedulerConfig) -> dict[str, object]:
+    """The header of a log or stream of a run with this config."""
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "kvsched_version": kvsched.__version__,
+        "config": config.to_dict(),
+    }
+
+
 def create_log(path: str, config: SchedulerConfig) -> EventLog:
     """Open a new event log for a run with this config (fails before any work is done)."""
     return EventLog.create(
         path,
-        schema_version=kvsched.SCHEMA_VERSION,
+        schema_version=SCHEMA_VERSION,
         kvsched_version=kvsched.__version__,
         config=config.to_dict(),
     )
@@ -51,6 +82,7 @@ class Engine:
         *,
         log: EventLog | None = None,
         bus: EventBus[ev.Event] | None = None,
+        sinks: Sequence[RecordSink] = (),
         policy: Policy | None = None,
         check_invariants: bool = False,
     ) -> None:
@@ -59,31 +91,18 @@ class Engine:
         self.policy = policy or Policy(config)
         self.log = log
         self.bus = bus
+        self.sinks = list(sinks)
         self.check = check_invariants
+        self.halted: BaseException | None = None
         self._decisions: list[ev.Event] = []
-        # Sequences this step's transfer decisions concern (kept for the bridge: a sequence
-        # may finish, and leave the table, in the step that started its save; its hash chain
-        # only ever grows, so the object still answers for the blocks the save names).
-        self._transfer_seqs: dict[int, Seq] = {}
 
     def _emit(self, event: ev.Event) -> None:
-        if isinstance(event, (ev.KVSaveStarted, ev.KVLookupStarted)):
-            self._transfer_seqs[event.seq_id] = self.state.seq(event.seq_id)
         self.state.apply(event)
         self._decisions.append(event)
 
     @property
     def has_work(self) -> bool:
-        table = self.state.seqs
-        transfers = self.state.transfers
-        serving = not self.state.sleeping and (bool(table.waiting) or table.num_running > 0)
-        return serving or transfers.busy or transfers.drain_pending
-
-    def chain(self, seq_id: int) -> tuple[bytes, tuple[bytes, ...]]:
-        """(namespace root, full-block hash chain) of a live sequence: what store keys of its
-        blocks are made of (the external-KV bridge asks)."""
-        seq = self._transfer_seqs.get(seq_id) or self.state.seq(seq_id)
-        return seq.root, tuple(seq.hashes)
+        return self.state.has_work
 
     def transfers_in_flight(self) -> tuple[list[int], list[int]]:
         """(sequences whose load is in flight, save ids in flight)."""
@@ -91,27 +110,42 @@ class Engine:
         return transfers.in_flight_loads(), sorted(transfers.leases)
 
     def step(self, inputs: Sequence[ev.Event], clock: float) -> StepResult:
-        """Fold the inputs, decide, plan, record. Returns the plan for the executor."""
+        """Check and fold the inputs, decide, plan, record. Returns the plan to execute."""
+        if self.halted is not None:
+            raise EngineHalted(f"the engine halted after an earlier failure: {self.halted}")
+        if isinstance(clock, bool) or not isinstance(clock, (int, float)) or not math.isfinite(
+            clock
+        ):
+            raise MalformedInput(-1, clock, f"the step clock must be a finite number: {clock!r}")
+        ordered = self.state.check_inputs(inputs)
+        try:
+            return self._step(ordered, float(clock))
+        except BaseException as exc:
+            self.halted = exc
+            raise
+
+    def _step(self, inputs: list[ev.Event], clock: float) -> StepResult:
         self._decisions = []
-        self._transfer_seqs = {}
         step = self.state.step + 1
         self._emit(ev.StepStarted(step, clock))
         for event in inputs:
             self._handle(event)
-        if self.state.pending.rows:
-            raise ReplayMismatch(f"step {step}: the outcome of step {step - 1} is missing")
         self.policy.schedule(self.state, self._emit)
         plan = plan_step(self.state)
         decisions = tuple(self._decisions)
-        inputs = tuple(inputs)
-        if self.log is not None:
-            self.log.append(encode(StepRecord(step, clock, list(inputs), list(decisions))))
-            self.log.flush()  # a crashed process loses at most the record being written
+        if self.log is not None or self.sinks:
+            record = StepRecord(step, clock, inputs, list(decisions), plan_digest(plan))
+            payload = encode(record)
+            if self.log is not None:
+                self.log.append(payload)
+                self.log.flush()  # a crashed process loses at most the record being written
+            for sink in self.sinks:
+                sink.publish(payload)
         if self.bus is not None:
-            self.bus.publish_many(inputs + decisions)
+            self.bus.publish_many((*inputs, *decisions))
         if self.check:
             self.state.check_invariants()
-        return StepResult(step, plan, inputs, decisions)
+        return StepResult(step, plan, tuple(inputs), decisions)
 
     def _handle(self, event: ev.Event) -> None:
         state, policy, emit = self.state, self.policy, self._emit
@@ -123,18 +157,13 @@ class Engine:
             state.apply(event)
         elif isinstance(event, ev.StepExecuted):
             state.apply(event)
-            saving = self.config.external_save and state.hybrid
-            reserved = state.reserved_identities() if saving else []
-            policy.publish_checkpoints(state, emit)
-            policy.start_saves(state, reserved, emit)
-            policy.finish_finished(state, event, emit)
+            policy.after_executed(state, event, emit)
         elif isinstance(event, (ev.KVLoadFinished, ev.KVLoadFailed)):
             state.apply(event)
             policy.settle_load(state, event.seq_id, emit)
         elif isinstance(event, ev.StepFailed):
             state.apply(event)
-            policy.abandon_checkpoints(state, emit)
-            policy.recover_failed_step(state, event.reason, emit)
+            policy.after_failed_step(state, event.reason, emit)
         elif isinstance(event, ev.RequestAborted):
             policy.abort(state, event.seq_id, event.reason, emit)
         elif isinstance(event, ev.SessionEnded):

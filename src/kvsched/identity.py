@@ -64,3 +64,37 @@ def chain_hashes(
         parent = h.digest()
         out.append(parent)
     return out
+
+
+def partial_key(anchor: bytes, tail: np.ndarray, extra: bytes = b"") -> bytes:
+    """Identity of a non-aligned checkpoint: the anchor block's hash, the tail tokens and the
+    content hashes of the multimodal spans overlapping the tail (``tail_extra``)."""
+    h = blake2b(anchor, digest_size=DIGEST_SIZE, person=b"kvs-partial")
+    h.update(np.ascontiguousarray(tail, dtype=_TOKEN_DTYPE).tobytes())
+    if extra:
+        h.update(extra)
+    return h.digest()
+
+
+def tail_extra(spans: Sequence[MultimodalSpan], start: int, end: int) -> bytes:
+    """Content hashes of the spans overlapping tokens [start, end), as full blocks hash them."""
+    return b"".join(s.content_hash for s in spans if s.start < end and start < s.end)
+
+
+def checkpoint_identity(
+    root: bytes,
+    hashes: Sequence[bytes],
+    tokens: np.ndarray,
+    spans: Sequence[MultimodalSpan],
+    step: int,
+    block_size: int,
+) -> tuple[bytes, bytes]:
+    """(identity, anchor) of the recurrent state after ``step`` tokens of a chain: for an
+    aligned step the hash of its last full block (the root below one block), else a digest of
+    that anchor, the tail tokens and the spans overlapping them."""
+    depth = step // block_size
+    anchor = hashes[depth - 1] if depth else root
+    if step % block_size == 0:
+        return anchor, anchor
+    extra = tail_extra(spans, depth * block_size, step)
+    return partial_key(anchor, tokens[depth * block_size : step], extra), anchor

@@ -6,13 +6,14 @@ import numpy as np
 
 from kvsched.config import ModelSpec
 from kvsched.connectors import (
-    ConnectorInput,
     HostBlockBuffer,
     KVStore,
-    StoreConnector,
+    SaveOrder,
+    StepTransfers,
     TransferEngine,
     block_key,
 )
+from kvsched.events.types import KVSaveStarted
 from kvsched.identity import chain_hashes, namespace_root
 
 BLOCK_SIZE = 16
@@ -35,23 +36,12 @@ def filled_buffer(num_blocks: int, seed: int = 1) -> HostBlockBuffer:
 def save_chain(
     store: KVStore, root: bytes, hashes: list[bytes], src: HostBlockBuffer, blocks: list[int]
 ) -> None:
-    """Save ``src`` blocks ``blocks`` under the chain's first ``len(blocks)`` keys, through a
-    StoreConnector + TransferEngine (the production path)."""
-    conn = StoreConnector(store, synchronous=True)
+    """Save ``src`` blocks ``blocks`` under the chain's first ``len(blocks)`` keys, as the
+    engine's save decision orders it (the production path: ``SaveOrder.from_event``)."""
     engine = TransferEngine(store, src)
     n = len(blocks)
-    inp = ConnectorInput(
-        step=0,
-        block_size=BLOCK_SIZE,
-        seq_ids=np.array([1]),
-        token_ends=np.array([n * BLOCK_SIZE]),
-        block_counts=np.array([n]),
-        block_ids=np.array(blocks),
-        block_hashes=(tuple(hashes[:n]),),
-        namespace_roots=(root,),
-    )
-    transfers = conn.build_step(inp)
-    assert len(transfers.saves) == 1
+    decision = KVSaveStarted(0, 1, np.array(blocks, np.int32), 0, root, b"".join(hashes[:n]))
+    transfers = StepTransfers(saves=(SaveOrder.from_event(decision),))
     engine.apply(transfers)
     assert engine.wait_idle(30)
     report = engine.poll()

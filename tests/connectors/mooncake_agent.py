@@ -33,6 +33,7 @@ from tests.connectors.helpers import BLOCK_BYTES, chain, filled_buffer, save_cha
 from kvsched.connectors import (
     HostBlockBuffer,
     HostStateBuffer,
+    LoadOrder,
     LookupRequest,
     LookupResult,
     RpcFailed,
@@ -45,6 +46,7 @@ from kvsched.connectors import (
     state_key,
 )
 from kvsched.connectors.mooncake_cluster import MooncakeCluster
+from kvsched.events.types import KVLoadStarted
 
 Info = dict[str, Any]
 
@@ -265,10 +267,9 @@ def reader_main() -> None:
     while not isinstance(answer := conn.lookup(req), LookupResult):
         assert time.monotonic() < deadline
         time.sleep(0.001)
-    conn.bind(1, list(range(answer.num_blocks)))
-    from tests.connectors.test_connector_inprocess import _step_input
-
-    (load,) = conn.build_step(_step_input(0, [], [], [])).loads
+    n = answer.num_blocks
+    blob = b"".join(hashes[:n])
+    load = LoadOrder.from_event(KVLoadStarted(1, np.arange(n, dtype=np.int32), 0, root, blob))
     dst = HostBlockBuffer(len(hashes), BLOCK_BYTES)
     engine = TransferEngine(store, dst)
     engine.start_load(load.seq_id, load.keys, load.block_ids)

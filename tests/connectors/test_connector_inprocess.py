@@ -9,15 +9,16 @@ import pytest
 
 from kvsched.connectors import (
     PENDING,
-    ConnectorInput,
     Faults,
     HostBlockBuffer,
     HostStateBuffer,
     InProcessStore,
     InvalidRequest,
     KVStore,
+    LoadOrder,
     LookupRequest,
     LookupResult,
+    SaveOrder,
     StoreConnector,
     StoreUnavailable,
     TransferEngine,
@@ -27,9 +28,16 @@ from kvsched.connectors import (
     state_key,
 )
 from kvsched.connectors.buffers import encode_state
-from kvsched.events.types import KVLoadFailed, KVLoadFinished, KVSaveFinished
+from kvsched.events.types import (
+    KVLoadFailed,
+    KVLoadFinished,
+    KVLoadStarted,
+    KVLookupStarted,
+    KVSaveFinished,
+    KVSaveStarted,
+)
 
-from .helpers import BLOCK_BYTES, BLOCK_SIZE, chain, filled_buffer, save_chain
+from .helpers import BLOCK_BYTES, chain, filled_buffer, save_chain
 
 
 def _load(
@@ -113,10 +121,10 @@ def test_lookup_counts_only_the_leading_present_blocks() -> None:
     conn = StoreConnector(store, synchronous=True)
     req = LookupRequest(seq_id=1, namespace_root=root, block_hashes=tuple(hashes))
     assert conn.lookup(req) == LookupResult(3)
-    # blocks the scheduler already has locally count as present
+    # blocks the scheduler already has locally count as present: ask from block 4 on
     conn.cancel_lookup(1)
     req2 = LookupRequest(
-        seq_id=1, namespace_root=root, block_hashes=tuple(hashes), num_computed_blocks=4
+        seq_id=1, namespace_root=root, block_hashes=tuple(hashes[4:]), first_block=4
     )
     assert conn.lookup(req2) == LookupResult(6)
 
@@ -158,7 +166,7 @@ def test_asynchronous_lookup_answers_pending_until_the_probe_is_back() -> None:
         assert time.monotonic() < deadline
         time.sleep(0.001)
     assert answer == LookupResult(4)
-    assert conn.lookup(req) == answer  # repeatable until bind / cancel
+    assert conn.lookup(req) == answer  # repeatable until cancelled
     conn.close()
 
 
@@ -167,7 +175,7 @@ def test_lookup_against_an_unavailable_store_answers_no_external_blocks_with_a_r
     root, hashes = chain(4)
     conn = StoreConnector(store, synchronous=True)
     req = LookupRequest(
-        seq_id=1, namespace_root=root, block_hashes=tuple(hashes), num_computed_blocks=1
+        seq_id=1, namespace_root=root, block_hashes=tuple(hashes[1:]), first_block=1
     )
     result = conn.lookup(req)
     assert isinstance(result, LookupResult)
@@ -247,69 +255,33 @@ def test_a_block_of_the_wrong_size_fails_the_load_as_corrupt() -> None:
     assert good == 1 and "corrupt" in reason
 
 
-def _step_input(
-    step: int, ends: list[int], roots: list[bytes], hashes: list[list[bytes]], first: int = 10
-) -> ConnectorInput:
-    counts = [-(-e // BLOCK_SIZE) for e in ends]
-    ids = np.arange(sum(counts)) + 1
-    return ConnectorInput(
-        step=step,
-        block_size=BLOCK_SIZE,
-        seq_ids=np.arange(len(ends)) + first,
-        token_ends=np.array(ends),
-        block_counts=np.array(counts),
-        block_ids=ids,
-        block_hashes=tuple(tuple(h) for h in hashes),
-        namespace_roots=tuple(roots),
-    )
+def test_orders_are_built_from_the_decisions_alone() -> None:
+    root, hashes = chain(6)
+    blob = b"".join(hashes[2:5])
+    lookup = KVLookupStarted(4, 2, 5, root, blob, with_state=True)
+    req = LookupRequest.from_event(lookup)
+    assert (req.seq_id, req.first_block, req.with_state) == (4, 2, True)
+    assert req.block_hashes == tuple(hashes[2:5])
+    blocks = np.array([30, 31, 32], dtype=np.int32)
+    load = LoadOrder.from_event(KVLoadStarted(4, blocks, 2, root, blob, 9, hashes[4]))
+    assert load.keys == tuple(block_key(root, h) for h in hashes[2:5])
+    assert load.block_ids == (30, 31, 32)
+    assert (load.state_key, load.state_slot) == (state_key(root, hashes[4]), 9)
+    plain = LoadOrder.from_event(KVLoadStarted(4, blocks, 2, root, blob))
+    assert plain.state_key is None and plain.state_slot == -1
+    save = SaveOrder.from_event(KVSaveStarted(7, 4, blocks, 2, root, blob, ckpt_id=3, state_slot=5))
+    assert (save.save_id, save.seq_id, save.block_ids) == (7, 4, (30, 31, 32))
+    assert save.keys == load.keys and save.state_key == state_key(root, hashes[4])
+    assert SaveOrder.from_event(KVSaveStarted(8, 4, blocks, 2, root, blob)).state_key is None
 
 
-def test_build_step_orders_each_full_block_saved_once_and_delays_freeing_until_saved() -> None:
-    store = InProcessStore()
-    root, hashes = chain(4)
-    conn = StoreConnector(store, synchronous=True)
-    # step 0: 40 tokens computed -> blocks 0,1 full
-    t0 = conn.build_step(_step_input(0, [40], [root], [hashes]))
-    assert [s.keys for s in t0.saves] == [tuple(block_key(root, h) for h in hashes[:2])]
-    assert t0.saves[0].block_ids == (1, 2)
-    # step 1: 48 tokens -> block 2 full as well; only block 2 is new
-    t1 = conn.build_step(_step_input(1, [48], [root], [hashes]))
-    assert [s.keys for s in t1.saves] == [(block_key(root, hashes[2]),)]
-    assert t1.saves[0].save_id == t0.saves[0].save_id + 1
-    # step 2: 60 tokens, but block 3's hash is not known yet (output block not filled)
-    assert conn.build_step(_step_input(2, [60], [root], [hashes[:3]])).saves == ()
-    assert conn.request_finished(10) is True  # saves in flight: keep the blocks
-    assert conn.has_unfinished()
-    assert conn.update(TransferReport(finished_saves=frozenset({t0.saves[0].save_id}))) == []
-    assert conn.update(TransferReport(failed_saves={t1.saves[0].save_id: "x"})) == [10]
-    assert not conn.has_unfinished()
-    assert conn.request_finished(10) is False
-
-
-def test_bind_orders_the_load_of_the_external_blocks_in_the_next_step() -> None:
+def test_a_lookup_from_a_started_lookup_counts_from_its_first_block() -> None:
     store = InProcessStore()
     root, hashes = chain(6)
     store.put_many([(block_key(root, h), b"x") for h in hashes[:5]])
     conn = StoreConnector(store, synchronous=True)
-    req = LookupRequest(
-        seq_id=4, namespace_root=root, block_hashes=tuple(hashes), num_computed_blocks=2
-    )
-    assert conn.lookup(req) == LookupResult(5)
-    with pytest.raises(ValueError):
-        conn.bind(4, [1, 2, 3, 4])  # only 3 external blocks
-    conn.bind(4, [30, 31, 32])
-    transfers = conn.build_step(_step_input(0, [], [], []))
-    (load,) = transfers.loads
-    assert load.seq_id == 4 and load.block_ids == (30, 31, 32)
-    assert load.keys == tuple(block_key(root, h) for h in hashes[2:5])
-    assert conn.has_unfinished()
-    assert conn.update(TransferReport(finished_loads=frozenset({4}))) == []
-    assert not conn.has_unfinished()
-    # the sequence's full blocks are ordered saved; the save job skips keys already stored
-    (save,) = conn.build_step(_step_input(1, [6 * BLOCK_SIZE], [root], [hashes], first=4)).saves
-    assert save.seq_id == 4 and save.keys == tuple(block_key(root, h) for h in hashes)
-    with pytest.raises(ValueError):
-        conn.bind(99, [1])
+    lookup = KVLookupStarted(4, 2, 6, root, b"".join(hashes[2:6]))
+    assert conn.lookup(LookupRequest.from_event(lookup)) == LookupResult(5)
 
 
 def test_report_events_are_the_scheduler_input_events_in_sorted_order() -> None:
@@ -326,19 +298,3 @@ def test_report_events_are_the_scheduler_input_events_in_sorted_order() -> None:
         KVSaveFinished(save_id=9, ok=True),
         KVSaveFinished(save_id=8, ok=False),
     ]
-
-
-def test_connector_input_is_built_from_plan_arrays() -> None:
-    class Plan:
-        step, block_size = 3, BLOCK_SIZE
-        seq_ids = np.array([5, 6])
-        ends = np.array([20, 33])
-        block_tables = np.array([[7, 8, 0], [1, 2, 3]], dtype=np.int32)
-        num_blocks = np.array([2, 3], dtype=np.int32)
-
-    root, hashes = chain(3)
-    inp = ConnectorInput.from_plan(Plan(), {5: hashes[:1], 6: hashes}, {5: root, 6: root}, [6])
-    assert inp.blocks_of(0).tolist() == [7, 8] and inp.blocks_of(1).tolist() == [1, 2, 3]
-    assert not inp.seq_ids.flags.writeable
-    saves = StoreConnector(InProcessStore(), synchronous=True).build_step(inp).saves
-    assert [(s.seq_id, s.block_ids) for s in saves] == [(6, (1, 2))]

@@ -9,7 +9,17 @@ import numpy as np
 import pytest
 
 from kvsched.events import types as ev
-from kvsched.events.codec import StepRecord, decode_events, decode_record, encode, to_builtins
+from kvsched.events.codec import (
+    SCHEMA_VERSION,
+    RecordDecodeError,
+    SchemaVersionError,
+    StepRecord,
+    check_schema,
+    decode_events,
+    decode_record,
+    encode,
+    to_builtins,
+)
 
 
 def i32(*values: int) -> np.ndarray:
@@ -21,6 +31,8 @@ def i64(*values: int) -> np.ndarray:
 
 
 SPAN = ev.MultimodalSpan(2, 6, b"\x00\xffimage-hash")
+H1, H2 = b"\x01" * 16, b"\x02" * 15 + b"\x00"  # two block hashes (one ends in a NUL byte)
+H12, H21 = H1 + H2, H2 + H1
 
 # One instance of every event type, with non-default values for every field.
 SAMPLES: dict[type[ev.Event], ev.Event] = {
@@ -56,6 +68,12 @@ SAMPLES: dict[type[ev.Event], ev.Event] = {
     ev.PrefixMatched: ev.PrefixMatched(6, i32(10, 11, 12), 192, 200),
     ev.BlocksAllocated: ev.BlocksAllocated(i64(1, 2), i32(2, 1), i32(30, 31, 32)),
     ev.BlocksFreed: ev.BlocksFreed(i64(-12, 4), i32(1, 2), i32(7, 8, 9)),
+    ev.BlocksCached: ev.BlocksCached(
+        i64(1, 2), i32(1, 1), i32(0, 3), i32(5, 6), i32(0, 9), H12, H21,
+        np.array([True, False]), np.arange(8, dtype=np.int16),
+    ),
+    ev.BlocksEvicted: ev.BlocksEvicted(i32(5, 6), H12),
+    ev.CacheCleared: ev.CacheCleared(),
     ev.SessionBlocksHeld: ev.SessionBlocksHeld(11, 6, i32(10, 11)),
     ev.PrefillScheduled: ev.PrefillScheduled(i64(1, 2), i64(0, 64), i64(64, 100)),
     ev.DecodeScheduled: ev.DecodeScheduled(i64(3, 4, 5)),
@@ -65,17 +83,19 @@ SAMPLES: dict[type[ev.Event], ev.Event] = {
     ev.SessionClosed: ev.SessionClosed(11),
     ev.Drained: ev.Drained(),
     ev.Woken: ev.Woken(),
-    ev.CheckpointReserved: ev.CheckpointReserved(1, 6, 2, 128),
+    ev.CheckpointReserved: ev.CheckpointReserved(1, 6, 2, 130, H1, H2, 17),
     ev.CheckpointPublished: ev.CheckpointPublished(1),
     ev.CheckpointPinned: ev.CheckpointPinned(1, 6),
     ev.CheckpointUnpinned: ev.CheckpointUnpinned(1, 6),
-    ev.CheckpointReleased: ev.CheckpointReleased(1, "evicted by pressure"),
+    ev.CheckpointAbandoned: ev.CheckpointAbandoned(1, "step failed"),
+    ev.CheckpointReleased: ev.CheckpointReleased(1, "drain"),
     ev.CheckpointEvicted: ev.CheckpointEvicted(1),
-    ev.KVLookupStarted: ev.KVLookupStarted(6, 2, 9, True),
+    ev.KVLookupStarted: ev.KVLookupStarted(6, 2, 4, H2, H12, True),
     ev.KVLoadCancelled: ev.KVLoadCancelled(6, "drain"),
     ev.KVLoadAdmitted: ev.KVLoadAdmitted(6, 3, 2, 6),
-    ev.KVLoadStarted: ev.KVLoadStarted(6, i32(40, 41, 42, 43), 2, 4),
-    ev.KVSaveStarted: ev.KVSaveStarted(77, 6, i32(40, 41), 0, 3, 300),
+    ev.KVLoadStarted: ev.KVLoadStarted(6, i32(40, 41), 2, H2, H12, 4, H2),
+    ev.KVLoadSettled: ev.KVLoadSettled(6, 5),
+    ev.KVSaveStarted: ev.KVSaveStarted(77, 6, i32(40, 41), 0, H2, H12, 3, 300),
     ev.AbortDeferred: ev.AbortDeferred(6, "session ended", True),
     ev.DrainDeferred: ev.DrainDeferred(),
 }
@@ -153,8 +173,35 @@ def test_an_empty_step_record_round_trips():
 
 def test_a_step_record_with_a_decision_among_its_inputs_does_not_decode():
     bad = StepRecord(1, 0.0, [ev.StepStarted(1, 0.0)], [])  # type: ignore[list-item]
-    with pytest.raises(msgspec.ValidationError):
+    with pytest.raises(RecordDecodeError, match="inputs"):
         decode_record(encode(bad))
+
+
+def test_events_are_maps_of_field_names_with_defaults_left_out():
+    raw = msgspec.msgpack.decode(encode(ev.KVSaveFinished(7)))
+    assert raw == {"type": "kv_save_done", "save_id": 7}
+    raw = msgspec.msgpack.decode(encode(ev.RequestAborted(3, "gone")))
+    assert raw == {"type": "aborted", "seq_id": 3, "reason": "gone"}
+
+
+def test_a_step_record_carries_its_plan_digest_by_name():
+    raw = msgspec.msgpack.decode(encode(StepRecord(4, 1.5, [], [], b"\x01" * 8)))
+    assert raw == {"step": 4, "clock": 1.5, "inputs": [], "decisions": [], "plan": b"\x01" * 8}
+
+
+@pytest.mark.parametrize("version", [1, 3, 99, "2", None])
+def test_a_header_of_another_schema_version_is_refused_naming_both_versions(version: object):
+    with pytest.raises(SchemaVersionError) as info:
+        check_schema({"schema_version": version}, "log x.kvlog")
+    message = str(info.value)
+    assert message.startswith("log x.kvlog")
+    assert (str(SCHEMA_VERSION) in message and repr(version) in message) or str(version) in message
+    if isinstance(version, int) and version > SCHEMA_VERSION:
+        assert "newer" in message and "upgrade" in message
+
+
+def test_a_header_of_this_schema_version_is_accepted():
+    assert check_schema({"schema_version": SCHEMA_VERSION}, "log") == SCHEMA_VERSION
 
 
 @pytest.mark.parametrize(
@@ -223,6 +270,6 @@ def test_to_builtins_gives_plain_json_friendly_values():
     view = to_builtins(SAMPLES[ev.RequestArrived])
     assert view["type"] == "RequestArrived"
     assert view["prompt"] == [1, 2, 3, 2**31 - 1, 0, 9, 8]
-    assert [span[:2] for span in view["mm_spans"]] == [[2, 6], [0, 1]]
+    assert [(s["start"], s["end"]) for s in view["mm_spans"]] == [(2, 6), (0, 1)]
     for kind in ALL_TYPES:
         json.dumps(to_builtins(SAMPLES[kind]))  # raises on arrays, bytes or structs

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvsched.reducers.plan import StepPlan
+from kvsched.plan import StepPlan
 
 
 def _ro(arr: np.ndarray) -> np.ndarray:

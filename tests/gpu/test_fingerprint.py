@@ -18,7 +18,7 @@ from kvsched.connectors.errors import CorruptValueError
 from kvsched.engine import Engine
 from kvsched.events import types as ev
 from kvsched.gpu.fingerprint import EMPTY_PREFIX, FingerprintExecutor, prefix_hashes
-from kvsched.reducers.plan import StepPlan
+from kvsched.plan import StepPlan
 
 from .plans import SeqSpec, make_plan
 

@@ -15,7 +15,7 @@ from kvsched.config import ModelSpec, SchedulerConfig
 from kvsched.engine import Engine
 from kvsched.events.types import StepExecuted
 from kvsched.gpu.torch_executor import TorchExecutor
-from kvsched.reducers.plan import StepPlan
+from kvsched.plan import StepPlan
 from kvsched.replay.driver import RunSummary, run
 from kvsched.replay.workload import Workload, chat_workload
 

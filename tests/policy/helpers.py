@@ -96,42 +96,4 @@ def matched(result: StepResult) -> dict[int, ev.PrefixMatched]:
 
 def state_snapshot(state: EngineState) -> tuple[object, ...]:
     """Everything the engine state owns, as plain comparable data."""
-    t = state.seqs
-    seqs = tuple(
-        (
-            s.seq_id,
-            s.state,
-            s.row,
-            s.n_tokens,
-            s.num_preemptions,
-            s.num_hit_tokens,
-            tuple(s.hashes),
-            s.token_view().tobytes(),
-        )
-        for s in t.seqs.values()
-    )
-    arrays = tuple(
-        a.tobytes()
-        for a in (
-            t.row_seq,
-            t.computed,
-            t.ntokens,
-            t.nblocks,
-            t.registered,
-            t.last_token,
-            t.table,
-        )
-    )
-    sessions = tuple(
-        (k, s.held.tobytes(), s.active_seq, s.tokens.tobytes()) for k, s in state.sessions.items()
-    )
-    return (
-        state.pool.snapshot(),
-        state.pool.num_evictions,
-        seqs,
-        arrays,
-        tuple(t.free_rows),
-        tuple(t.waiting),
-        sessions,
-        repr(state.stats),
-    )
+    return state.snapshot()

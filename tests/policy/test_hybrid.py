@@ -31,8 +31,9 @@ def reserved(result) -> list[ev.CheckpointReserved]:
     return of_type(result.decisions, ev.CheckpointReserved)
 
 
-def released(result) -> list[ev.CheckpointReleased]:
-    return of_type(result.decisions, ev.CheckpointReleased)
+def released(result) -> list[ev.CheckpointReleased | ev.CheckpointAbandoned]:
+    """Checkpoints dropped: released after publication, or abandoned before it."""
+    return of_type(result.decisions, (ev.CheckpointReleased, ev.CheckpointAbandoned))
 
 
 def evicted(result) -> list[int]:
@@ -66,7 +67,7 @@ def assert_nothing_held(h: Harness) -> None:
     assert ck.ckpts == {} and ck.index == {} and ck.partials == {}
     assert sorted(ck.free_slots) == list(range(ck.first_ckpt_slot, ck.num_slots))
     assert all(s.pinned_ckpt == -1 and s.n_pinned == 0 for s in state.seqs.seqs.values())
-    assert state.awaiting_publish == []
+    assert state.ckpts.awaiting == []
     assert state.pool.ref.sum() == 0
     state.check_invariants()
 
@@ -508,7 +509,7 @@ def test_a_session_turn_matches_the_previous_turns_decode_checkpoint():
     h = hybrid(decode_checkpoint_interval=16)
     serve(h, 0, tokens(40, seed=47), max_tokens=30, session_id=5)
     assert len(h.state.sessions[5].held) == 0  # hybrid sessions hold no blocks
-    assert len(h.state.sessions[5].tokens) == 70
+    assert len(h.state.seqs.history[5].tokens) == 70
     m = matched(h.step([request(1, tokens(6, seed=48), session_id=5)]))[1]
     assert m.num_tokens == 64 and m.ckpt_id >= 0
 

@@ -234,12 +234,15 @@ class SpyPolicy(Policy):
     def __init__(self, cfg):
         super().__init__(cfg)
         self.attempts: list[tuple[int, str, object, object]] = []
+        try_admit = self.admission.try_admit
 
-    def _try_admit(self, state, seq, budget, emit):
-        before = state_snapshot(state)
-        verdict = super()._try_admit(state, seq, budget, emit)
-        self.attempts.append((seq.seq_id, verdict, before, state_snapshot(state)))
-        return verdict
+        def spy(state, seq, budget, emit):
+            before = state_snapshot(state)
+            verdict = try_admit(state, seq, budget, emit)
+            self.attempts.append((seq.seq_id, verdict, before, state_snapshot(state)))
+            return verdict
+
+        self.admission.try_admit = spy  # type: ignore[method-assign]
 
 
 def spy_harness(**overrides: object) -> tuple[Harness, SpyPolicy]:
@@ -370,7 +373,7 @@ def test_a_second_turn_hits_every_full_block_of_the_first_turn_and_the_session_h
     held_events = [d for r in results for d in of_type(r.decisions, ev.SessionBlocksHeld)]
     assert len(held_events) == 1 and held_events[0].session_id == 5
     session = h.state.sessions[5]
-    history = len(session.tokens)
+    history = h.state.seqs.history_len(5)
     assert history == 50
     assert len(session.held) == history // 16 == 3
     assert (h.state.pool.ref[session.held] == 1).all()
@@ -718,10 +721,10 @@ def test_a_session_turn_with_another_adapter_does_not_reuse_the_history_identity
     first = tokens(40, seed=11)
     h.step([request(0, first, max_tokens=2, session_id=7)])
     h.run_until_idle()
-    history = h.state.sessions[7].tokens.copy()
+    history = h.state.seqs.history[7].tokens.copy()
     h.step([request(1, tokens(10, seed=12), max_tokens=1, session_id=7, adapter="lora-x")])
     seq = h.state.seq(1)
-    plain = h.state.root_for("lora-x", "")
+    plain = h.state.seqs.root_for("lora-x", "")
     from kvsched.identity import chain_hashes
 
     assert seq.hashes == chain_hashes(plain, seq.token_view(), 16)
@@ -739,7 +742,7 @@ def test_a_session_keeps_the_multimodal_identity_of_its_history() -> None:
     h.run_until_idle()
     h.step([request(1, tokens(30, seed=14), max_tokens=1, session_id=3)])
     seq = h.state.seq(1)
-    root = h.state.root_for("", "")
+    root = h.state.seqs.root_for("", "")
     all_tokens = seq.token_view()
     extras = span_extras((image,), 16, 0, len(all_tokens) // 16)
     assert seq.hashes == chain_hashes(root, all_tokens, 16, 0, extras)

@@ -17,7 +17,9 @@ from hypothesis.stateful import (
     rule,
 )
 
+from kvsched.events import types as ev
 from kvsched.reducers.blocks import NULL_BLOCK, BlockPool, BlockPoolError
+from kvsched.reducers.errors import ReplayMismatch
 
 ROOT = b"root" * 4
 
@@ -44,20 +46,46 @@ def linear_prefix_len(pool: BlockPool, hashes: list[bytes], limit: int) -> int:
     return n
 
 
-def register(pool: BlockPool, path: np.ndarray, hashes: list[bytes], i: int, block: int) -> int:
-    """Register block ``i`` of a chain the way the engine does (``path`` holds its prefix)."""
-    path[i] = block
-    canonical = pool.register(block, hashes[i], hashes[i - 1] if i else None, path, i)
-    path[i] = canonical
+def fold(pool: BlockPool, event: ev.Event) -> None:
+    """Fold one of the pool's own events, as EngineState does."""
+    change = pool.folds()[type(event)](event)
+    if change is not None:
+        pool.apply(change)
+
+
+def allocate(pool: BlockPool, n: int) -> np.ndarray:
+    """Allocate ``n`` blocks the way the policy does: evictions first, then the allocation."""
+    peek = pool.peek_allocate(n)
+    if peek is None:
+        raise BlockPoolError(f"cannot allocate {n} blocks: {pool.num_available} available")
+    evict, blocks = peek
+    if len(evict):
+        fold(pool, ev.BlocksEvicted(evict, pool.hashes_of(evict)))
+    fold(pool, ev.BlocksAllocated(np.zeros(1, np.int64), np.asarray([n], np.int32), blocks))
+    return blocks
+
+
+def register(pool: BlockPool, hashes: list[bytes], i: int, block: int) -> int:
+    """Cache block ``i`` of a chain (held as ``block``); returns the canonical block (another
+    one when the hash is already cached: a deduplication)."""
+    canonical = pool.index.get(hashes[i])
+    replaced = 0 if canonical is None else block
+    canonical = block if canonical is None else canonical
+    parent = hashes[i - 1] if i else ROOT
+    fold(
+        pool,
+        ev.BlocksCached(
+            np.zeros(1, np.int64), arr(1), arr(i), arr(canonical), arr(replaced), hashes[i], parent
+        ),
+    )
     return canonical
 
 
 def cache_chain(pool: BlockPool, hashes: list[bytes]) -> np.ndarray:
     """Allocate and register a chain, leaving it held (root first)."""
-    blocks = pool.allocate(len(hashes))
-    path = np.zeros(len(hashes), dtype=np.int32)
+    blocks = allocate(pool, len(hashes))
     for i, b in enumerate(blocks.tolist()):
-        assert register(pool, path, hashes, i, b) == b
+        assert register(pool, hashes, i, b) == b
     return blocks
 
 
@@ -67,7 +95,7 @@ def cache_chain(pool: BlockPool, hashes: list[bytes]) -> np.ndarray:
 def test_a_fresh_pool_hands_out_blocks_from_one_upwards_and_never_the_null_block():
     pool = BlockPool(5)
     assert pool.num_available == 4
-    assert pool.allocate(4).tolist() == [1, 2, 3, 4]
+    assert allocate(pool, 4).tolist() == [1, 2, 3, 4]
     assert pool.ref[NULL_BLOCK] == 0
     assert pool.num_available == 0
     pool.check_invariants([arr(1, 2, 3, 4)])
@@ -75,10 +103,10 @@ def test_a_fresh_pool_hands_out_blocks_from_one_upwards_and_never_the_null_block
 
 def test_an_allocation_larger_than_what_is_available_fails_and_changes_nothing():
     pool = BlockPool(4)
-    held = pool.allocate(2)
+    held = allocate(pool, 2)
     before = pool.snapshot()
     with pytest.raises(BlockPoolError):
-        pool.allocate(2)
+        allocate(pool, 2)
     assert pool.peek_allocate(2) is None
     assert pool.snapshot() == before
     pool.check_invariants([held])
@@ -86,31 +114,30 @@ def test_an_allocation_larger_than_what_is_available_fails_and_changes_nothing()
 
 def test_releasing_an_unreferenced_block_is_an_error():
     pool = BlockPool(4)
-    pool.allocate(1)
+    allocate(pool, 1)
     pool.release(arr(1))
-    with pytest.raises(BlockPoolError):
+    with pytest.raises(ReplayMismatch):
         pool.release(arr(1))
 
 
 def test_released_private_blocks_return_to_the_free_stack_and_are_reused_root_first():
     pool = BlockPool(8)
-    blocks = pool.allocate(3)  # 1, 2, 3
+    blocks = allocate(pool, 3)  # 1, 2, 3
     pool.release(blocks)
     assert pool.num_evictable == 0
     # Released leaf first onto the stack, so the root-most block is on top again.
-    assert pool.allocate(3).tolist() == [1, 2, 3]
+    assert allocate(pool, 3).tolist() == [1, 2, 3]
 
 
 def test_registering_a_block_whose_parent_is_not_cached_breaks_prefix_closure_and_is_refused():
     pool = BlockPool(4)
-    [a, b] = pool.allocate(2).tolist()
+    [a, b] = allocate(pool, 2).tolist()
     h = chain([1, 2])
-    path = np.zeros(2, dtype=np.int32)
-    with pytest.raises(BlockPoolError):
-        register(pool, path, h, 1, b)
+    with pytest.raises(ReplayMismatch):
+        register(pool, h, 1, b)
     assert pool.index == {}
-    assert register(pool, path, h, 0, a) == a
-    assert register(pool, path, h, 1, b) == b
+    assert register(pool, h, 0, a) == a
+    assert register(pool, h, 1, b) == b
     assert pool.find_blocks(h, 2).tolist() == [a, b]
 
 
@@ -118,9 +145,8 @@ def test_registering_a_hash_that_is_already_cached_returns_the_canonical_block()
     pool = BlockPool(4)
     h = chain([7])
     first = cache_chain(pool, h)
-    copy = pool.allocate(1)
-    path = np.zeros(1, dtype=np.int32)
-    assert register(pool, path, h, 0, int(copy[0])) == int(first[0])
+    copy = allocate(pool, 1)
+    assert register(pool, h, 0, int(copy[0])) == int(first[0])
     assert pool.hash_of[int(copy[0])] is None
     pool.check_invariants([first, copy])
 
@@ -133,7 +159,11 @@ def test_peek_allocate_predicts_allocate_exactly_and_changes_nothing():
     predicted = pool.peek_allocate(4)
     assert pool.snapshot() == before
     assert predicted is not None
-    assert pool.allocate(4).tolist() == predicted.tolist()
+    evict, blocks = predicted
+    # 2 free blocks and 2 evicted cached ones, leaf first; the evicted come first.
+    assert evict.tolist() == cached[::-1][:2].tolist()
+    assert blocks.tolist() == [*evict.tolist(), 4, 5]
+    assert allocate(pool, 4).tolist() == blocks.tolist()
 
 
 def test_a_released_cached_chain_is_evicted_leaf_first_and_the_index_stays_prefix_closed():
@@ -144,7 +174,7 @@ def test_a_released_cached_chain_is_evicted_leaf_first_and_the_index_stays_prefi
     assert pool.num_available == 3
     assert pool.find_prefix_len(hashes, 3) == 3
     for remaining in (2, 1, 0):
-        [taken] = pool.allocate(1).tolist()
+        [taken] = allocate(pool, 1).tolist()
         assert taken == int(blocks[remaining])  # the leaf goes first
         assert pool.find_prefix_len(hashes, 3) == remaining
         pool.check_invariants([arr(*blocks[remaining:].tolist())])
@@ -159,7 +189,7 @@ def test_the_least_recently_released_chain_is_evicted_before_a_newer_one():
     old_blocks, new_blocks = cache_chain(pool, old), cache_chain(pool, new)
     pool.release(old_blocks)
     pool.release(new_blocks)
-    assert pool.allocate(2).tolist() == old_blocks[::-1].tolist()
+    assert allocate(pool, 2).tolist() == old_blocks[::-1].tolist()
     assert pool.find_prefix_len(old, 2) == 0
     assert pool.find_prefix_len(new, 2) == 2
 
@@ -177,12 +207,12 @@ def test_attaching_a_cached_block_takes_it_off_the_lru_and_a_second_release_requ
     assert pool.count_unheld(hit) == 0
     pool.check_invariants([hit])
     # Only the child is evictable; it goes, the attached root stays cached.
-    fresh = pool.allocate(2)
+    fresh = allocate(pool, 2)
     assert int(blocks[1]) in fresh.tolist() and int(blocks[0]) not in fresh.tolist()
     assert pool.find_prefix_len(hashes, 2) == 1
     pool.release(hit)
     pool.check_invariants([fresh])
-    assert pool.allocate(1).tolist() == [int(blocks[0])]
+    assert allocate(pool, 1).tolist() == [int(blocks[0])]
 
 
 def test_a_parent_released_after_its_child_is_evicted_after_the_child():
@@ -193,7 +223,7 @@ def test_a_parent_released_after_its_child_is_evicted_after_the_child():
     pool.attach(root)  # a second holder shares only the root
     pool.release(blocks)  # the child reaches zero first
     pool.release(root)
-    order = pool.allocate(3).tolist()
+    order = allocate(pool, 3).tolist()
     assert order.index(int(blocks[1])) < order.index(int(blocks[0]))
 
 
@@ -211,7 +241,7 @@ def test_find_prefix_len_respects_the_limit_and_an_empty_chain():
 
 def test_check_invariants_detects_a_holder_the_pool_does_not_count():
     pool = BlockPool(4)
-    held = pool.allocate(2)
+    held = allocate(pool, 2)
     with pytest.raises(BlockPoolError):
         pool.check_invariants([held, held[:1]])
     with pytest.raises(BlockPoolError):
@@ -261,13 +291,15 @@ class BlockPoolMachine(RuleBasedStateMachine):
     # ------------------------------------------------------------------- model ops
 
     def _model_allocate(self, n: int) -> list[int]:
+        """Evicted cached blocks (least recently released first), then free ones."""
         take = min(n, len(self.free))
-        out = self.free[len(self.free) - take :][::-1]
+        fresh = self.free[len(self.free) - take :][::-1]
         del self.free[len(self.free) - take :]
-        while len(out) < n:
-            b = self.lru.pop(0)
+        evicted = self.lru[: n - take]
+        del self.lru[: n - take]
+        for b in evicted:
             del self.ident[b]
-            out.append(b)
+        out = evicted + fresh
         for b in out:
             self.ref[b] = 1
         return out
@@ -304,18 +336,15 @@ class BlockPoolMachine(RuleBasedStateMachine):
         pool.attach(blocks)
         self._model_attach(blocks.tolist())
         predicted = pool.peek_allocate(need)
-        fresh = pool.allocate(need)
-        assert predicted is not None and predicted.tolist() == fresh.tolist()
+        fresh = allocate(pool, need)
+        assert predicted is not None and predicted[1].tolist() == fresh.tolist()
         assert fresh.tolist() == self._model_allocate(need)
         holder_id = self.next_id
         self.next_id += 1
-        path = np.zeros(len(hashes), dtype=np.int32)
-        path[:hit] = blocks
         self.live[holder_id] = {
             "blocks": blocks.tolist() + fresh.tolist(),
             "hashes": hashes,
             "registered": hit,
-            "path": path,
         }
         return holder_id
 
@@ -326,7 +355,7 @@ class BlockPoolMachine(RuleBasedStateMachine):
             return
         i = h["registered"]
         block, digest = h["blocks"][i], h["hashes"][i]
-        canonical = register(self.pool, h["path"], h["hashes"], i, block)
+        canonical = register(self.pool, h["hashes"], i, block)
         if canonical == block:
             assert digest not in self.ident.values()
             self.ident[block] = digest
@@ -356,9 +385,9 @@ class BlockPoolMachine(RuleBasedStateMachine):
         """Pressure: a transient private allocation evicts cached blocks."""
         if n > self.pool.num_available:
             with pytest.raises(BlockPoolError):
-                self.pool.allocate(n)
+                allocate(self.pool, n)
             return
-        got = self.pool.allocate(n)
+        got = allocate(self.pool, n)
         assert got.tolist() == self._model_allocate(n)
         self.pool.release(got)
         self._model_release(got.tolist())

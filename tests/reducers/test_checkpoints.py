@@ -11,41 +11,91 @@ from kvsched.engine import Engine
 from kvsched.events import types as ev
 from kvsched.gpu.sim import SimulatedExecutor
 from kvsched.reducers.checkpoints import Checkpoint, CheckpointTable, partial_key
+from kvsched.reducers.errors import RefChange
 from kvsched.reducers.state import ReplayMismatch
-from kvsched.statemachines import CkptEvent, CkptState, IllegalTransition
+from kvsched.statemachines import CkptState, IllegalTransition
 
 ANCHOR_A = b"a" * 16
 ANCHOR_B = b"b" * 16
+BS = 16
 
 
 def path(*blocks: int) -> np.ndarray:
     return np.asarray(blocks, dtype=np.int32)
 
 
-def reserve(
-    table: CheckpointTable, step: int, key: bytes, anchor: bytes = ANCHOR_A, frozen: int = 0
-) -> Checkpoint:
-    c = Checkpoint(table.next_id, 7, table.peek_slot(), step, key, anchor, frozen)
-    table.reserve(c)
-    return c
+class CachedPaths:
+    """A stand-in for the block pool: which anchors are cached, with their prefix paths."""
+
+    def __init__(self) -> None:
+        self.index: dict[bytes, int] = {}
+        self._paths: dict[int, np.ndarray] = {}
+
+    def add(self, anchor: bytes, blocks: np.ndarray) -> None:
+        self.index[anchor] = int(blocks[-1])
+        self._paths[int(blocks[-1])] = blocks
+
+    def path_to(self, block: int) -> np.ndarray:
+        return self._paths[block]
+
+
+def make_table(max_batch: int, budget: int) -> CheckpointTable:
+    return CheckpointTable(max_batch, budget, BS, CachedPaths())  # type: ignore[arg-type]
+
+
+def fold(table: CheckpointTable, event: ev.Event) -> RefChange | None:
+    return table.folds()[type(event)](event)
+
+
+def anchor_at(depth: int) -> bytes:
+    return ANCHOR_A if depth == 1 else bytes([depth]) * 16
+
+
+def reserve(table: CheckpointTable, step: int, key: bytes, frozen: int = 0) -> Checkpoint:
+    """Reserve a checkpoint of sequence 7 after ``step`` tokens (reserved in a step that is
+    then executed: it awaits publication)."""
+    ckpt_id = table.next_id
+    anchor = anchor_at(step // BS)
+    fold(table, ev.CheckpointReserved(ckpt_id, 7, table.peek_slot(), step, key, anchor, frozen))
+    return table.get(ckpt_id)
+
+
+def publish(table: CheckpointTable, c: Checkpoint, blocks: np.ndarray | None = None) -> None:
+    blocks = path(*range(1, 1 + c.step // BS)) if blocks is None else blocks
+    table._pool.add(c.anchor, blocks)  # type: ignore[attr-defined]
+    fold(table, ev.StepStarted(0, 0.0))  # the step that reserved it ran
+    fold(table, ev.CheckpointPublished(c.ckpt_id))
 
 
 def published(table: CheckpointTable, step: int, key: bytes, frozen: int = 0) -> Checkpoint:
     c = reserve(table, step, key, frozen=frozen)
-    table.publish(c, path(1, 2))
+    publish(table, c)
     return c
+
+
+def drop(table: CheckpointTable, c: Checkpoint, how: type[ev.Event]) -> RefChange | None:
+    event = how(c.ckpt_id) if how is ev.CheckpointEvicted else how(c.ckpt_id, "test")
+    return fold(table, event)
+
+
+def pin(table: CheckpointTable, c: Checkpoint) -> None:
+    fold(table, ev.CheckpointPinned(c.ckpt_id, 7))
+
+
+def unpin(table: CheckpointTable, c: Checkpoint) -> None:
+    fold(table, ev.CheckpointUnpinned(c.ckpt_id, 7))
 
 
 # ------------------------------------------------------------------- slots and ids
 
 
 def test_slots_after_the_runtime_rows_are_handed_out_lowest_first_and_reused_on_removal():
-    table = CheckpointTable(max_batch=2, budget=3)
+    table = make_table(max_batch=2, budget=3)
     assert (table.first_ckpt_slot, table.num_slots) == (3, 6)
     first = reserve(table, 16, b"k1")
     second = reserve(table, 32, b"k2")
     assert (first.slot, second.slot, first.ckpt_id, second.ckpt_id) == (3, 4, 1, 2)
-    table.remove(first, CkptEvent.abandon)
+    drop(table, first, ev.CheckpointAbandoned)
     assert table.peek_slot() == 3  # the freed slot is the next one handed out
     third = reserve(table, 48, b"k3")
     assert (third.slot, third.ckpt_id) == (3, 3)  # ids are never reused
@@ -53,108 +103,113 @@ def test_slots_after_the_runtime_rows_are_handed_out_lowest_first_and_reused_on_
 
 
 def test_reserving_anything_but_the_next_id_and_the_top_free_slot_is_refused():
-    table = CheckpointTable(max_batch=1, budget=2)
-    with pytest.raises(ValueError):
-        table.reserve(Checkpoint(2, 0, table.peek_slot(), 16, b"k", ANCHOR_A, 0))
-    with pytest.raises(ValueError):
-        table.reserve(Checkpoint(1, 0, table.peek_slot() + 1, 16, b"k", ANCHOR_A, 0))
+    table = make_table(max_batch=1, budget=2)
+    with pytest.raises(ReplayMismatch):
+        fold(table, ev.CheckpointReserved(2, 0, table.peek_slot(), 16, b"k", ANCHOR_A))
+    with pytest.raises(ReplayMismatch):
+        fold(table, ev.CheckpointReserved(1, 0, table.peek_slot() + 1, 16, b"k", ANCHOR_A))
+    with pytest.raises(ReplayMismatch):  # a non-aligned state needs its frozen tail block
+        fold(table, ev.CheckpointReserved(1, 0, table.peek_slot(), 20, b"k", ANCHOR_A))
     reserve(table, 16, b"k1")
     reserve(table, 32, b"k2")
     assert table.peek_slot() == 0  # exhausted: the null slot means "none"
-    with pytest.raises(ValueError):
-        table.reserve(Checkpoint(3, 0, 0, 48, b"k3", ANCHOR_A, 0))
+    with pytest.raises(ReplayMismatch):
+        fold(table, ev.CheckpointReserved(3, 0, 0, 48, b"k3", ANCHOR_A))
 
 
 # ------------------------------------------------------------- lifecycle edges
 
 
 def test_a_reserved_checkpoint_is_invisible_to_lookups_until_published():
-    table = CheckpointTable(max_batch=1, budget=2)
+    table = make_table(max_batch=1, budget=2)
     c = reserve(table, 20, b"p", frozen=9)
     assert table.find(b"p") is None and table.find_partials(ANCHOR_A) == {}
     assert c not in table.eviction_order()
-    table.publish(c, path(4))
+    publish(table, c, path(4))
     assert table.find(b"p") is c
     assert table.find_partials(ANCHOR_A) == {20: 1}
     assert c.state == CkptState.PUBLISHED and c.path.tolist() == [4]
 
 
 def test_abandoning_a_reservation_frees_its_slot_and_it_can_never_be_published():
-    table = CheckpointTable(max_batch=1, budget=1)
+    table = make_table(max_batch=1, budget=1)
     c = reserve(table, 16, b"k")
-    table.remove(c, CkptEvent.abandon)
+    drop(table, c, ev.CheckpointAbandoned)
     assert c.state == CkptState.RELEASED
     assert table.ckpts == {} and table.free_slots == [2] and table.evictions == 0
-    with pytest.raises(IllegalTransition):
-        table.publish(c, path(1))
+    with pytest.raises(ReplayMismatch):
+        publish(table, c)
 
 
 def test_a_published_checkpoint_cannot_be_abandoned_only_released_or_evicted():
-    table = CheckpointTable(max_batch=1, budget=2)
+    table = make_table(max_batch=1, budget=2)
     c = published(table, 16, b"k")
     with pytest.raises(IllegalTransition):
-        table.remove(c, CkptEvent.abandon)
-    table.remove(c, CkptEvent.release)
+        drop(table, c, ev.CheckpointAbandoned)
+    change = drop(table, c, ev.CheckpointReleased)
     assert c.state == CkptState.RELEASED and table.evictions == 0
+    assert change is not None and [b.tolist() for b in change.release] == [[1]]
     d = published(table, 16, b"k")
-    table.remove(d, CkptEvent.evict)
+    drop(table, d, ev.CheckpointEvicted)
     assert d.state == CkptState.EVICTED and table.evictions == 1
 
 
 def test_unpin_with_more_pins_stays_pinned_and_the_last_unpin_publishes_again():
-    table = CheckpointTable(max_batch=2, budget=1)
+    table = make_table(max_batch=2, budget=1)
     c = published(table, 16, b"k")
-    table.pin(c)
-    table.pin(c)
+    pin(table, c)
+    pin(table, c)
     assert (c.state, c.pins, table.restores) == (CkptState.PINNED, 2, 2)
     assert table.check_invariants({c.ckpt_id: 2}) is None
-    table.unpin(c)
+    unpin(table, c)
     assert (c.state, c.pins) == (CkptState.PINNED, 1)
-    table.unpin(c)
+    unpin(table, c)
     assert (c.state, c.pins) == (CkptState.PUBLISHED, 0)
     with pytest.raises(IllegalTransition):
-        table.unpin(c)
+        unpin(table, c)
 
 
-@pytest.mark.parametrize("event", [CkptEvent.evict, CkptEvent.release, CkptEvent.abandon])
-def test_a_pinned_checkpoint_can_be_neither_evicted_nor_released(event: CkptEvent):
-    table = CheckpointTable(max_batch=1, budget=2)
+@pytest.mark.parametrize(
+    "event", [ev.CheckpointEvicted, ev.CheckpointReleased, ev.CheckpointAbandoned]
+)
+def test_a_pinned_checkpoint_can_be_neither_evicted_nor_released(event: type[ev.Event]):
+    table = make_table(max_batch=1, budget=2)
     c = published(table, 16, b"k")
-    table.pin(c)
+    pin(table, c)
     assert c not in table.eviction_order()
     with pytest.raises(IllegalTransition):
-        table.remove(c, event)
+        drop(table, c, event)
     assert table.find(b"k") is c and c.slot not in table.free_slots
 
 
 def test_a_reserved_checkpoint_cannot_be_pinned():
-    table = CheckpointTable(max_batch=1, budget=1)
+    table = make_table(max_batch=1, budget=1)
     c = reserve(table, 16, b"k")
     with pytest.raises(IllegalTransition):
-        table.pin(c)
+        pin(table, c)
 
 
 # ----------------------------------------------------------------- identity index
 
 
 def test_removal_drops_the_index_and_partial_tail_entries_in_the_same_operation():
-    table = CheckpointTable(max_batch=1, budget=3)
+    table = make_table(max_batch=1, budget=3)
     short = published(table, 20, b"p20", frozen=5)
     long = published(table, 25, b"p25", frozen=6)
     assert table.find_partials(ANCHOR_A) == {20: 1, 25: 1}
-    table.remove(short, CkptEvent.evict)
+    drop(table, short, ev.CheckpointEvicted)
     assert table.find(b"p20") is None
     assert table.find_partials(ANCHOR_A) == {25: 1}
-    table.remove(long, CkptEvent.release)
+    drop(table, long, ev.CheckpointReleased)
     assert table.index == {} and table.partials == {}  # no empty anchor left behind
 
 
 def test_removing_a_superseded_duplicate_keeps_the_published_entry_of_that_identity():
-    table = CheckpointTable(max_batch=2, budget=3)
+    table = make_table(max_batch=2, budget=3)
     winner = reserve(table, 20, b"same", frozen=5)
     loser = reserve(table, 20, b"same", frozen=6)
-    table.publish(winner, path(1))
-    table.remove(loser, CkptEvent.abandon)
+    publish(table, winner, path(1))
+    drop(table, loser, ev.CheckpointAbandoned)
     assert table.find(b"same") is winner
     assert table.find_partials(ANCHOR_A) == {20: 1}
     assert table.check_invariants({}) is None
@@ -173,23 +228,23 @@ def test_partial_identity_depends_on_the_anchor_and_every_tail_token():
 
 
 def test_eviction_order_puts_frozen_tails_first_then_least_recently_used():
-    table = CheckpointTable(max_batch=2, budget=4)
+    table = make_table(max_batch=2, budget=4)
     old = published(table, 16, b"old")
     tail = published(table, 20, b"tail", frozen=9)
     new = published(table, 32, b"new")
     assert table.eviction_order() == [tail, old, new]
-    table.pin(old)
+    pin(table, old)
     assert table.eviction_order() == [tail, new]  # pinned: not a candidate
-    table.unpin(old)  # the last unpin makes it the most recently used
+    unpin(table, old)  # the last unpin makes it the most recently used
     assert table.eviction_order() == [tail, new, old]
 
 
 def test_the_lazy_lru_queue_stays_bounded_under_many_pin_cycles():
-    table = CheckpointTable(max_batch=1, budget=2)
+    table = make_table(max_batch=1, budget=2)
     c = published(table, 16, b"k")
     for _ in range(500):
-        table.pin(c)
-        table.unpin(c)
+        pin(table, c)
+        unpin(table, c)
     assert len(table.lru) <= 4 * (len(table.ckpts) + 16)
     assert table.eviction_order() == [c]
 
@@ -198,16 +253,16 @@ def test_the_lazy_lru_queue_stays_bounded_under_many_pin_cycles():
 
 
 def test_invariants_catch_pin_counts_that_disagree_with_the_sequences():
-    table = CheckpointTable(max_batch=1, budget=2)
+    table = make_table(max_batch=1, budget=2)
     c = published(table, 16, b"k")
-    table.pin(c)
+    pin(table, c)
     assert table.check_invariants({c.ckpt_id: 1}) is None
     assert "pins" in (table.check_invariants({}) or "")
     assert "unknown" in (table.check_invariants({c.ckpt_id: 1, 99: 1}) or "")
 
 
 def test_invariants_catch_a_slot_owned_twice_or_lost_and_a_stale_index_entry():
-    table = CheckpointTable(max_batch=1, budget=2)
+    table = make_table(max_batch=1, budget=2)
     c = published(table, 16, b"k")
     table.free_slots.append(c.slot)
     assert "slots" in (table.check_invariants({}) or "")
@@ -220,10 +275,11 @@ def test_invariants_catch_a_slot_owned_twice_or_lost_and_a_stale_index_entry():
 
 
 def test_holders_are_published_paths_and_every_frozen_block_even_while_reserved():
-    table = CheckpointTable(max_batch=1, budget=3)
-    reserve(table, 20, b"r", frozen=7)
+    table = make_table(max_batch=1, budget=3)
+    r = reserve(table, 20, b"r", frozen=7)
     c = reserve(table, 32, b"k")
-    table.publish(c, path(1, 2))
+    publish(table, c, path(1, 2))
+    assert r.state == CkptState.RESERVED
     held = sorted(np.concatenate(table.holders()).tolist())
     assert held == [1, 2, 7]
 
@@ -275,12 +331,20 @@ def test_folding_a_reservation_that_disagrees_with_the_pool_is_a_replay_mismatch
     engine.step([ev.RequestArrived(0, prompt(40), 2)], 0.0)
     state = engine.state
     seq = state.seq(0)
-    key, _ = state.checkpoint_identity(seq, 40)
+    key, anchor = state.seqs.identity_at(seq, 40)
     assert state.ckpts.find(key) is None
-    wrong = int(state.pool.peek_allocate(1)[0]) + 1
-    event = ev.CheckpointReserved(state.ckpts.next_id, 0, state.ckpts.peek_slot(), 40, wrong)
+    peek = state.pool.peek_allocate(1)
+    assert peek is not None
+    wrong = int(peek[1][0]) + 1
+    slot = state.ckpts.peek_slot()
+    event = ev.CheckpointReserved(state.ckpts.next_id, 0, slot, 40, key, anchor, wrong)
+    before = state.pool.snapshot()
     with pytest.raises(ReplayMismatch):
         state.apply(event)
+    assert state.pool.snapshot() == before
+    other = ev.CheckpointReserved(state.ckpts.next_id, 0, slot, 40, b"x" * 16, anchor, wrong - 1)
+    with pytest.raises(ReplayMismatch, match="not the state of"):
+        state.apply(other)  # an identity that is not the sequence's state at 40 tokens
 
 
 def test_publishing_a_second_checkpoint_of_one_identity_is_a_replay_mismatch():
@@ -291,8 +355,10 @@ def test_publishing_a_second_checkpoint_of_one_identity_is_a_replay_mismatch():
     first = engine.step([ev.RequestArrived(0, p, 3), ev.RequestArrived(1, p, 3)], 0.0)
     ids = [d.ckpt_id for d in first.decisions if isinstance(d, ev.CheckpointReserved)]
     assert len(ids) == 2  # neither is published yet: both save the same identity
-    engine.state.apply(ev.StepStarted(2, 0.1))
-    engine.state.apply(executor.execute(first.plan))
+    state = engine.state
+    state.apply(ev.StepStarted(2, 0.1))
+    state.apply(executor.execute(first.plan))
+    engine.policy.growth.cache_computed(state, state.seqs.schedulable_rows(), state.apply)
     engine.state.apply(ev.CheckpointPublished(ids[0]))
     with pytest.raises(ReplayMismatch):
         engine.state.apply(ev.CheckpointPublished(ids[1]))

@@ -92,7 +92,7 @@ class Node:
                 self.outputs[seq].append(tok)
             self.pending.append(out)
         if self.external is not None:
-            self.external.after_step(self.engine, result.decisions)
+            self.external.after_step(result.decisions)
         return result
 
     def run(self, inputs: Iterable[ev.Event] = (), max_steps: int = 2000) -> None:
@@ -118,5 +118,5 @@ class Node:
         assert int(state.pool.ref.sum()) == 0, "blocks still referenced after the drain"
         assert not state.transfers.leases and not state.transfers.loads
         assert not state.ckpts.ckpts
-        assert not any(len(s.held) for s in state.sessions.values())
+        assert not any(len(s.held) for s in state.sessions.sessions.values())
         self.run([ev.WakeRequested()])

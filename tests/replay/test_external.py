@@ -93,7 +93,7 @@ def test_the_event_log_of_an_engine_with_external_kv_verifies_without_the_store(
 
 def _keys(hybrid: bool) -> list[str]:
     """The store keys of P's blocks in the test namespace."""
-    root = Node(None, config(hybrid=hybrid)).engine.state.root_for("", "")
+    root = Node(None, config(hybrid=hybrid)).engine.state.seqs.root_for("", "")
     return [block_key(root, h) for h in chain_hashes(root, P, 16)]
 
 

@@ -47,7 +47,7 @@ def test_every_machine_gets_a_section_with_a_mermaid_diagram_and_a_table() -> No
 def test_the_diagram_marks_initial_and_terminal_states() -> None:
     section = render_machine(SEQUENCE)
     assert "[*] --> WAITING" in section
-    assert "[*] --> MIGRATING_IN" in section
+    assert "[*] --> LOADING_KV" not in section
     assert "FINISHED --> [*]" in section
     assert "ABORTED --> [*]" in section
 

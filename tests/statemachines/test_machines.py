@@ -179,22 +179,20 @@ def test_an_illegal_sequence_event_reads_as_a_sentence() -> None:
 def test_a_loading_sequence_cannot_be_aborted_until_its_load_settles_into_running() -> None:
     with pytest.raises(IllegalTransition, match="LOADING_KV"):
         SEQUENCE.next_state(3, SeqState.LOADING_KV, SeqEvent.abort)
-    for outcome in (SeqEvent.load_done, SeqEvent.load_failed):
-        assert SEQUENCE.next_state(3, SeqState.LOADING_KV, outcome) == SeqState.RUNNING
+    assert SEQUENCE.next_state(3, SeqState.LOADING_KV, SeqEvent.load_settled) == SeqState.RUNNING
     assert SEQUENCE.next_state(3, SeqState.RUNNING, SeqEvent.abort) == SeqState.ABORTED
 
 
 def test_a_sequence_abort_is_immediate_outside_a_kv_load() -> None:
-    for state in (SeqState.WAITING, SeqState.RUNNING, SeqState.MIGRATING_IN):
+    for state in (SeqState.WAITING, SeqState.RUNNING):
         assert SEQUENCE.next_state(1, state, SeqEvent.abort) == SeqState.ABORTED
 
 
-def test_a_migrated_sequence_enters_in_migrating_in_and_joins_running() -> None:
-    assert SEQUENCE.spec.initial == (SeqState.WAITING, SeqState.MIGRATING_IN)
-    assert (
-        SEQUENCE.next_state(1, SeqState.MIGRATING_IN, SeqEvent.admit_migrated) == SeqState.RUNNING
-    )
-    assert not SEQUENCE.is_legal(SeqState.MIGRATING_IN, SeqEvent.admit)
+def test_every_sequence_enters_waiting_and_only_a_running_one_is_scheduled() -> None:
+    assert SEQUENCE.spec.initial == (SeqState.WAITING,)
+    for state in SeqState:
+        for event in (SeqEvent.schedule_chunk, SeqEvent.decode):
+            assert SEQUENCE.is_legal(state, event) == (state == SeqState.RUNNING)
 
 
 def test_a_running_sequence_can_be_chunked_decoded_preempted_or_finished() -> None:
@@ -221,14 +219,15 @@ def test_a_kv_load_walks_from_lookup_to_ready() -> None:
     assert state == LoadState.READY
 
 
-def test_a_kv_save_can_be_cancelled_only_while_pending() -> None:
-    assert KVSAVE.next_state(1, SaveState.PENDING, SaveEvent.cancel) == SaveState.CANCELLED
-    assert not KVSAVE.is_legal(SaveState.SAVING, SaveEvent.cancel)
+def test_a_kv_save_starts_and_ends_confirmed_or_failed_never_cancelled() -> None:
+    assert KVSAVE.next_state(1, SaveState.PENDING, SaveEvent.start) == SaveState.SAVING
     assert KVSAVE.next_state(1, SaveState.SAVING, SaveEvent.confirm) == SaveState.SAVED
+    assert KVSAVE.next_state(1, SaveState.SAVING, SaveEvent.fail) == SaveState.FAILED
+    assert not any(e.name == "cancel" for e in SaveEvent)
 
 
 def test_a_pinned_checkpoint_is_never_evicted_or_released() -> None:
-    for event in (CkptEvent.evict, CkptEvent.release, CkptEvent.drop_stale):
+    for event in (CkptEvent.evict, CkptEvent.release, CkptEvent.abandon):
         for facts in _fact_sets(CHECKPOINT.spec):
             assert not CHECKPOINT.is_legal(CkptState.PINNED, event, facts)
     assert all(t.source != CkptState.PINNED or t.dest == CkptState.PUBLISHED

@@ -22,7 +22,6 @@ from kvsched.connectors.memory_store import Faults, InProcessStore
 from kvsched.connectors.protocol import (
     PENDING,
     BlockBuffer,
-    ConnectorInput,
     KVStore,
     LoadOrder,
     LookupAnswer,
@@ -42,7 +41,6 @@ from kvsched.connectors.transfer import TransferEngine
 __all__ = [
     "PENDING",
     "BlockBuffer",
-    "ConnectorInput",
     "CorruptValueError",
     "Faults",
     "HostBlockBuffer",

@@ -1,21 +1,16 @@
 """The connector protocol: what the scheduler, the worker and a KV store say to each other.
 
-Scheduler side (``SchedulerConnector``), called from the step loop, never blocking:
+The scheduler decides every transfer itself and records it as an event that carries its keys'
+ingredients (``KVLookupStarted``, ``KVLoadStarted``, ``KVSaveStarted``); the orders below are
+pure functions of those events. Two roles carry them out:
 
-* ``lookup(request) -> LookupResult | PENDING``: how many leading blocks of the request's
-  hash chain are available (local ones plus external ones). ``PENDING``: not known yet, ask
-  again next step. Repeatable: once answered, the same answer until ``bind`` or
-  ``cancel_lookup``.
-* ``bind(seq_id, block_ids)``: after admission, the destination blocks of the external part
-  ``[num_computed_blocks, num_blocks)``; the load is ordered in the next ``build_step``.
-* ``build_step(ConnectorInput) -> StepTransfers``: once per step, from plan data; returns the
-  loads and saves the worker must start.
-* ``update(TransferReport) -> list[seq_id]``: fold the worker's report; returns the sequences
-  whose delayed block release may now happen.
-* ``request_finished(seq_id) -> bool``: True: saves of this sequence are in flight, keep its
-  blocks until ``update`` returns its id.
-
-Worker side (``WorkerConnector``): ``start_load``, ``start_save``, ``poll() -> TransferReport``.
+* scheduler side, ``SchedulerConnector``: ``lookup(LookupRequest) -> LookupResult | PENDING``
+  (how many leading blocks of the asked range the store holds; ``PENDING``: ask again next
+  step; repeatable until ``cancel_lookup``), ``cancel_lookup(seq_id)``, ``close()``. Never
+  blocks the step loop.
+* worker side, ``WorkerConnector``: ``apply(StepTransfers)`` starts loads and saves,
+  ``poll() -> TransferReport`` collects the ones that ended (``report_events`` turns a report
+  into the scheduler's input events), ``wait_idle``, ``num_active``, ``close``.
 
 Byte level (``KVStore``): ``batch_exists``, ``put_many``, ``get_many``, ``remove``, ``close``.
 Buffers (``BlockBuffer``, ``StateBuffer``): ``read_block``/``write_block`` and
@@ -25,25 +20,32 @@ Buffers (``BlockBuffer``, ``StateBuffer``): ``read_block``/``write_block`` and
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Literal, Protocol, TypeAlias, runtime_checkable
 
 import attrs
-import numpy as np
 
-from kvsched.events.types import Event, KVLoadFailed, KVLoadFinished, KVSaveFinished
+from kvsched.connectors.keys import block_key, state_key
+from kvsched.events.types import (
+    Event,
+    KVLoadFailed,
+    KVLoadFinished,
+    KVLoadStarted,
+    KVLookupStarted,
+    KVSaveFinished,
+    KVSaveStarted,
+    split_hashes,
+)
 
 __all__ = [
     "PENDING",
     "BlockBuffer",
-    "ConnectorInput",
     "KVStore",
     "LoadOrder",
     "LookupAnswer",
     "LookupRequest",
     "LookupResult",
     "Pending",
-    "PlanLike",
     "SaveOrder",
     "SchedulerConnector",
     "StateBuffer",
@@ -114,8 +116,8 @@ PENDING: Literal[Pending.PENDING] = Pending.PENDING
 @attrs.frozen
 class LookupResult:
     """``num_blocks``: length of the available prefix of the request's chain, counting the
-    ``num_computed_blocks`` the scheduler already has (so ``>= num_computed_blocks``). The
-    blocks to load are ``[num_computed_blocks, num_blocks)``."""
+    ``first_block`` blocks the scheduler already has (so ``>= first_block``). The blocks to
+    load are ``[first_block, num_blocks)``."""
 
     num_blocks: int
     reason: str = ""  # why the answer is shorter than it could be (store error, timeout)
@@ -126,122 +128,23 @@ LookupAnswer: TypeAlias = LookupResult | Literal[Pending.PENDING]
 
 @attrs.frozen(kw_only=True)
 class LookupRequest:
-    """What a lookup needs, as plain data (not the scheduler's sequence object)."""
+    """What a lookup needs, as plain data: the chain blocks ``[first_block, first_block +
+    len(block_hashes))`` of a request (the scheduler has the blocks before ``first_block``)."""
 
     seq_id: int
     namespace_root: bytes
-    block_hashes: tuple[bytes, ...]  # the request's full-block chain, from block 0
-    num_computed_blocks: int = 0  # leading blocks the scheduler has already (local hit)
+    block_hashes: tuple[bytes, ...]  # hashes of the asked blocks, from block ``first_block``
+    first_block: int = 0
     with_state: bool = False  # hybrid: a hit must end at a block with a state checkpoint
 
-
-class PlanLike(Protocol):
-    """The ``StepPlan`` fields ``ConnectorInput.from_plan`` reads."""
-
-    @property
-    def step(self) -> int: ...
-
-    @property
-    def block_size(self) -> int: ...
-
-    @property
-    def seq_ids(self) -> np.ndarray: ...
-
-    @property
-    def ends(self) -> np.ndarray: ...
-
-    @property
-    def block_tables(self) -> np.ndarray: ...
-
-    @property
-    def num_blocks(self) -> np.ndarray: ...
-
-
-def _ro(arr: np.ndarray, dtype: type) -> np.ndarray:
-    out: np.ndarray = np.array(arr, dtype=dtype, copy=True)
-    out.setflags(write=False)
-    return out
-
-
-def _ro_i64(arr: np.ndarray) -> np.ndarray:
-    return _ro(arr, np.int64)
-
-
-def _ro_i32(arr: np.ndarray) -> np.ndarray:
-    return _ro(arr, np.int32)
-
-
-@attrs.frozen(kw_only=True)
-class ConnectorInput:
-    """One step's view for the connector, built from plan data.
-
-    Per running sequence ``i``: ``token_ends[i]`` tokens have KV once this step's forward ran;
-    its block table is ``block_ids[offsets[i]:offsets[i+1]]`` (CSR with ``block_counts``);
-    ``block_hashes[i]`` are the hashes of its full blocks known so far (prompt blocks from
-    arrival, output blocks once filled); ``namespace_roots[i]`` its namespace. Blocks
-    ``[0, min(token_ends // block_size, len(block_hashes)))`` are saveable.
-    """
-
-    step: int
-    block_size: int
-    seq_ids: np.ndarray = attrs.field(converter=_ro_i64)
-    token_ends: np.ndarray = attrs.field(converter=_ro_i64)
-    block_counts: np.ndarray = attrs.field(converter=_ro_i32)
-    block_ids: np.ndarray = attrs.field(converter=_ro_i32)
-    block_hashes: tuple[tuple[bytes, ...], ...]
-    namespace_roots: tuple[bytes, ...]
-    save: np.ndarray | None = None  # bool [n]: which sequences save (None: all)
-
-    def __attrs_post_init__(self) -> None:
-        n = len(self.seq_ids)
-        if not (len(self.token_ends) == len(self.block_counts) == n):
-            raise ValueError("seq_ids, token_ends and block_counts must have one entry per seq")
-        if len(self.block_hashes) != n or len(self.namespace_roots) != n:
-            raise ValueError("block_hashes and namespace_roots must have one entry per seq")
-        if int(self.block_counts.sum()) != len(self.block_ids):
-            raise ValueError("block_ids length must equal block_counts.sum()")
-
-    @property
-    def offsets(self) -> np.ndarray:
-        return np.concatenate(([0], np.cumsum(self.block_counts, dtype=np.int64)))
-
-    def blocks_of(self, i: int) -> np.ndarray:
-        off = self.offsets
-        return self.block_ids[off[i] : off[i + 1]]
-
     @classmethod
-    def from_plan(
-        cls,
-        plan: PlanLike,
-        hashes: Mapping[int, Sequence[bytes]],
-        roots: Mapping[int, bytes],
-        save: Iterable[int] | None = None,
-    ) -> ConnectorInput:
-        """Build from a ``StepPlan``: ``hashes[seq_id]`` and ``roots[seq_id]`` come from the
-        sequence table (plain bytes); ``save`` limits saving to those seq ids."""
-        seq_ids = np.asarray(plan.seq_ids, dtype=np.int64)
-        counts = np.asarray(plan.num_blocks, dtype=np.int32)
-        tables = np.asarray(plan.block_tables)
-        flat = (
-            np.concatenate([tables[i, : counts[i]] for i in range(len(seq_ids))])
-            if len(seq_ids)
-            else np.zeros(0, np.int32)
-        )
-        ids = [int(s) for s in seq_ids]
-        save_mask = None
-        if save is not None:
-            chosen = set(save)
-            save_mask = np.array([s in chosen for s in ids], dtype=bool)
+    def from_event(cls, e: KVLookupStarted) -> LookupRequest:
         return cls(
-            step=int(plan.step),
-            block_size=int(plan.block_size),
-            seq_ids=seq_ids,
-            token_ends=np.asarray(plan.ends),
-            block_counts=counts,
-            block_ids=flat,
-            block_hashes=tuple(tuple(hashes[s]) for s in ids),
-            namespace_roots=tuple(roots[s] for s in ids),
-            save=save_mask,
+            seq_id=e.seq_id,
+            namespace_root=e.root,
+            block_hashes=tuple(split_hashes(e.hashes)),
+            first_block=e.first_block,
+            with_state=e.with_state,
         )
 
 
@@ -256,6 +159,17 @@ class LoadOrder:
     state_key: str | None = None
     state_slot: int = -1
 
+    @classmethod
+    def from_event(cls, e: KVLoadStarted) -> LoadOrder:
+        """The load a ``KVLoadStarted`` decision orders."""
+        return cls(
+            seq_id=e.seq_id,
+            keys=tuple(block_key(e.root, h) for h in split_hashes(e.hashes)),
+            block_ids=tuple(int(b) for b in e.blocks),
+            state_key=state_key(e.root, e.state_hash) if e.state_hash else None,
+            state_slot=e.state_slot,
+        )
+
 
 @attrs.frozen(kw_only=True)
 class SaveOrder:
@@ -269,10 +183,24 @@ class SaveOrder:
     state_key: str | None = None
     state_slot: int = -1
 
+    @classmethod
+    def from_event(cls, e: KVSaveStarted) -> SaveOrder:
+        """The save a ``KVSaveStarted`` decision orders (a hybrid save stores the state under
+        the last saved block's hash)."""
+        hashes = split_hashes(e.hashes)
+        return cls(
+            save_id=e.save_id,
+            seq_id=e.seq_id,
+            keys=tuple(block_key(e.root, h) for h in hashes),
+            block_ids=tuple(int(b) for b in e.blocks),
+            state_key=state_key(e.root, hashes[-1]) if e.ckpt_id >= 0 else None,
+            state_slot=e.state_slot,
+        )
+
 
 @attrs.frozen
 class StepTransfers:
-    """What ``build_step`` asks the worker to start this step."""
+    """The loads and saves the worker starts after a step."""
 
     loads: tuple[LoadOrder, ...] = ()
     saves: tuple[SaveOrder, ...] = ()
@@ -317,34 +245,25 @@ def report_events(report: TransferReport) -> list[Event]:
 
 
 class SchedulerConnector(Protocol):
+    """Scheduler side: answers lookups without blocking the step loop."""
+
     def lookup(self, request: LookupRequest) -> LookupAnswer: ...
 
     def cancel_lookup(self, seq_id: int) -> None: ...
 
-    def bind(self, seq_id: int, block_ids: Sequence[int]) -> None: ...
-
-    def build_step(self, step_input: ConnectorInput) -> StepTransfers: ...
-
-    def update(self, report: TransferReport) -> list[int]: ...
-
-    def request_finished(self, seq_id: int) -> bool: ...
+    def close(self) -> None: ...
 
 
 class WorkerConnector(Protocol):
-    def start_load(
-        self,
-        seq_id: int,
-        keys: Sequence[str],
-        block_ids: Sequence[int],
-        state: tuple[str, int] | None = None,
-    ) -> None: ...
+    """Worker side: starts the orders of a step, reports the transfers that ended."""
 
-    def start_save(
-        self,
-        save_id: int,
-        keys: Sequence[str],
-        block_ids: Sequence[int],
-        state: tuple[str, int] | None = None,
-    ) -> None: ...
+    def apply(self, transfers: StepTransfers) -> None: ...
 
     def poll(self) -> TransferReport: ...
+
+    def wait_idle(self, timeout_s: float = 10.0) -> bool: ...
+
+    @property
+    def num_active(self) -> int: ...
+
+    def close(self) -> None: ...

@@ -1,15 +1,21 @@
 """The vocabulary of facts: every event kvsched records.
 
-Events are frozen ``msgspec.Struct`` records, encoded as msgpack arrays (``array_like``) with a
-short tag. Events that concern many sequences are batch-shaped: they carry numpy arrays, and a
-ragged per-sequence list (for example the blocks each sequence received) is stored in CSR form
-(``counts`` plus one flat array). Arrays inside events are never mutated after construction.
+Events are frozen ``msgspec.Struct`` records, encoded as msgpack maps with field names and a
+short ``type`` tag (fields at their default value are omitted), so a reader can tell every
+field by name and a later schema can add fields with defaults (``events/codec.py`` holds the
+schema version). Events that concern many sequences are batch-shaped: they carry numpy arrays,
+and a ragged per-sequence list (for example the blocks each sequence received) is stored in
+CSR form (``counts`` plus one flat array). Block hashes travel as ``bytes`` of concatenated
+16-byte digests. Arrays inside events are never mutated after construction.
 
 Two families:
 
 * **inputs** come from outside the scheduler (clients, the executor, the KV store). Replay
   feeds them back in.
-* **decisions** are what the scheduler decided. Replay recomputes them and compares.
+* **decisions** are what the scheduler decided, including every change of the prefix cache
+  (``BlocksCached``, ``BlocksEvicted``, ``CacheCleared``) and of each checkpoint, so a
+  subscriber that sees only the stream can follow the cache. Replay recomputes them and
+  compares.
 """
 
 from __future__ import annotations
@@ -21,11 +27,20 @@ I32 = np.int32
 I64 = np.int64
 
 
-class Event(msgspec.Struct, frozen=True, array_like=True, tag=True):
+HASH_SIZE = 16  # bytes per block hash in ``hashes`` / ``parents`` fields
+
+
+class Event(msgspec.Struct, frozen=True, tag=True, omit_defaults=True):
     """Base of every event."""
 
 
-class MultimodalSpan(msgspec.Struct, frozen=True, array_like=True):
+def split_hashes(blob: bytes) -> list[bytes]:
+    """The 16-byte digests of a ``hashes`` field, in order."""
+    n = HASH_SIZE
+    return [blob[i : i + n] for i in range(0, len(blob), n)]
+
+
+class MultimodalSpan(msgspec.Struct, frozen=True):
     """Prompt positions [start, end) filled by one image/video, with its content hash."""
 
     start: int
@@ -152,6 +167,40 @@ class BlocksFreed(Event, frozen=True, tag="free"):
     blocks: np.ndarray
 
 
+class BlocksCached(Event, frozen=True, tag="cached"):
+    """Computed full blocks of running sequences enter the prefix index.
+
+    Per sequence ``seq_ids[i]`` (CSR with ``counts``), its blocks ``starts[i], starts[i] + 1,
+    ...`` of the block table: entry ``j`` is block ``blocks[j]`` with hash ``hashes[j]`` whose
+    parent hash is ``parents[j]`` (the namespace root for block 0 of a chain). An entry with
+    ``replaced[j] != 0`` is a deduplication: the hash was already cached at ``blocks[j]``, which
+    replaces the sequence's own copy ``replaced[j]`` in its block table (the copy is freed).
+    MoE: ``with_experts[j]`` marks entries whose routed-expert ids (``experts``, flat
+    ``[block_size * K]`` per marked entry) the cache keeps from now on."""
+
+    seq_ids: np.ndarray  # int64
+    counts: np.ndarray  # int32
+    starts: np.ndarray  # int32
+    blocks: np.ndarray  # int32
+    replaced: np.ndarray  # int32, 0: a new cache entry
+    hashes: bytes  # 16 bytes per entry
+    parents: bytes  # 16 bytes per entry
+    with_experts: np.ndarray = msgspec.field(default_factory=lambda: np.zeros(0, np.bool_))
+    experts: np.ndarray = msgspec.field(default_factory=lambda: np.zeros(0, np.int16))
+
+
+class BlocksEvicted(Event, frozen=True, tag="evicted"):
+    """Cached blocks no one holds lose their identity (least recently released first, leaf
+    before parent) so that the allocation that follows can reuse them."""
+
+    blocks: np.ndarray  # int32
+    hashes: bytes  # 16 bytes per block
+
+
+class CacheCleared(Event, frozen=True, tag="cache_cleared"):
+    """Every cached block loses its identity (nothing is held): the prefix index is empty."""
+
+
 class SessionBlocksHeld(Event, frozen=True, tag="session_hold"):
     """A finished turn hands its full blocks to its session for the next turn."""
 
@@ -201,12 +250,16 @@ class Woken(Event, frozen=True, tag="woken"):
 
 class CheckpointReserved(Event, frozen=True, tag="ckpt_reserved"):
     """Save the state of ``seq_id`` after ``num_tokens`` tokens into ``slot`` after this
-    step's forward (and, for a non-aligned step, its partial block into ``frozen_block``)."""
+    step's forward (and, for a non-aligned step, its partial block into ``frozen_block``).
+    ``key`` is the checkpoint's identity (the index key once published); ``anchor`` the hash
+    of its last full block (the namespace root below one block)."""
 
     ckpt_id: int
     seq_id: int
     slot: int
     num_tokens: int
+    key: bytes
+    anchor: bytes
     frozen_block: int = 0
 
 
@@ -224,9 +277,16 @@ class CheckpointUnpinned(Event, frozen=True, tag="ckpt_unpinned"):
     seq_id: int
 
 
+class CheckpointAbandoned(Event, frozen=True, tag="ckpt_abandoned"):
+    """A reserved checkpoint is dropped before publication (its step failed, or a checkpoint
+    of the same identity was published first)."""
+
+    ckpt_id: int
+    reason: str
+
+
 class CheckpointReleased(Event, frozen=True, tag="ckpt_released"):
-    """A reserved checkpoint abandoned (its save failed or was superseded), or a published
-    one released."""
+    """A published checkpoint is released (drain): its slot and references go."""
 
     ckpt_id: int
     reason: str
@@ -243,6 +303,8 @@ class KVLookupStarted(Event, frozen=True, tag="kv_lookup_started"):
     seq_id: int
     first_block: int
     num_blocks: int
+    root: bytes  # the chain's namespace root (store keys are made of it and the hashes)
+    hashes: bytes  # 16 bytes per block of [first_block, num_blocks)
     with_state: bool = False  # hybrid: a hit must end at a block with a stored state
 
 
@@ -264,24 +326,41 @@ class KVLoadAdmitted(Event, frozen=True, tag="kv_load_admitted"):
 
 
 class KVLoadStarted(Event, frozen=True, tag="kv_load_started"):
-    """Load chain blocks ``[first_block, first_block + len(blocks))`` into ``blocks`` (and,
-    for a hybrid model, the state at the last of them into ``state_slot``)."""
+    """Load chain blocks ``[first_block, first_block + len(blocks))`` (hashes ``hashes``
+    under ``root``) into ``blocks`` and, for a hybrid model, the state stored at the block
+    with hash ``state_hash`` into ``state_slot``."""
 
     seq_id: int
     blocks: np.ndarray
     first_block: int
+    root: bytes
+    hashes: bytes  # 16 bytes per loaded block
     state_slot: int = -1
+    state_hash: bytes = b""
+
+
+class KVLoadSettled(Event, frozen=True, tag="kv_load_settled"):
+    """The sequence's load ended (finished or failed): it runs from its first ``num_blocks``
+    chain blocks (a failed load keeps its good leading blocks for an attention model, none
+    beyond its local prefix for a hybrid model, which has no state there)."""
+
+    seq_id: int
+    num_blocks: int
 
 
 class KVSaveStarted(Event, frozen=True, tag="kv_save_started"):
-    """Save chain blocks ``[first_block, first_block + len(blocks))`` of ``seq_id`` (and, for
-    a hybrid model, checkpoint ``ckpt_id``'s state from ``state_slot``). The save holds a
-    lease (a block reference, a checkpoint pin) until ``KVSaveFinished``."""
+    """Save chain blocks ``[first_block, first_block + len(blocks))`` of ``seq_id`` under the
+    keys made of ``root`` and ``hashes`` (and, for a hybrid model, checkpoint ``ckpt_id``'s
+    state from ``state_slot`` under the last block's hash). The save holds a lease (block
+    references on the whole prefix up to its last block, a checkpoint pin) until
+    ``KVSaveFinished``."""
 
     save_id: int
     seq_id: int
     blocks: np.ndarray
     first_block: int
+    root: bytes
+    hashes: bytes  # 16 bytes per saved block
     ckpt_id: int = -1
     state_slot: int = -1
 
@@ -320,6 +399,9 @@ DECISION_TYPES: tuple[type[Event], ...] = (
     PrefixMatched,
     BlocksAllocated,
     BlocksFreed,
+    BlocksCached,
+    BlocksEvicted,
+    CacheCleared,
     SessionBlocksHeld,
     PrefillScheduled,
     DecodeScheduled,
@@ -333,12 +415,14 @@ DECISION_TYPES: tuple[type[Event], ...] = (
     CheckpointPublished,
     CheckpointPinned,
     CheckpointUnpinned,
+    CheckpointAbandoned,
     CheckpointReleased,
     CheckpointEvicted,
     KVLookupStarted,
     KVLoadCancelled,
     KVLoadAdmitted,
     KVLoadStarted,
+    KVLoadSettled,
     KVSaveStarted,
     AbortDeferred,
     DrainDeferred,

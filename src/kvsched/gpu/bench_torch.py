@@ -30,7 +30,7 @@ from kvsched.gpu.config import HybridConfig
 from kvsched.gpu.fixtures import TINY_CONFIG
 from kvsched.gpu.model import HybridModel, count_parameters
 from kvsched.gpu.torch_executor import TorchExecutor
-from kvsched.reducers.plan import StepPlan
+from kvsched.plan import StepPlan
 
 
 def _ro(a: np.ndarray) -> np.ndarray:

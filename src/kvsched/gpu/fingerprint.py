@@ -29,7 +29,7 @@ import numpy as np
 from kvsched.connectors.errors import CorruptValueError
 from kvsched.events.types import StepExecuted
 from kvsched.gpu.sim import CostModel, _mix
-from kvsched.reducers.plan import StepPlan
+from kvsched.plan import StepPlan
 
 __all__ = ["EMPTY_PREFIX", "FingerprintExecutor", "prefix_hashes"]
 

@@ -10,7 +10,7 @@ import attrs
 import numpy as np
 
 from kvsched.events.types import StepExecuted
-from kvsched.reducers.plan import StepPlan
+from kvsched.plan import StepPlan
 
 
 @attrs.frozen(kw_only=True)

@@ -30,7 +30,7 @@ from kvsched.events.types import StepExecuted
 from kvsched.gpu.batch import BatchInputs
 from kvsched.gpu.cache import PagedCache
 from kvsched.gpu.model import HybridModel
-from kvsched.reducers.plan import StepPlan
+from kvsched.plan import StepPlan
 
 _MASK64 = (1 << 64) - 1
 

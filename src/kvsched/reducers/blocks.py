@@ -1,4 +1,4 @@
-"""BlockPool: KV block reference counts, free list, prefix index and LRU reuse order.
+"""BlockPool: KV block reference counts, free stack, prefix index and LRU reuse order.
 
 Every block is in exactly one of three conditions:
 
@@ -8,19 +8,34 @@ Every block is in exactly one of three conditions:
 
 Block 0 is the null block: never allocated, used by plans as padding.
 
-Prefix closure: a block is registered only while its parent hash is registered. Holders of a
-cached block always hold its cached parent too, so a parent's reference count is never below a
-child's; a release drops a sequence's blocks leaf first, so the LRU queue (ordered by release)
-always evicts a child before its parent, and the index stays prefix-closed. That is what lets
-``find_prefix_len`` binary-search a request's hash chain.
+The pool folds its own events: ``BlocksAllocated`` (and a checkpoint's frozen block) take
+blocks off the free stack, ``BlocksEvicted`` turns cached unheld blocks free, ``BlocksCached``
+registers computed blocks, ``CacheCleared`` forgets every identity. Reference counts change
+only through ``apply`` of the ``RefChange`` a holder's fold returns.
+
+Prefix closure: a block is registered only while its parent hash is registered, and evicted
+only when no cached child remains. Holders of a cached block always hold its cached parent
+too, and releases drop a sequence's blocks leaf first, so the LRU queue (ordered by release)
+offers a child before its parent; ``find_prefix_len`` can binary-search a request's chain.
+
+Prefix paths: each cached block at depth d knows ``(path, d)`` where ``path.arr[: d + 1]`` are
+the canonical blocks of its prefix, root first. A chain that grows at its tip extends its path
+in place; a branch copies the shared part. A match of k blocks is one lookup of the deepest
+hash and a read-only view of its path.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from itertools import islice, repeat
+from typing import Any
 
 import numpy as np
+
+from kvsched.events import types as ev
+from kvsched.events.types import HASH_SIZE, split_hashes
+from kvsched.reducers.errors import RefChange, ReplayMismatch
 
 NULL_BLOCK = 0
 
@@ -29,29 +44,54 @@ class BlockPoolError(RuntimeError):
     """A block operation that would break the pool's invariants."""
 
 
+class _Path:
+    """A growable array of canonical blocks shared by the cached blocks of one chain."""
+
+    __slots__ = ("arr", "n")
+
+    def __init__(self, arr: np.ndarray, n: int) -> None:
+        self.arr = arr
+        self.n = n
+
+    def extend(self, block: int) -> None:
+        if self.n == len(self.arr):
+            grown = np.zeros(max(16, 2 * self.n), dtype=np.int32)
+            grown[: self.n] = self.arr[: self.n]
+            self.arr = grown  # views of the old array stay valid for their holders
+        self.arr[self.n] = block
+        self.n += 1
+
+
 class BlockPool:
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int = 64) -> None:
         self.num_blocks = num_blocks
+        self.block_size = block_size
         self.ref = np.zeros(num_blocks, dtype=np.int32)
         self.hash_of: list[bytes | None] = [None] * num_blocks
         self.parent_of: list[bytes | None] = [None] * num_blocks
-        # For a cached block at depth i: (path, i), where path[: i + 1] are the cached blocks
-        # of its prefix, root first. The registering sequence's path array is shared, never
-        # copied; its first i + 1 entries never change while the block stays cached (a cached
-        # block's ancestors cannot be evicted before it).
-        self.path_of: list[tuple[np.ndarray, int] | None] = [None] * num_blocks
+        self.path_of: list[tuple[_Path, int] | None] = [None] * num_blocks
+        self.children = np.zeros(num_blocks, dtype=np.int32)  # cached children per block
         # MoE: routed-expert ids recorded when a cached block was computed ([bs, K] int16).
         self.experts: dict[int, np.ndarray] = {}
         self.index: dict[bytes, int] = {}
         # Stack: the top (end) is allocated first; block 1 comes out first.
         self.free: list[int] = list(range(num_blocks - 1, 0, -1))
         # LRU of cached blocks with no holder, as (release stamp, block); stale entries are
-        # skipped lazily (the block was re-attached or re-released since).
+        # skipped lazily (the block was re-attached, re-released or evicted since).
         self.lru: deque[tuple[int, int]] = deque()
         self.stamp = np.zeros(num_blocks, dtype=np.int64)
         self.clock = 0
         self.num_evictable = 0
         self.num_evictions = 0
+
+    def folds(self) -> dict[type[ev.Event], Callable[[Any], RefChange | None]]:
+        return {
+            ev.BlocksAllocated: self._on_allocated,
+            ev.BlocksEvicted: self._on_evicted,
+            ev.BlocksCached: self._on_cached,
+            ev.CacheCleared: self._on_cleared,
+            ev.CheckpointReserved: self._on_ckpt_reserved,
+        }
 
     # ------------------------------------------------------------------ queries (pure)
 
@@ -59,6 +99,10 @@ class BlockPool:
     def num_available(self) -> int:
         """Blocks an allocation can take: free plus evictable cached blocks."""
         return len(self.free) + self.num_evictable
+
+    @property
+    def num_cached(self) -> int:
+        return len(self.index)
 
     def find_prefix_len(self, hashes: list[bytes], limit: int) -> int:
         """Number of leading blocks of ``hashes[:limit]`` in the index (binary search)."""
@@ -80,9 +124,13 @@ class BlockPool:
         and a read-only view of its path (no walk over the prefix)."""
         if count == 0:
             return np.zeros(0, dtype=np.int32)
-        entry = self.path_of[self.index[hashes[count - 1]]]
-        assert entry is not None and entry[1] == count - 1
-        view = entry[0][:count]
+        return self.path_to(self.index[hashes[count - 1]])
+
+    def path_to(self, block: int) -> np.ndarray:
+        """The canonical blocks of a cached block's prefix, ending at it (read-only view)."""
+        entry = self.path_of[block]
+        assert entry is not None
+        view = entry[0].arr[: entry[1] + 1]
         view.flags.writeable = False
         return view
 
@@ -105,41 +153,153 @@ class BlockPool:
             and self.hash_of[block] is not None
         )
 
-    def peek_allocate(self, n: int) -> np.ndarray | None:
-        """The blocks ``allocate(n)`` would return, or None when fewer are available."""
+    def peek_allocate(self, n: int) -> tuple[np.ndarray, np.ndarray] | None:
+        """(cached blocks to evict, blocks allocated) for an allocation of ``n`` blocks, or
+        None when fewer are available. Evicted blocks (least recently released first) come
+        first in the allocation, then free blocks from the top of the stack."""
         if n > self.num_available:
             return None
         take = min(n, len(self.free))
-        out = self.free[len(self.free) - take :][::-1]
+        evict: list[int] = []
         if take < n:
             live = (b for s, b in self.lru if self._live(s, b))
-            out.extend(islice(live, n - take))
-        return np.asarray(out, dtype=np.int32)
+            evict = list(islice(live, n - take))
+        fresh = self.free[len(self.free) - take :][::-1]
+        return np.asarray(evict, dtype=np.int32), np.asarray(evict + fresh, dtype=np.int32)
 
-    # ---------------------------------------------------------------- commands (reducer)
+    def hashes_of(self, blocks: np.ndarray) -> bytes:
+        out = []
+        for b in blocks.tolist():
+            h = self.hash_of[b]
+            assert h is not None
+            out.append(h)
+        return b"".join(out)
 
-    def allocate(self, n: int) -> np.ndarray:
-        """Take ``n`` blocks: free ones first, then evict least recently released cached ones."""
-        if n > self.num_available:
-            raise BlockPoolError(f"cannot allocate {n} blocks: {self.num_available} available")
-        take = min(n, len(self.free))
-        out = self.free[len(self.free) - take :][::-1]
-        del self.free[len(self.free) - take :]
-        while len(out) < n:
-            stamp, block = self.lru.popleft()
-            if self._live(stamp, block):
-                self._uncache(block)
-                self.num_evictable -= 1
-                self.num_evictions += 1
-                out.append(block)
-        blocks = np.asarray(out, dtype=np.int32)
+    # -------------------------------------------------------------------------- folds
+
+    def _take(self, blocks: np.ndarray) -> None:
+        """Allocate exactly ``blocks``, which must be the top of the free stack."""
+        n = len(blocks)
+        if n > len(self.free):
+            raise ReplayMismatch(f"allocation of {n} blocks: {len(self.free)} free")
+        top = self.free[len(self.free) - n :][::-1]
+        if top != blocks.tolist():
+            raise ReplayMismatch(f"allocation would take {top}, event says {blocks.tolist()}")
+        del self.free[len(self.free) - n :]
         self.ref[blocks] = 1
-        return blocks
+
+    def _on_allocated(self, e: ev.BlocksAllocated) -> None:
+        self._take(e.blocks)
+
+    def _on_ckpt_reserved(self, e: ev.CheckpointReserved) -> None:
+        if e.frozen_block:
+            self._take(np.asarray([e.frozen_block], dtype=np.int32))
+
+    def _on_evicted(self, e: ev.BlocksEvicted) -> None:
+        blocks = e.blocks.tolist()
+        if split_hashes(e.hashes) != [self.hash_of[b] for b in blocks]:
+            raise ReplayMismatch(f"eviction of {blocks}: hashes disagree with the index")
+        for b in blocks:  # leaf first: a block's cached children are evicted before it
+            if self.ref[b] or self.children[b]:
+                raise ReplayMismatch(f"block {b} is held or has cached children: not evictable")
+            self._uncache(b)
+            self.num_evictable -= 1
+            self.num_evictions += 1
+        self.free.extend(reversed(blocks))  # the next allocation takes them in event order
+        while self.lru and not self._live(*self.lru[0]):
+            self.lru.popleft()
+
+    def _on_cached(self, e: ev.BlocksCached) -> None:
+        hashes, parents = split_hashes(e.hashes), split_hashes(e.parents)
+        bounds = np.concatenate(([0], np.cumsum(e.counts, dtype=np.int64)))
+        depths = np.repeat(e.starts - bounds[:-1], e.counts) + np.arange(len(e.blocks))
+        blocks = e.blocks.tolist()
+        for j, block in enumerate(blocks):
+            if e.replaced[j]:
+                if self.index.get(hashes[j]) != block:
+                    raise ReplayMismatch(f"dedup onto block {block}, which lacks that hash")
+            else:
+                self._register(block, hashes[j], parents[j], int(depths[j]))
+        marked = np.nonzero(e.with_experts)[0].tolist() if len(e.with_experts) else []
+        per = len(e.experts) // len(marked) if marked else 0
+        for m, j in enumerate(marked):
+            if blocks[j] not in self.experts:
+                ids = e.experts[m * per : (m + 1) * per]
+                self.experts[blocks[j]] = ids.reshape(self.block_size, -1)
+
+    def _register(self, block: int, h: bytes, parent: bytes, depth: int) -> None:
+        if h in self.index or self.hash_of[block] is not None:
+            raise ReplayMismatch(f"block {block}: hash already cached or block has an identity")
+        if not self.ref[block]:
+            raise ReplayMismatch(f"block {block} is registered but nobody holds it")
+        if depth:
+            pb = self.index.get(parent)
+            if pb is None:
+                raise ReplayMismatch(f"block {block}: parent not cached (prefix closure)")
+            entry = self.path_of[pb]
+            assert entry is not None
+            path, d = entry
+            if d != depth - 1:
+                raise ReplayMismatch(f"block {block}: depth {depth} under a parent at {d}")
+            if path.n == depth:
+                path.extend(block)
+            else:  # a branch: copy the shared prefix
+                arr = np.zeros(max(16, 2 * (depth + 1)), dtype=np.int32)
+                arr[:depth] = path.arr[:depth]
+                arr[depth] = block
+                path = _Path(arr, depth + 1)
+            self.children[pb] += 1
+            self.parent_of[block] = parent
+        else:
+            arr = np.zeros(16, dtype=np.int32)
+            arr[0] = block
+            path = _Path(arr, 1)
+            self.parent_of[block] = None
+        self.index[h] = block
+        self.hash_of[block] = h
+        self.path_of[block] = (path, depth)
+
+    def _on_cleared(self, e: ev.CacheCleared) -> None:
+        if self.ref.any():
+            raise ReplayMismatch("cache cleared while blocks are held")
+        n = self.num_blocks
+        self.index.clear()
+        self.hash_of, self.parent_of, self.path_of = [None] * n, [None] * n, [None] * n
+        self.children[:] = 0
+        self.experts.clear()
+        self.lru.clear()
+        self.num_evictable = 0
+        self.free = list(range(self.num_blocks - 1, 0, -1))
+
+    def _uncache(self, block: int) -> None:
+        h = self.hash_of[block]
+        assert h is not None
+        del self.index[h]
+        entry = self.path_of[block]
+        assert entry is not None
+        path, depth = entry
+        if path.n == depth + 1:
+            path.n = depth  # the tip of its chain: the slot can be reused
+        parent = self.parent_of[block]
+        if parent is not None:
+            self.children[self.index[parent]] -= 1
+        self.hash_of[block] = None
+        self.parent_of[block] = None
+        self.path_of[block] = None
+        self.experts.pop(block, None)
+
+    # ------------------------------------------------------------ reference changes
+
+    def apply(self, change: RefChange) -> None:
+        for blocks in change.attach:
+            self.attach(blocks)
+        for blocks in change.release:
+            self.release(blocks)
 
     def attach(self, blocks: np.ndarray) -> None:
         """Add one reference to each block (distinct ids; cached ones leave the LRU)."""
         refs = self.ref[blocks]
-        self.num_evictable -= int(np.count_nonzero(refs == 0))
+        self.num_evictable -= int(np.count_nonzero(refs == 0))  # only cached blocks are unheld
         self.ref[blocks] = refs + 1
 
     def release(self, blocks: np.ndarray) -> None:
@@ -148,7 +308,7 @@ class BlockPool:
             return
         refs = self.ref[blocks] - 1
         if refs.min() < 0:
-            raise BlockPoolError(f"release of an unreferenced block in {blocks.tolist()}")
+            raise ReplayMismatch(f"release of an unreferenced block in {blocks.tolist()}")
         self.ref[blocks] = refs
         zero = blocks[refs == 0][::-1].tolist()  # leaf first
         if not zero:
@@ -160,54 +320,9 @@ class BlockPool:
             self.lru.extend(zip(repeat(self.clock), cached, strict=False))
             self.num_evictable += len(cached)
             if len(self.lru) > 4 * self.num_blocks:
-                self._compact_lru()
+                self.lru = deque((s, b) for s, b in self.lru if self._live(s, b))
         if len(cached) < len(zero):
             self.free.extend(b for b in zero if self.hash_of[b] is None)
-
-    def register(
-        self, block: int, block_hash: bytes, parent: bytes | None, path: np.ndarray, depth: int
-    ) -> int:
-        """Give a held block its identity; returns the canonical block for the hash.
-
-        ``path[: depth + 1]`` must be the canonical blocks of the prefix ending at this block.
-
-        If another block already carries the hash, that block is canonical and the caller
-        swaps it in (deduplication) and releases its own copy.
-        """
-        canonical = self.index.get(block_hash)
-        if canonical is not None:
-            return canonical
-        if parent is not None and parent not in self.index:
-            raise BlockPoolError(f"block {block}: parent hash not cached (prefix closure)")
-        self.index[block_hash] = block
-        if path[depth] != block:
-            raise BlockPoolError(f"block {block}: path entry {depth} is {path[depth]}")
-        self.hash_of[block] = block_hash
-        self.parent_of[block] = parent
-        self.path_of[block] = (path, depth)
-        return block
-
-    def clear_cache(self) -> None:
-        """Forget every cached identity (no block may be held): all blocks become free."""
-        if self.ref.any():
-            raise BlockPoolError("cannot clear the cache while blocks are held")
-        for block in [b for b, h in enumerate(self.hash_of) if h is not None]:
-            self._uncache(block)
-        self.lru.clear()
-        self.num_evictable = 0
-        self.free = list(range(self.num_blocks - 1, 0, -1))
-
-    def _uncache(self, block: int) -> None:
-        h = self.hash_of[block]
-        assert h is not None
-        del self.index[h]
-        self.hash_of[block] = None
-        self.parent_of[block] = None
-        self.path_of[block] = None
-        self.experts.pop(block, None)
-
-    def _compact_lru(self) -> None:
-        self.lru = deque((s, b) for s, b in self.lru if self._live(s, b))
 
     # -------------------------------------------------------------------- invariants
 
@@ -231,17 +346,7 @@ class BlockPool:
             raise BlockPoolError("a block is on the free list twice")
         if len(free) and (self.ref[free].any() or any(self.hash_of[b] for b in self.free)):
             raise BlockPoolError("a free block is referenced or cached")
-        for h, b in self.index.items():
-            if self.hash_of[b] != h:
-                raise BlockPoolError(f"index entry for block {b} disagrees with its identity")
-            parent = self.parent_of[b]
-            if parent is not None and parent not in self.index:
-                raise BlockPoolError(f"block {b} is cached but its parent is not")
-            entry = self.path_of[b]
-            if entry is None or entry[0][entry[1]] != b:
-                raise BlockPoolError(f"block {b}: its prefix path does not end at it")
-            if entry[1] and self.index.get(parent or b"") != entry[0][entry[1] - 1]:
-                raise BlockPoolError(f"block {b}: its prefix path disagrees with its parent")
+        self._check_index()
         hashed = np.fromiter((h is not None for h in self.hash_of), bool, self.num_blocks)
         evictable = int(np.count_nonzero(hashed & (self.ref == 0)))
         if evictable != self.num_evictable:
@@ -253,15 +358,40 @@ class BlockPool:
         if unowned != len(self.free):
             raise BlockPoolError(f"{unowned} blocks unowned but {len(self.free)} on free list")
 
+    def _check_index(self) -> None:
+        children = np.zeros(self.num_blocks, dtype=np.int32)
+        for h, b in self.index.items():
+            if self.hash_of[b] != h:
+                raise BlockPoolError(f"index entry for block {b} disagrees with its identity")
+            parent = self.parent_of[b]
+            if parent is not None:
+                if parent not in self.index:
+                    raise BlockPoolError(f"block {b} is cached but its parent is not")
+                children[self.index[parent]] += 1
+            entry = self.path_of[b]
+            if entry is None or entry[1] >= entry[0].n or entry[0].arr[entry[1]] != b:
+                raise BlockPoolError(f"block {b}: its prefix path does not end at it")
+            if entry[1] and self.index.get(parent or b"") != entry[0].arr[entry[1] - 1]:
+                raise BlockPoolError(f"block {b}: its prefix path disagrees with its parent")
+        if not np.array_equal(children, self.children):
+            raise BlockPoolError("cached-children counts disagree with the index")
+
     def snapshot(self) -> tuple[object, ...]:
         """Everything the pool holds, for whole-state comparisons in tests."""
         live = [(s, b) for s, b in self.lru if self._live(s, b)]
         return (
             self.ref.tobytes(),
             tuple(self.hash_of),
+            tuple(self.parent_of),
             tuple(self.free),
             tuple(live),
             self.stamp.tobytes(),
             self.clock,
             self.num_evictable,
+            self.num_evictions,
+            self.children.tobytes(),
+            tuple((b, a.tobytes()) for b, a in sorted(self.experts.items())),
         )
+
+
+__all__ = ["HASH_SIZE", "NULL_BLOCK", "BlockPool", "BlockPoolError"]

@@ -13,38 +13,31 @@ it, and a sequence that restores it attaches the whole prefix by pinning the che
 operation, however long the prefix. Lifecycle (``statemachines.CHECKPOINT``): RESERVED ->
 PUBLISHED <-> PINNED; RESERVED -> RELEASED (abandoned); PUBLISHED -> EVICTED | RELEASED. A
 pinned checkpoint is never evicted or released.
+
+The table folds the checkpoint events, and the pins a save lease takes (``KVSaveStarted`` /
+``KVSaveFinished``). It reads the block pool for a published checkpoint's prefix path, and
+returns the references it takes or drops as a ``RefChange``.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
-from hashlib import blake2b
-from typing import cast
+from collections.abc import Callable
+from typing import Any
 
 import attrs
 import numpy as np
 
-from kvsched.events.types import MultimodalSpan
-from kvsched.identity import DIGEST_SIZE
-from kvsched.statemachines import CHECKPOINT, CkptEvent, CkptState
+from kvsched.events import types as ev
+from kvsched.identity import partial_key, tail_extra
+from kvsched.reducers.blocks import BlockPool
+from kvsched.reducers.errors import RefChange, ReplayMismatch
+from kvsched.statemachines import CHECKPOINT, CkptEvent, CkptState, fire
+
+__all__ = ["Checkpoint", "CheckpointTable", "partial_key", "tail_extra"]
 
 _EMPTY = np.zeros(0, dtype=np.int32)
-
-
-def partial_key(anchor: bytes, tail: np.ndarray, extra: bytes = b"") -> bytes:
-    """Identity of a non-aligned checkpoint: the anchor block's hash, the tail tokens and the
-    content hashes of the multimodal spans overlapping the tail (``tail_extra``)."""
-    h = blake2b(anchor, digest_size=DIGEST_SIZE, person=b"kvs-partial")
-    h.update(np.ascontiguousarray(tail, dtype="<i4").tobytes())
-    if extra:
-        h.update(extra)
-    return h.digest()
-
-
-def tail_extra(spans: Sequence[MultimodalSpan], start: int, end: int) -> bytes:
-    """Content hashes of the spans overlapping tokens [start, end), as full blocks hash them."""
-    return b"".join(s.content_hash for s in spans if s.start < end and start < s.end)
+_LAST_PIN, _MORE_PINS = frozenset(["last_pin"]), frozenset(["more_pins"])
 
 
 @attrs.define(slots=True, eq=False)
@@ -63,7 +56,9 @@ class Checkpoint:
 
 
 class CheckpointTable:
-    def __init__(self, max_batch: int, budget: int) -> None:
+    def __init__(self, max_batch: int, budget: int, block_size: int, pool: BlockPool) -> None:
+        self.block_size = block_size
+        self._pool = pool
         self.first_ckpt_slot = 1 + max_batch
         self.num_slots = 1 + max_batch + budget
         self.free_slots: list[int] = list(range(self.num_slots - 1, self.first_ckpt_slot - 1, -1))
@@ -78,6 +73,23 @@ class CheckpointTable:
         self.saves = 0
         self.restores = 0
         self.evictions = 0
+        self.reserved: list[int] = []  # reserved by the step being scheduled
+        self.awaiting: list[int] = []  # reserved by the step being executed: to publish
+        self.save_pins: dict[int, int] = {}  # save id -> the checkpoint its lease pins
+
+    def folds(self) -> dict[type[ev.Event], Callable[[Any], RefChange | None]]:
+        return {
+            ev.StepStarted: self._on_step_started,
+            ev.CheckpointReserved: self._on_reserved,
+            ev.CheckpointPublished: self._on_published,
+            ev.CheckpointAbandoned: self._on_dropped,
+            ev.CheckpointReleased: self._on_dropped,
+            ev.CheckpointEvicted: self._on_dropped,
+            ev.CheckpointPinned: self._on_pinned,
+            ev.CheckpointUnpinned: self._on_unpinned,
+            ev.KVSaveStarted: self._on_save_started,
+            ev.KVSaveFinished: self._on_save_finished,
+        }
 
     # ------------------------------------------------------------------------ queries
 
@@ -90,7 +102,19 @@ class CheckpointTable:
         return (rows + 1).astype(np.int32)
 
     def get(self, ckpt_id: int) -> Checkpoint:
-        return self.ckpts[ckpt_id]
+        try:
+            return self.ckpts[ckpt_id]
+        except KeyError:
+            raise ReplayMismatch(f"checkpoint {ckpt_id} does not exist") from None
+
+    def dropped_blocks(self, c: Checkpoint) -> tuple[np.ndarray, ...]:
+        """The references a checkpoint holds (its published path, its frozen block)."""
+        out: list[np.ndarray] = []
+        if c.state != CkptState.RESERVED and len(c.path):
+            out.append(c.path)
+        if c.frozen_block:
+            out.append(np.asarray([c.frozen_block], dtype=np.int32))
+        return tuple(out)
 
     def find(self, key: bytes) -> Checkpoint | None:
         ckpt_id = self.index.get(key)
@@ -112,45 +136,62 @@ class CheckpointTable:
     def peek_slot(self) -> int:
         return self.free_slots[-1] if self.free_slots else 0
 
-    # ----------------------------------------------------------------------- commands
+    # -------------------------------------------------------------------------- folds
 
-    def _transition(
-        self, c: Checkpoint, event: CkptEvent, facts: frozenset[str] = frozenset()
+    def _fire(
+        self, c: Checkpoint, e: ev.Event, trigger: CkptEvent, facts: frozenset[str] = frozenset()
     ) -> None:
-        c.state = cast(CkptState, CHECKPOINT.next_state(c.ckpt_id, c.state, event, facts))
+        c.state = CkptState(fire(CHECKPOINT, e, c.ckpt_id, c.state, trigger, facts))
 
-    def reserve(self, c: Checkpoint) -> None:
-        if c.ckpt_id != self.next_id or not self.free_slots or self.free_slots[-1] != c.slot:
-            raise ValueError(f"checkpoint {c.ckpt_id}: not the next id or slot")
+    def _on_step_started(self, e: ev.StepStarted) -> None:
+        self.awaiting, self.reserved = self.reserved, []
+
+    def _on_reserved(self, e: ev.CheckpointReserved) -> None:
+        if e.ckpt_id != self.next_id or not self.free_slots or self.free_slots[-1] != e.slot:
+            raise ReplayMismatch(f"checkpoint {e.ckpt_id}: not the next id or slot")
+        if bool(e.frozen_block) != bool(e.num_tokens % self.block_size):
+            raise ReplayMismatch(f"checkpoint {e.ckpt_id}: frozen block and alignment disagree")
         self.free_slots.pop()
         self.next_id += 1
+        c = Checkpoint(
+            e.ckpt_id, e.seq_id, e.slot, e.num_tokens, e.key, e.anchor, e.frozen_block
+        )
         self.ckpts[c.ckpt_id] = c
+        self.reserved.append(c.ckpt_id)
         self.saves += 1
 
-    def publish(self, c: Checkpoint, path: np.ndarray) -> None:
-        self._transition(c, CkptEvent.publish)
+    def _on_published(self, e: ev.CheckpointPublished) -> RefChange:
+        c = self.get(e.ckpt_id)
+        depth = c.step // self.block_size
+        anchor_block = self._pool.index.get(c.anchor) if depth else None
+        unready = c.ckpt_id not in self.awaiting or (depth and anchor_block is None)
+        if unready or c.key in self.index:
+            raise ReplayMismatch(f"checkpoint {c.ckpt_id} cannot be published")
+        path = self._pool.path_to(anchor_block) if anchor_block is not None else _EMPTY
+        if len(path) != depth:
+            raise ReplayMismatch(f"checkpoint {c.ckpt_id}: its prefix path has another depth")
+        self._fire(c, e, CkptEvent.publish)
         c.path = path
         self.index[c.key] = c.ckpt_id
         if c.frozen_block:
             tails = self.partials.setdefault(c.anchor, {})
             tails[c.step] = tails.get(c.step, 0) + 1
         self._touch(c)
+        self.awaiting.remove(c.ckpt_id)
+        return RefChange(attach=(path,))
 
-    def pin(self, c: Checkpoint) -> None:
-        self._transition(c, CkptEvent.pin)
-        c.pins += 1
-        self.restores += 1
-
-    def unpin(self, c: Checkpoint) -> None:
-        fact = "last_pin" if c.pins == 1 else "more_pins"
-        self._transition(c, CkptEvent.unpin, frozenset([fact]))
-        c.pins -= 1
-        if c.pins == 0:
-            self._touch(c)
-
-    def remove(self, c: Checkpoint, event: CkptEvent) -> None:
-        """Abandon, release or evict: the slot returns to the free stack."""
-        self._transition(c, event)
+    def _on_dropped(
+        self, e: ev.CheckpointAbandoned | ev.CheckpointReleased | ev.CheckpointEvicted
+    ) -> RefChange:
+        """Abandon, release or evict: the slot returns to the free stack, the references go."""
+        c = self.get(e.ckpt_id)
+        dropped = self.dropped_blocks(c)
+        trigger = {
+            ev.CheckpointAbandoned: CkptEvent.abandon,
+            ev.CheckpointReleased: CkptEvent.release,
+            ev.CheckpointEvicted: CkptEvent.evict,
+        }[type(e)]
+        self._fire(c, e, trigger)
         if self.index.get(c.key) == c.ckpt_id:
             del self.index[c.key]
             if c.frozen_block:
@@ -162,8 +203,39 @@ class CheckpointTable:
                     del self.partials[c.anchor]
         del self.ckpts[c.ckpt_id]
         self.free_slots.append(c.slot)
-        if event == CkptEvent.evict:
+        for queue in (self.reserved, self.awaiting):
+            if c.ckpt_id in queue:
+                queue.remove(c.ckpt_id)
+        if trigger == CkptEvent.evict:
             self.evictions += 1
+        return RefChange(release=dropped)
+
+    def _pin(self, c: Checkpoint, e: ev.Event) -> None:
+        self._fire(c, e, CkptEvent.pin)
+        c.pins += 1
+        self.restores += 1
+
+    def _unpin(self, c: Checkpoint, e: ev.Event) -> None:
+        self._fire(c, e, CkptEvent.unpin, _LAST_PIN if c.pins == 1 else _MORE_PINS)
+        c.pins -= 1
+        if c.pins == 0:
+            self._touch(c)
+
+    def _on_pinned(self, e: ev.CheckpointPinned) -> None:
+        self._pin(self.get(e.ckpt_id), e)
+
+    def _on_unpinned(self, e: ev.CheckpointUnpinned) -> None:
+        self._unpin(self.get(e.ckpt_id), e)
+
+    def _on_save_started(self, e: ev.KVSaveStarted) -> None:
+        if e.ckpt_id >= 0:
+            self._pin(self.get(e.ckpt_id), e)
+            self.save_pins[e.save_id] = e.ckpt_id
+
+    def _on_save_finished(self, e: ev.KVSaveFinished) -> None:
+        ckpt_id = self.save_pins.pop(e.save_id, None)
+        if ckpt_id is not None:
+            self._unpin(self.get(ckpt_id), e)
 
     def _touch(self, c: Checkpoint) -> None:
         self.clock += 1
@@ -185,7 +257,11 @@ class CheckpointTable:
         return out
 
     def check_invariants(self, pins_by_ckpt: dict[int, int]) -> str | None:
-        """None when consistent, else a description of the first violation."""
+        """``pins_by_ckpt``: the sequences pinning each checkpoint (the table adds the pins
+        of save leases itself). None when consistent, else the first violation."""
+        pins_by_ckpt = dict(pins_by_ckpt)
+        for ckpt_id in self.save_pins.values():
+            pins_by_ckpt[ckpt_id] = pins_by_ckpt.get(ckpt_id, 0) + 1
         owned = [c.slot for c in self.ckpts.values()]
         every = sorted(owned + self.free_slots)
         if every != list(range(self.first_ckpt_slot, self.num_slots)):
@@ -205,4 +281,23 @@ class CheckpointTable:
         unknown = set(pins_by_ckpt) - set(self.ckpts)
         if unknown:
             return f"sequences pin unknown checkpoints {sorted(unknown)}"
+        queued = self.reserved + self.awaiting
+        stale = [i for i in queued if self.ckpts[i].state != CkptState.RESERVED]
+        if stale:
+            return f"checkpoints {stale} await publication but are not reserved"
         return None
+
+    def snapshot(self) -> tuple[object, ...]:
+        return (
+            tuple(
+                (c.ckpt_id, c.seq_id, c.slot, c.step, c.key, c.state, c.path.tobytes(), c.pins)
+                for c in self.ckpts.values()
+            ),
+            tuple(self.free_slots),
+            tuple(sorted(self.index.items())),
+            self.next_id,
+            tuple(self.reserved),
+            tuple(self.awaiting),
+            tuple(sorted(self.save_pins.items())),
+            self.clock,
+        )

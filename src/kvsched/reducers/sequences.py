@@ -1,245 +1,453 @@
-"""SequenceTable: every sequence's tokens, identity and lifecycle state, and the batch rows.
+"""SequenceTable: every live sequence, the waiting queue, sessions' history, and their folds.
 
-A sequence is WAITING (holds nothing), RUNNING (holds a batch row and a block table) or in a
-terminal state. While running, its hot numbers live in numpy arrays indexed by row so a decode
-step updates every running sequence in a few vectorised operations:
-
-* ``computed[row]``: tokens whose KV is written (after the last executed step);
-* ``ntokens[row]``: tokens known (prompt plus sampled outputs);
-* ``nblocks[row]``: blocks in the row's block table; ``table[row, :nblocks]`` the ids;
-* ``registered[row]``: leading blocks whose identity is in the prefix index;
-* ``last_token[row]``: the newest token (the decode input).
+It owns each sequence's tokens, hash chain and lifecycle state (``Seq``), the batch rows of
+those that hold one (``RowTable``), the work scheduled in the current step, and each session's
+history (the tokens and hash chain of its last finished turn, which the next turn continues).
+Every fold is a deterministic function of (table, event); lifecycle changes fire the triggers
+that ``statemachines/triggers.py`` declares for the event. It reads the block pool (a hit's
+identity and routed-expert ids) and never writes it: its reference changes are returned.
 """
 
 from __future__ import annotations
 
-from typing import cast
+from collections.abc import Callable
+from typing import Any
 
-import attrs
 import numpy as np
 
-from kvsched.events.types import MultimodalSpan
-from kvsched.statemachines import SEQUENCE, SeqEvent, SeqState
+from kvsched.config import ModelSpec
+from kvsched.events import types as ev
+from kvsched.events.types import split_hashes
+from kvsched.identity import chain_hashes, checkpoint_identity, namespace_root, span_extras
+from kvsched.reducers.blocks import BlockPool
+from kvsched.reducers.errors import RefChange, ReplayMismatch
+from kvsched.reducers.rows import RowTable
+from kvsched.reducers.seq import FREE_ROW, History, Seq
+from kvsched.statemachines import SEQUENCE, SeqEvent, SeqState, fire_many
 
-FREE_ROW = -1
-_NO_PATH = np.zeros(0, dtype=np.int32)
-_NO_PATH.flags.writeable = False
-
-
-@attrs.define(slots=True, eq=False)
-class Seq:
-    seq_id: int
-    tokens: np.ndarray  # int32, capacity >= n_tokens
-    n_tokens: int
-    n_prompt: int  # tokens before this turn's first output
-    max_tokens: int
-    arrival_time: float
-    priority: int = 0
-    session_id: int = -1
-    adapter: str = ""
-    cache_salt: str = ""
-    eos_token_id: int = -1
-    temperature: float = 0.0
-    seed: int = 0
-    mm_spans: tuple[MultimodalSpan, ...] = ()
-    root: bytes = b""
-    hashes: list[bytes] = attrs.field(factory=list)
-    # path[: registered] are the canonical cached blocks of this sequence's prefix (shared
-    # with the block pool, which keeps (path, depth) per cached block; never rewritten).
-    path: np.ndarray = attrs.field(factory=lambda: np.zeros(0, dtype=np.int32))
-    state: SeqState = SeqState.WAITING
-    row: int = FREE_ROW
-    want_experts: bool = False  # the request asked for its routed-expert ids
-    experts: np.ndarray | None = None  # [capacity, K] int16 routed-expert ids per token
-    n_experts: int = 0  # leading tokens whose expert ids are known
-    pinned_ckpt: int = -1  # hybrid: checkpoint restored at admission, pinned while running
-    n_pinned: int = 0  # leading blocks of the block table covered by that pin (no own refs)
-    num_failures: int = 0  # consecutive failed steps that computed this sequence
-    num_preemptions: int = 0
-    preempted_at: int = -1  # the step of the latest preemption
-    finish_reason: str = ""
-    # Statistics of the prefix match at the latest admission.
-    num_hit_tokens: int = 0
-
-    @property
-    def n_output(self) -> int:
-        return self.n_tokens - self.n_prompt
-
-    def ensure_tokens(self, n: int) -> None:
-        if len(self.tokens) < n:
-            grown = np.empty(max(n, 16, 2 * len(self.tokens)), dtype=np.int32)
-            grown[: self.n_tokens] = self.tokens[: self.n_tokens]
-            self.tokens = grown
-
-    def append(self, token: int) -> None:
-        self.ensure_tokens(self.n_tokens + 1)
-        self.tokens[self.n_tokens] = token
-        self.n_tokens += 1
-
-    def ensure_path(self, n: int) -> None:
-        """Room for n path entries (a new array: the old one stays valid for its holders)."""
-        if len(self.path) < n:
-            grown = np.zeros(max(n, 2 * len(self.path), 16), dtype=np.int32)
-            grown[: len(self.path)] = self.path
-            self.path = grown
-
-    def record_experts(self, start: int, ids: np.ndarray) -> None:
-        """Expert ids of tokens [start, start + len(ids)); kept only while contiguous."""
-        if start > self.n_experts:
-            return
-        end = start + len(ids)
-        if self.experts is None or len(self.experts) < end:
-            cap = max(end, 64, 2 * (0 if self.experts is None else len(self.experts)))
-            grown = np.zeros((cap, ids.shape[1]), dtype=np.int16)
-            if self.experts is not None:
-                grown[: self.n_experts] = self.experts[: self.n_experts]
-            self.experts = grown
-        self.experts[start:end] = ids
-        self.n_experts = max(self.n_experts, end)
-
-    def token_view(self) -> np.ndarray:
-        return self.tokens[: self.n_tokens]
-
-    def transition(self, event: SeqEvent) -> None:
-        # The compiled table returns the destination member itself: no enum construction.
-        self.state = cast(SeqState, SEQUENCE.next_state(self.seq_id, self.state, event))
+__all__ = ["FREE_ROW", "History", "Seq", "SequenceTable"]
 
 
-class SequenceTable:
-    def __init__(self, max_batch: int, max_blocks_per_seq: int, block_size: int = 64) -> None:
-        self.block_size = block_size
-        # Sampled tokens not yet copied into their sequence's token array, by position % bs;
-        # copied ("flushed") whenever a block fills and when the sequence leaves its row.
-        self.tail = np.zeros((max_batch, block_size), dtype=np.int32)
+class SequenceTable(RowTable):
+    def __init__(
+        self, model: ModelSpec, max_batch: int, max_blocks: int, block_size: int, pool: BlockPool
+    ) -> None:
+        super().__init__(max_batch, max_blocks, block_size)
+        self.model = model
+        self._pool = pool
         self.seqs: dict[int, Seq] = {}
         self.waiting: dict[int, Seq] = {}  # insertion-ordered
-        self.max_batch = max_batch
-        self.row_seq = np.full(max_batch, FREE_ROW, dtype=np.int64)
-        self.computed = np.zeros(max_batch, dtype=np.int64)
-        self.ntokens = np.zeros(max_batch, dtype=np.int64)
-        self.nblocks = np.zeros(max_batch, dtype=np.int64)
-        self.registered = np.zeros(max_batch, dtype=np.int64)
-        self.last_token = np.zeros(max_batch, dtype=np.int32)
-        # External KV: the row's prefix is loading (LOADING_KV); chain blocks [0, saved) are
-        # in the store or being saved (or were matched locally).
-        self.loading = np.zeros(max_batch, dtype=bool)
-        self.saved = np.zeros(max_batch, dtype=np.int64)
-        # Per-row request constants, written in one assignment at activation; the named
-        # arrays are column views of it.
-        self._consts = np.zeros((max_batch, 5), dtype=np.int64)
-        self.n_prompt = self._consts[:, 0]
-        self.max_tokens = self._consts[:, 1]
-        self.eos = self._consts[:, 2]
-        self.failures = self._consts[:, 3]  # mirrors Seq.num_failures
-        self.seed = self._consts[:, 4]
-        self.objs: list[Seq | None] = [None] * max_batch
-        self.temperature = np.zeros(max_batch, dtype=np.float32)
-        self.table = np.zeros((max_batch, max_blocks_per_seq), dtype=np.int32)
-        self.free_rows: list[int] = list(range(max_batch - 1, -1, -1))
-        self._version = 0  # bumped when rows are taken or freed (invalidates _row_index)
-        self._row_index: tuple[int, np.ndarray, np.ndarray] | None = None
+        self.history: dict[int, History] = {}  # session id -> its finished turns
+        self.failed: list[int] = []  # sequences computed by the latest failed step
         self.num_finished = 0
+        self._roots: dict[tuple[str, str], bytes] = {}
+
+    def folds(self) -> dict[type[ev.Event], Callable[[Any], RefChange | None]]:
+        return {
+            ev.StepStarted: self._on_step_started,
+            ev.RequestArrived: self._on_arrived,
+            ev.StepExecuted: self._on_executed,
+            ev.StepFailed: self._on_step_failed,
+            ev.SequenceAdmitted: self._on_admitted,
+            ev.KVLoadAdmitted: self._on_load_admitted,
+            ev.KVLoadSettled: self._on_load_settled,
+            ev.PrefixMatched: self._on_matched,
+            ev.BlocksAllocated: self._on_allocated,
+            ev.BlocksFreed: self._on_freed,
+            ev.BlocksCached: self._on_cached,
+            ev.SessionBlocksHeld: self._on_session_held,
+            ev.PrefillScheduled: self._on_prefill,
+            ev.DecodeScheduled: self._on_decode,
+            ev.SequencePreempted: self._on_preempted,
+            ev.SequenceFinished: self._on_finished,
+            ev.SequenceAborted: self._on_aborted,
+            ev.SessionClosed: self._on_session_closed,
+            ev.Drained: self._on_drained,
+            ev.CheckpointReserved: self._on_ckpt_reserved,
+            ev.CheckpointPinned: self._on_ckpt_pinned,
+            ev.CheckpointUnpinned: self._on_ckpt_unpinned,
+            ev.KVSaveStarted: self._on_save_started,
+        }
 
     # ------------------------------------------------------------------------- queries
 
-    @property
-    def num_running(self) -> int:
-        return self.max_batch - len(self.free_rows)
+    def seq(self, seq_id: int) -> Seq:
+        try:
+            return self.seqs[seq_id]
+        except KeyError:
+            raise ReplayMismatch(f"sequence {seq_id} is not live") from None
 
-    def running_rows(self) -> np.ndarray:
-        """Rows holding a sequence (RUNNING, or LOADING_KV: see ``loading``)."""
-        return np.nonzero(self.row_seq != FREE_ROW)[0]
+    def root_for(self, adapter: str, salt: str) -> bytes:
+        key = (adapter, salt)
+        root = self._roots.get(key)
+        if root is None:
+            root = namespace_root(self.model, self.block_size, adapter, salt)
+            self._roots[key] = root
+        return root
 
-    def schedulable_rows(self) -> np.ndarray:
-        """Rows whose sequence can compute (not waiting for a KV load)."""
-        return np.nonzero((self.row_seq != FREE_ROW) & ~self.loading)[0]
+    def history_len(self, session_id: int) -> int:
+        history = self.history.get(session_id)
+        return 0 if history is None else len(history.tokens)
 
-    def rows_of(self, seq_ids: np.ndarray) -> np.ndarray:
-        """Rows of running sequences, vectorised (raises KeyError if one is not running)."""
-        if self._row_index is None or self._row_index[0] != self._version:
-            order = np.argsort(self.row_seq, kind="stable")
-            self._row_index = (self._version, order, self.row_seq[order])
-        _, order, sorted_ids = self._row_index
-        pos = np.searchsorted(sorted_ids, seq_ids)
-        pos = np.minimum(pos, len(order) - 1)
-        rows = order[pos]
-        if len(seq_ids) and not np.array_equal(self.row_seq[rows], seq_ids):
-            missing = seq_ids[self.row_seq[rows] != seq_ids]
-            raise KeyError(f"sequences not running: {missing[:8].tolist()}")
-        return rows
+    def identity_at(self, seq: Seq, step: int) -> tuple[bytes, bytes]:
+        """(identity, anchor) of the state after ``step`` tokens of ``seq``."""
+        if seq.row != FREE_ROW and step > seq.n_tokens:
+            self.flush(seq.row)  # the tail tokens it names were sampled since the last flush
+        return checkpoint_identity(
+            seq.root, seq.hashes, seq.tokens, seq.mm_spans, step, self.block_size
+        )
 
-    def set_nblocks(self, row: int, n: int) -> None:
-        """Shrink (or set) a row's block count; entries past it are kept zero (the null
-        block), so plans copy block tables without masking."""
-        old = int(self.nblocks[row])
-        if n < old:
-            self.table[row, n:old] = 0
-        self.nblocks[row] = n
+    def _rows(self, seq_ids: np.ndarray) -> np.ndarray:
+        try:
+            return self.rows_of(seq_ids)
+        except KeyError as exc:
+            raise ReplayMismatch(f"work scheduled for {exc.args[0]}") from exc
 
-    def blocks_of(self, row: int) -> np.ndarray:
-        return self.table[row, : self.nblocks[row]]
+    # ------------------------------------------------------------------ input folds
 
-    def peek_free_row(self) -> int:
-        return self.free_rows[-1] if self.free_rows else FREE_ROW
+    def _on_step_started(self, e: ev.StepStarted) -> None:
+        self.step = e.step
 
-    # ------------------------------------------------------------------------ commands
-
-    def add(self, seq: Seq) -> None:
+    def _on_arrived(self, e: ev.RequestArrived) -> None:
+        bs = self.block_size
+        prompt = np.asarray(e.prompt, dtype=np.int32)
+        history = self.history.get(e.session_id) if e.session_id >= 0 else None
+        past = history.tokens if history is not None else np.zeros(0, np.int32)
+        tokens = np.concatenate([past, prompt]).astype(np.int32)
+        root = self.root_for(e.adapter, e.cache_salt)
+        # A turn's spans are given in its own prompt; the history keeps the earlier turns'.
+        offset = len(past)
+        spans = (history.spans if history is not None else ()) + tuple(
+            ev.MultimodalSpan(s.start + offset, s.end + offset, s.content_hash)
+            for s in e.mm_spans
+        )
+        # The history's full blocks keep their hashes if the namespace is unchanged (new spans
+        # lie past the history, so they cannot change those blocks).
+        same_root = history is not None and history.root == root
+        keep = len(past) // bs if same_root else 0
+        hashes = history.hashes[:keep] if history is not None and same_root else []
+        parent = hashes[-1] if hashes else root
+        extras = span_extras(spans, bs, keep, len(tokens) // bs) if spans else None
+        hashes = hashes + chain_hashes(parent, tokens[keep * bs :], bs, keep, extras)
+        seq = Seq(
+            seq_id=e.seq_id,
+            tokens=tokens,
+            n_tokens=len(tokens),
+            n_prompt=len(tokens),
+            max_tokens=e.max_tokens,
+            arrival_time=e.arrival_time,
+            priority=e.priority,
+            session_id=e.session_id,
+            adapter=e.adapter,
+            cache_salt=e.cache_salt,
+            eos_token_id=e.eos_token_id,
+            want_experts=e.return_routed_experts,
+            temperature=e.temperature,
+            seed=e.seed,
+            mm_spans=spans,
+            root=root,
+            hashes=hashes,
+        )
         self.seqs[seq.seq_id] = seq
         self.waiting[seq.seq_id] = seq
 
-    def activate(self, seq: Seq, row: int, event: SeqEvent = SeqEvent.admit) -> None:
-        if self.row_seq[row] != FREE_ROW or self.free_rows[-1] != row:
-            raise ValueError(f"row {row} is not the next free row")
-        seq.transition(event)
-        self.loading[row] = event == SeqEvent.begin_load
-        self.free_rows.pop()
+    def _on_executed(self, e: ev.StepExecuted) -> None:
+        rows, starts, ends = self.take_pending()
+        if len(e.routed_experts) and len(rows):
+            self._record_experts(rows, starts, ends, e.routed_experts)
+        if len(rows):
+            self.computed[rows] = ends
+            for row in rows[self.failures[rows] > 0].tolist():  # a success resets the count
+                seq = self.objs[row]
+                assert seq is not None
+                seq.num_failures = 0
+                self.failures[row] = 0
+        if len(e.seq_ids):
+            self._append_sampled(self.rows_of(e.seq_ids), e.tokens)
+
+    def _record_experts(
+        self, rows: np.ndarray, starts: np.ndarray, ends: np.ndarray, flat: np.ndarray
+    ) -> None:
+        ids = flat.reshape(-1, self.model.routed_experts_per_token)
+        offset = 0
+        for row, start, end in zip(rows.tolist(), starts.tolist(), ends.tolist(), strict=True):
+            seq = self.objs[row]
+            assert seq is not None
+            seq.record_experts(start, ids[offset : offset + end - start])
+            offset += end - start
+
+    def _append_sampled(self, rows: np.ndarray, tokens: np.ndarray) -> None:
+        """Append each row's sampled token (vectorised, into the row's tail buffer); flush and
+        hash the blocks that the tokens filled."""
+        bs = self.block_size
+        self.tail[rows, self.ntokens[rows] % bs] = tokens
+        self.ntokens[rows] += 1
+        self.last_token[rows] = tokens
+        for row in rows[self.ntokens[rows] % bs == 0].tolist():
+            seq = self.flush(row)
+            start = seq.n_tokens - bs
+            parent = seq.hashes[-1] if seq.hashes else seq.root
+            seq.hashes.extend(chain_hashes(parent, seq.tokens[start : seq.n_tokens], bs))
+
+    def _on_step_failed(self, e: ev.StepFailed) -> None:
+        """The forward raised: none of its effects happened (no KV or state written, no
+        token sampled); the sequences it computed count one failure each."""
+        rows, _, _ = self.take_pending()
+        for row in rows.tolist():
+            seq = self.objs[row]
+            assert seq is not None
+            seq.num_failures += 1
+            self.failures[row] = seq.num_failures
+        self.failed = self.row_seq[rows].tolist()
+
+    # --------------------------------------------------------------- admission folds
+
+    def _on_admitted(self, e: ev.SequenceAdmitted) -> None:
+        seq = self.seq(e.seq_id)
+        self._activate(seq, e.row, e, SeqEvent.admit)
+
+    def _on_load_admitted(self, e: ev.KVLoadAdmitted) -> None:
+        seq = self.seq(e.seq_id)
+        self._activate(seq, e.row, e, SeqEvent.begin_load)
+        self.saved[e.row] = e.num_blocks  # the store has them
+
+    def _activate(self, seq: Seq, row: int, e: ev.Event, trigger: SeqEvent) -> None:
+        try:
+            self.activate(seq, row, e, trigger)
+        except ValueError as exc:
+            raise ReplayMismatch(f"sequence {seq.seq_id}: {exc}") from exc
         self.waiting.pop(seq.seq_id, None)
-        seq.row = row
-        # A fresh path: the old one may be shared (read-only) or referenced by cached blocks.
-        seq.path = _NO_PATH
-        self.row_seq[row] = seq.seq_id
-        self._version += 1
-        # computed, nblocks and registered are zero for a free row (``deactivate``).
-        self.ntokens[row] = seq.n_tokens
-        self.last_token[row] = seq.tokens[seq.n_tokens - 1]
-        self._consts[row] = (
-            seq.n_prompt, seq.max_tokens, seq.eos_token_id, seq.num_failures, seq.seed
-        )
-        self.objs[row] = seq
-        self.temperature[row] = seq.temperature
 
-    def flush(self, row: int) -> Seq:
-        """Copy the row's unflushed sampled tokens into its sequence; returns the sequence."""
-        seq = self.objs[row]
-        assert seq is not None
-        n0, n1 = seq.n_tokens, int(self.ntokens[row])
-        if n1 > n0:
-            seq.ensure_tokens(n1)
-            seq.tokens[n0:n1] = self.tail[row, np.arange(n0, n1) % self.block_size]
-            seq.n_tokens = n1
-        return seq
-
-    def deactivate(self, seq: Seq) -> None:
-        """Free the sequence's row (its blocks must have been released already)."""
+    def _on_load_settled(self, e: ev.KVLoadSettled) -> None:
+        seq = self.seq(e.seq_id)
         row = seq.row
-        self.flush(row)
-        self.row_seq[row] = FREE_ROW
-        self._version += 1
-        self.objs[row] = None
-        self.set_nblocks(row, 0)
-        self.computed[row] = 0
-        self.registered[row] = 0
+        if row == FREE_ROW or e.num_blocks > self.nblocks[row]:
+            raise ReplayMismatch(f"sequence {e.seq_id}: load settled beyond its blocks")
+        seq.fire(e, SeqEvent.load_settled)
+        self.row_state[row] = seq.state
         self.loading[row] = False
-        self.saved[row] = 0
-        self.free_rows.append(row)
-        seq.row = FREE_ROW
+        self.computed[row] = e.num_blocks * self.block_size
+        # Blocks the load could not bring are recomputed, and saved again.
+        self.saved[row] = min(int(self.saved[row]), e.num_blocks)
 
-    def requeue(self, seq: Seq) -> None:
+    def _on_matched(self, e: ev.PrefixMatched) -> RefChange | None:
+        seq = self.seq(e.seq_id)
+        row, k = seq.row, len(e.blocks)
+        if row == FREE_ROW or self.nblocks[row]:
+            raise ReplayMismatch(f"sequence {e.seq_id}: prefix match outside admission")
+        if k and self._pool.hash_of[int(e.blocks[-1])] != seq.hashes[k - 1]:
+            raise ReplayMismatch(f"sequence {e.seq_id}: matched blocks of another prefix")
+        change = None
+        if e.ckpt_id >= 0:
+            if seq.pinned_ckpt != e.ckpt_id:
+                raise ReplayMismatch(f"sequence {e.seq_id}: prefix of an unpinned checkpoint")
+            seq.n_pinned = k  # covered by the checkpoint's references
+        elif k:
+            change = RefChange(attach=(e.blocks,))
+        self.table[row, :k] = e.blocks
+        if seq.want_experts and k:
+            seq.n_experts = 0
+            experts = self._pool.experts
+            seq.record_experts(0, np.concatenate([experts[b] for b in e.blocks.tolist()]))
+        self.nblocks[row] = k
+        self.computed[row] = e.num_tokens
+        self.registered[row] = k
+        self.saved[row] = max(int(self.saved[row]), k)  # matched blocks need no save
+        seq.num_hit_tokens = e.num_tokens
+        return change
+
+    # ------------------------------------------------------------------ block folds
+
+    def _on_allocated(self, e: ev.BlocksAllocated) -> None:
+        bounds = np.concatenate(([0], np.cumsum(e.counts)))
+        for i, seq_id in enumerate(e.seq_ids.tolist()):
+            row = self.seq(seq_id).row
+            n, k = int(self.nblocks[row]), int(e.counts[i])
+            if row == FREE_ROW or n + k > self.table.shape[1]:
+                raise ReplayMismatch(f"sequence {seq_id} cannot take {k} more blocks")
+            self.table[row, n : n + k] = e.blocks[bounds[i] : bounds[i + 1]]
+            self.nblocks[row] = n + k
+
+    def _on_freed(self, e: ev.BlocksFreed) -> RefChange | None:
+        bounds = np.concatenate(([0], np.cumsum(e.counts)))
+        released = []
+        for i, holder in enumerate(e.seq_ids.tolist()):
+            if holder >= 0:
+                blocks = e.blocks[bounds[i] : bounds[i + 1]]
+                self._drop_tail(self.seq(holder), blocks)
+                released.append(blocks)
+        return RefChange(release=tuple(released)) if released else None
+
+    def _drop_tail(self, seq: Seq, blocks: np.ndarray) -> None:
+        row = seq.row
+        n, k = int(self.nblocks[row]), len(blocks)
+        if row == FREE_ROW or k > n or not np.array_equal(self.table[row, n - k : n], blocks):
+            raise ReplayMismatch(f"sequence {seq.seq_id} does not hold {blocks} at its tail")
+        self.set_nblocks(row, n - k)
+        self.registered[row] = min(int(self.registered[row]), n - k)
+        self.computed[row] = min(int(self.computed[row]), (n - k) * self.block_size)
+
+    def _on_cached(self, e: ev.BlocksCached) -> RefChange:
+        hashes = split_hashes(e.hashes)
+        bounds = np.concatenate(([0], np.cumsum(e.counts))).tolist()
+        for i, seq_id in enumerate(e.seq_ids.tolist()):
+            seq = self.seq(seq_id)
+            row, start, lo, hi = seq.row, int(e.starts[i]), bounds[i], bounds[i + 1]
+            end = start + hi - lo
+            if row == FREE_ROW or start != self.registered[row]:
+                raise ReplayMismatch(f"sequence {seq_id}: caches blocks from {start}")
+            computed = end * self.block_size <= self.computed[row]
+            if not computed or seq.hashes[start:end] != hashes[lo:hi]:
+                raise ReplayMismatch(f"sequence {seq_id}: blocks [{start}, {end}) not computed")
+            own = np.where(e.replaced[lo:hi] != 0, e.replaced[lo:hi], e.blocks[lo:hi])
+            if not np.array_equal(self.table[row, start:end], own):
+                raise ReplayMismatch(f"sequence {seq_id}: caches blocks it does not hold")
+            self.table[row, start:end] = e.blocks[lo:hi]
+            self.registered[row] = end
+        swapped = np.nonzero(e.replaced != 0)[0]
+        if not len(swapped):
+            return RefChange()
+        # One array per swap: two sequences may deduplicate onto the same block.
+        attach = tuple(e.blocks[j : j + 1] for j in swapped.tolist())
+        return RefChange(attach=attach, release=(e.replaced[swapped],))
+
+    def _on_session_held(self, e: ev.SessionBlocksHeld) -> None:
+        seq = self.seq(e.seq_id)
+        row, k = seq.row, len(e.blocks)
+        n = int(self.nblocks[row])
+        if row == FREE_ROW or not np.array_equal(self.table[row, :k], e.blocks):
+            raise ReplayMismatch(f"sequence {e.seq_id} does not hold {e.blocks} at its head")
+        self.table[row, : n - k] = self.table[row, k:n].copy()
+        self.set_nblocks(row, n - k)
+        self.registered[row] = max(0, int(self.registered[row]) - k)
+
+    # ------------------------------------------------------------- scheduling folds
+
+    def _on_prefill(self, e: ev.PrefillScheduled) -> None:
+        rows = self._rows(e.seq_ids)
+        self._fire_rows(e, rows, SeqEvent.schedule_chunk)
+        if not np.array_equal(e.starts, self.computed[rows]) or np.any(e.ends <= e.starts):
+            raise ReplayMismatch("a prefill does not start at its computed tokens")
+        if np.any(e.ends > self.ntokens[rows]) or np.any(
+            e.ends > self.nblocks[rows] * self.block_size
+        ):
+            raise ReplayMismatch("a prefill runs past its tokens or its blocks")
+        self.add_pending(rows, e.starts, e.ends)
+
+    def _on_decode(self, e: ev.DecodeScheduled) -> None:
+        rows = self._rows(e.seq_ids)
+        self._fire_rows(e, rows, SeqEvent.decode)
+        starts = self.computed[rows]
+        if np.any(starts != self.ntokens[rows] - 1) or np.any(
+            starts >= self.nblocks[rows] * self.block_size
+        ):
+            raise ReplayMismatch("a decode of a sequence that is not decoding or has no block")
+        self.add_pending(rows, starts, starts + 1)
+
+    def _fire_rows(self, e: ev.Event, rows: np.ndarray, trigger: SeqEvent) -> None:
+        states = fire_many(SEQUENCE, e, self.row_seq[rows], self.row_state[rows], trigger)
+        self.row_state[rows] = states
+
+    # -------------------------------------------------------------------- endings
+
+    def _release_row(self, seq: Seq) -> None:
+        if self.nblocks[seq.row]:
+            raise ReplayMismatch(f"sequence {seq.seq_id} left running with blocks held")
+        self.deactivate(seq)
+
+    def _on_preempted(self, e: ev.SequencePreempted) -> None:
+        seq = self.seq(e.seq_id)
+        seq.fire(e, SeqEvent.preempt)
+        self._release_row(seq)
         self.waiting[seq.seq_id] = seq
+        seq.num_preemptions += 1
+        seq.preempted_at = self.step
 
-    def retire(self, seq: Seq) -> None:
+    def _on_finished(self, e: ev.SequenceFinished) -> None:
+        for seq_id, reason in zip(e.seq_ids.tolist(), e.reasons, strict=True):
+            seq = self.seq(seq_id)
+            seq.fire(e, SeqEvent.finish)
+            seq.finish_reason = reason
+            self._release_row(seq)
+            if seq.session_id >= 0:
+                self.history[seq.session_id] = History(
+                    seq.token_view().copy(), seq.hashes, seq.root, seq.mm_spans
+                )
+            self._retire(seq)
+
+    def _on_aborted(self, e: ev.SequenceAborted) -> None:
+        seq = self.seq(e.seq_id)
+        if seq.state == SeqState.RUNNING:
+            self._release_row(seq)
+        seq.fire(e, SeqEvent.abort)
+        seq.finish_reason = e.reason
+        self._retire(seq)
+
+    def _retire(self, seq: Seq) -> None:
         """A terminal sequence leaves the table (its history stays in the event log)."""
         self.waiting.pop(seq.seq_id, None)
         del self.seqs[seq.seq_id]
         self.num_finished += 1
+
+    def _on_session_closed(self, e: ev.SessionClosed) -> None:
+        self.history.pop(e.session_id, None)
+
+    def _on_drained(self, e: ev.Drained) -> None:
+        if self.num_running:
+            raise ReplayMismatch("drained while sequences are running")
+
+    # ---------------------------------------------------------- checkpoints, saves
+
+    def _on_ckpt_reserved(self, e: ev.CheckpointReserved) -> None:
+        seq = self.seq(e.seq_id)
+        if seq.row == FREE_ROW or (e.key, e.anchor) != self.identity_at(seq, e.num_tokens):
+            raise ReplayMismatch(f"checkpoint {e.ckpt_id}: not the state of {e.seq_id}")
+
+    def _on_ckpt_pinned(self, e: ev.CheckpointPinned) -> None:
+        seq = self.seq(e.seq_id)
+        if seq.pinned_ckpt >= 0 or seq.row == FREE_ROW or self.nblocks[seq.row]:
+            raise ReplayMismatch(f"sequence {e.seq_id} cannot pin checkpoint {e.ckpt_id}")
+        seq.pinned_ckpt = e.ckpt_id
+
+    def _on_ckpt_unpinned(self, e: ev.CheckpointUnpinned) -> None:
+        seq = self.seq(e.seq_id)
+        row = seq.row
+        if seq.pinned_ckpt != e.ckpt_id or row == FREE_ROW or self.nblocks[row] != seq.n_pinned:
+            raise ReplayMismatch(f"sequence {e.seq_id} cannot unpin checkpoint {e.ckpt_id}")
+        seq.pinned_ckpt, seq.n_pinned = -1, 0
+        self.set_nblocks(row, 0)
+        self.registered[row] = 0
+        self.computed[row] = 0
+
+    def _on_save_started(self, e: ev.KVSaveStarted) -> None:
+        row = self.seq(e.seq_id).row
+        self.saved[row] = e.first_block + len(e.blocks)
+
+    # --------------------------------------------------------------------- snapshots
+
+    def snapshot(self) -> tuple[object, ...]:
+        """Everything the table holds, as plain comparable data."""
+        seqs = tuple(
+            (
+                s.seq_id, s.state, s.row, s.n_tokens, s.token_view().tobytes(), tuple(s.hashes),
+                s.pinned_ckpt, s.n_pinned, s.num_failures, s.num_preemptions, s.preempted_at,
+                s.num_hit_tokens, s.n_experts,
+            )
+            for s in self.seqs.values()
+        )
+        arrays = tuple(
+            a.tobytes()
+            for a in (
+                self.row_seq, self.row_state, self.computed, self.ntokens, self.nblocks,
+                self.registered, self.last_token, self.loading, self.saved, self._consts,
+                self.temperature, self.table, self.tail,
+            )
+        )
+        pending = tuple((r.tobytes(), s.tobytes(), e.tobytes()) for r, s, e in self._pending)
+        history = tuple(
+            (k, h.tokens.tobytes(), tuple(h.hashes), h.root) for k, h in self.history.items()
+        )
+        return (
+            seqs, arrays, tuple(self.free_rows), tuple(self.waiting), history, pending,
+            self.pending_step, tuple(self.failed), self.num_finished, self.step,
+        )

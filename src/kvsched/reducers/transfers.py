@@ -11,16 +11,33 @@ outlives its parent, so the prefix index stays prefix-closed) and, for a hybrid 
 pin on the checkpoint whose state it reads. Leases end with
 ``KVSaveFinished`` (confirmed or failed); until then the blocks cannot be reused, so a
 finished sequence's blocks outlive it exactly as long as its saves.
+
+The table folds the transfer events and reads the sequence table (a load's destination
+blocks, a lease's prefix); the references a lease takes or drops are returned.
 """
 
 from __future__ import annotations
 
-from typing import cast
+from collections.abc import Callable
+from typing import Any
 
 import attrs
 import numpy as np
 
-from kvsched.statemachines import KVLOAD, KVSAVE, LoadEvent, LoadState, SaveEvent, SaveState
+from kvsched.events import types as ev
+from kvsched.reducers.errors import RefChange, ReplayMismatch
+from kvsched.reducers.seq import FREE_ROW
+from kvsched.reducers.sequences import SequenceTable
+from kvsched.statemachines import (
+    KVLOAD,
+    KVSAVE,
+    LoadEvent,
+    LoadState,
+    SaveEvent,
+    SaveState,
+    SeqState,
+    fire,
+)
 
 _NO_BLOCKS = np.zeros(0, dtype=np.int32)
 
@@ -36,9 +53,11 @@ class KVLoad:
     abort_reason: str = ""  # a deferred abort, applied when the load settles
     close_session: bool = False  # the deferred abort came from an end of session
     failure: str = ""
+    good_blocks: int = 0  # a failed load: its leading blocks written completely
+    settled: bool = False  # the sequence runs (KVLoadSettled)
 
-    def transition(self, event: LoadEvent) -> None:
-        self.state = cast(LoadState, KVLOAD.next_state(self.seq_id, self.state, event))
+    def fire(self, event: ev.Event, trigger: LoadEvent) -> None:
+        self.state = LoadState(fire(KVLOAD, event, self.seq_id, self.state, trigger))
 
     @property
     def in_flight(self) -> bool:
@@ -48,6 +67,12 @@ class KVLoad:
     def open(self) -> bool:
         """Looked up or planned, not yet admitted: a waiting sequence's pending work."""
         return self.state in (LoadState.LOOKUP_PENDING, LoadState.PLANNED)
+
+    @property
+    def ended(self) -> bool:
+        """The transfer finished or failed, and the sequence still waits for the policy to
+        settle it (KVLoadSettled)."""
+        return self.state in (LoadState.READY, LoadState.FAILED) and not self.settled
 
 
 @attrs.define(slots=True, eq=False)
@@ -62,27 +87,47 @@ class Lease:
     ckpt_id: int = -1
     state: SaveState = SaveState.PENDING
 
-    def transition(self, event: SaveEvent) -> None:
-        self.state = cast(SaveState, KVSAVE.next_state(self.save_id, self.state, event))
+    def fire(self, event: ev.Event, trigger: SaveEvent) -> None:
+        self.state = SaveState(fire(KVSAVE, event, self.save_id, self.state, trigger))
 
 
 class TransferTable:
-    def __init__(self) -> None:
+    def __init__(self, seqs: SequenceTable) -> None:
+        self._seqs = seqs
         self.loads: dict[int, KVLoad] = {}
         self.leases: dict[int, Lease] = {}
         self.next_save_id = 0
-        self.drain_pending = False
         self.loaded_blocks = 0  # statistics: blocks loaded successfully
         self.failed_loads = 0
         self.saved_blocks = 0  # statistics: blocks whose save the store confirmed
         self.failed_saves = 0
 
+    def folds(self) -> dict[type[ev.Event], Callable[[Any], RefChange | None]]:
+        return {
+            ev.KVLookupStarted: self._on_lookup_started,
+            ev.KVLookupAnswered: self._on_lookup_answered,
+            ev.KVLoadCancelled: self._on_load_cancelled,
+            ev.KVLoadAdmitted: self._on_load_admitted,
+            ev.BlocksAllocated: self._on_allocated,
+            ev.KVLoadStarted: self._on_load_started,
+            ev.KVLoadFinished: self._on_load_finished,
+            ev.KVLoadFailed: self._on_load_failed,
+            ev.KVLoadSettled: self._on_load_settled,
+            ev.AbortDeferred: self._on_abort_deferred,
+            ev.SequencePreempted: self._on_preempted,
+            ev.SequenceFinished: self._on_finished,
+            ev.SequenceAborted: self._on_aborted,
+            ev.KVSaveStarted: self._on_save_started,
+            ev.KVSaveFinished: self._on_save_finished,
+            ev.Drained: self._on_drained,
+        }
+
     # ------------------------------------------------------------------------- queries
 
     @property
     def busy(self) -> bool:
-        """A load or a save is in flight."""
-        return bool(self.leases) or any(ld.in_flight for ld in self.loads.values())
+        """A load or a save is in flight (or a load ended and is not settled yet)."""
+        return bool(self.leases) or any(ld.in_flight or ld.ended for ld in self.loads.values())
 
     def load_of(self, seq_id: int) -> KVLoad | None:
         return self.loads.get(seq_id)
@@ -100,50 +145,160 @@ class TransferTable:
                 pins[lease.ckpt_id] = pins.get(lease.ckpt_id, 0) + 1
         return pins
 
-    # ------------------------------------------------------------------------ commands
+    # -------------------------------------------------------------------------- folds
 
-    def start_lookup(self, seq_id: int, first: int, end: int, with_state: bool) -> None:
-        if seq_id in self.loads:
-            raise ValueError(f"sequence {seq_id} already has a load record")
-        self.loads[seq_id] = KVLoad(seq_id, LoadState.LOOKUP_PENDING, first, end, with_state)
+    def _load(self, seq_id: int) -> KVLoad:
+        load = self.loads.get(seq_id)
+        if load is None:
+            raise ReplayMismatch(f"sequence {seq_id} has no KV load")
+        return load
 
-    def forget(self, seq_id: int, keep_failed: bool = False) -> None:
+    def _on_lookup_started(self, e: ev.KVLookupStarted) -> None:
+        seq = self._seqs.seqs.get(e.seq_id)
+        if seq is None or seq.state != SeqState.WAITING or e.seq_id in self.loads:
+            raise ReplayMismatch(f"lookup for sequence {e.seq_id}, which cannot look up")
+        self.loads[e.seq_id] = KVLoad(
+            e.seq_id, LoadState.LOOKUP_PENDING, e.first_block, e.num_blocks, e.with_state
+        )
+
+    def _on_lookup_answered(self, e: ev.KVLookupAnswered) -> None:
+        """An input: a stale answer (its lookup was cancelled meanwhile) is ignored; an answer
+        larger than the lookup asked counts only the asked range."""
+        load = self.loads.get(e.seq_id)
+        if load is None or load.state != LoadState.LOOKUP_PENDING:
+            return
+        if e.pending:
+            load.fire(e, LoadEvent.lookup_pending)
+        elif e.num_blocks > load.first_block:
+            load.num_blocks = min(e.num_blocks, load.num_blocks)
+            load.fire(e, LoadEvent.lookup_hit)
+        else:
+            load.fire(e, LoadEvent.lookup_miss)
+
+    def _on_load_cancelled(self, e: ev.KVLoadCancelled) -> None:
+        load = self._load(e.seq_id)
+        load.fire(e, LoadEvent.cancel)
+        del self.loads[e.seq_id]  # a waiting sequence may look up again later
+
+    def _on_load_admitted(self, e: ev.KVLoadAdmitted) -> None:
+        load = self._load(e.seq_id)
+        load.fire(e, LoadEvent.admit)
+        load.first_block, load.num_blocks = e.first_block, e.num_blocks
+
+    def _on_allocated(self, e: ev.BlocksAllocated) -> None:
+        for seq_id in e.seq_ids.tolist():
+            load = self.loads.get(seq_id)
+            if load is not None and load.state == LoadState.ADMITTED:
+                load.fire(e, LoadEvent.allocate)
+
+    def _on_load_started(self, e: ev.KVLoadStarted) -> None:
+        load = self._load(e.seq_id)
+        seq = self._seqs.seq(e.seq_id)
+        lo, hi = load.first_block, load.num_blocks
+        held = self._seqs.table[seq.row, lo:hi] if seq.row != FREE_ROW else _NO_BLOCKS
+        if e.first_block != lo or not np.array_equal(held, e.blocks):
+            raise ReplayMismatch(f"sequence {e.seq_id}: load into blocks it does not hold")
+        load.fire(e, LoadEvent.start)
+        load.blocks = np.array(e.blocks, dtype=np.int32)
+
+    def _on_load_finished(self, e: ev.KVLoadFinished) -> None:
+        load = self._load(e.seq_id)
+        load.fire(e, LoadEvent.finish)
+        load.good_blocks = len(load.blocks)
+
+    def _on_load_failed(self, e: ev.KVLoadFailed) -> None:
+        load = self._load(e.seq_id)
+        load.fire(e, LoadEvent.fail)
+        load.good_blocks = max(0, min(e.num_good_blocks, len(load.blocks)))
+        load.failure = e.reason
+        self.failed_loads += 1
+
+    def _on_load_settled(self, e: ev.KVLoadSettled) -> None:
+        load = self._load(e.seq_id)
+        good = e.num_blocks - load.first_block
+        if not load.ended or not 0 <= good <= load.good_blocks:
+            raise ReplayMismatch(f"sequence {e.seq_id}: load settled at {e.num_blocks} blocks")
+        load.settled = True
+        self.loaded_blocks += good
+
+    def _on_abort_deferred(self, e: ev.AbortDeferred) -> None:
+        load = self._load(e.seq_id)
+        adds_close = e.close_session and not load.close_session
+        if not load.in_flight or (load.abort_reason and not adds_close):
+            raise ReplayMismatch(f"sequence {e.seq_id}: abort deferred twice or without a load")
+        load.abort_reason = load.abort_reason or e.reason
+        load.close_session = load.close_session or e.close_session
+
+    def _forget(self, seq_id: int, keep_failed: bool = False) -> None:
         """The sequence left its row (or the engine): drop its record (a FAILED one is kept
         on request, so a preempted sequence does not retry a store that failed it)."""
         load = self.loads.get(seq_id)
-        if load is None or load.in_flight:
+        if load is None:
             return
+        if load.in_flight or load.ended:
+            raise ReplayMismatch(f"sequence {seq_id} left while its load is {load.state.name}")
         if keep_failed and load.state == LoadState.FAILED:
             return
         del self.loads[seq_id]
 
-    def add_lease(self, lease: Lease) -> None:
-        if lease.save_id != self.next_save_id:
-            raise ValueError(f"save id {lease.save_id}, expected {self.next_save_id}")
-        lease.transition(SaveEvent.start)
-        self.leases[lease.save_id] = lease
-        self.next_save_id += 1
+    def _on_preempted(self, e: ev.SequencePreempted) -> None:
+        self._forget(e.seq_id, keep_failed=True)
 
-    def end_lease(self, save_id: int, ok: bool) -> Lease | None:
-        """The store answered a save: the lease ends (None: no such save in flight)."""
-        lease = self.leases.pop(save_id, None)
-        if lease is not None:
-            lease.transition(SaveEvent.confirm if ok else SaveEvent.fail)
-            if ok:
-                self.saved_blocks += lease.num_saved
-            else:
-                self.failed_saves += 1
-        return lease
+    def _on_finished(self, e: ev.SequenceFinished) -> None:
+        for seq_id in e.seq_ids.tolist():
+            self._forget(seq_id)
+
+    def _on_aborted(self, e: ev.SequenceAborted) -> None:
+        load = self.loads.get(e.seq_id)
+        if load is not None and load.open:
+            raise ReplayMismatch(f"sequence {e.seq_id} aborted with its load {load.state.name}")
+        self._forget(e.seq_id)
+
+    def _on_save_started(self, e: ev.KVSaveStarted) -> RefChange:
+        seq = self._seqs.seq(e.seq_id)
+        t, row, hi = self._seqs, seq.row, e.first_block + len(e.blocks)
+        if row == FREE_ROW or hi > t.registered[row]:
+            raise ReplayMismatch(f"save {e.save_id}: blocks of {e.seq_id} are not computed")
+        if not np.array_equal(t.table[row, e.first_block : hi], e.blocks):
+            raise ReplayMismatch(f"save {e.save_id}: blocks not held by sequence {e.seq_id}")
+        if e.save_id != self.next_save_id:
+            raise ReplayMismatch(f"save id {e.save_id}, expected {self.next_save_id}")
+        # The lease holds the whole prefix up to the saved blocks, not only them: a cached
+        # block must never outlive its parent (the prefix index stays prefix-closed).
+        held = t.table[row, :hi].copy()
+        lease = Lease(e.save_id, e.seq_id, held, len(e.blocks), e.ckpt_id)
+        lease.fire(e, SaveEvent.start)
+        self.leases[e.save_id] = lease
+        self.next_save_id += 1
+        return RefChange(attach=(held,))
+
+    def _on_save_finished(self, e: ev.KVSaveFinished) -> RefChange:
+        """The store answered a save: the lease ends."""
+        lease = self.leases.pop(e.save_id, None)
+        if lease is None:
+            raise ReplayMismatch(f"save {e.save_id} finished but was never started")
+        lease.fire(e, SaveEvent.confirm if e.ok else SaveEvent.fail)
+        if e.ok:
+            self.saved_blocks += lease.num_saved
+        else:
+            self.failed_saves += 1
+        return RefChange(release=(lease.blocks,))
+
+    def _on_drained(self, e: ev.Drained) -> None:
+        if self.busy:
+            raise ReplayMismatch("drained while KV transfers are in flight")
 
     def check_invariants(self, loading_seqs: set[int]) -> str | None:
         """``loading_seqs``: the sequences in LOADING_KV. None when consistent."""
-        flying = {s for s, ld in self.loads.items() if ld.in_flight}
+        flying = {s for s, ld in self.loads.items() if ld.in_flight or ld.ended}
         if flying != loading_seqs:
             return f"loads in flight {sorted(flying)} but sequences loading {sorted(loading_seqs)}"
         for load in self.loads.values():
             if not 0 <= load.first_block <= load.num_blocks:
                 return f"load of {load.seq_id}: range [{load.first_block}, {load.num_blocks})"
-            if load.in_flight and len(load.blocks) != load.num_blocks - load.first_block:
+            if (load.in_flight or load.ended) and len(load.blocks) != (
+                load.num_blocks - load.first_block
+            ):
                 return f"load of {load.seq_id}: {len(load.blocks)} destination blocks"
         for save_id, lease in self.leases.items():
             if save_id >= self.next_save_id or lease.save_id != save_id:
@@ -151,3 +306,16 @@ class TransferTable:
             if lease.state != SaveState.SAVING:
                 return f"lease of save {save_id} in state {lease.state.name}"
         return None
+
+    def snapshot(self) -> tuple[object, ...]:
+        loads = tuple(
+            (k, ld.state, ld.first_block, ld.num_blocks, ld.blocks.tobytes(), ld.abort_reason,
+             ld.close_session, ld.good_blocks, ld.settled)
+            for k, ld in sorted(self.loads.items())
+        )
+        leases = tuple(
+            (k, ls.seq_id, ls.blocks.tobytes(), ls.ckpt_id, ls.state)
+            for k, ls in sorted(self.leases.items())
+        )
+        return (loads, leases, self.next_save_id, self.loaded_blocks, self.failed_loads,
+                self.saved_blocks, self.failed_saves)

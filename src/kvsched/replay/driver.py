@@ -16,7 +16,7 @@ import msgspec
 
 from kvsched.engine import Engine, StepResult
 from kvsched.events import types as ev
-from kvsched.reducers.plan import StepPlan
+from kvsched.plan import StepPlan
 from kvsched.replay.external import ExternalKV
 from kvsched.replay.workload import Turn, Workload
 
@@ -134,7 +134,7 @@ def run(
             if on_executed is not None and isinstance(outcome[0], ev.StepExecuted):
                 on_executed(result, outcome[0], clock)
         if external is not None:
-            external.after_step(engine, result.decisions)
+            external.after_step(result.decisions)
             if result.plan.is_empty and not outcome:
                 external.wait()  # only transfers are outstanding: do not spin
     _fill(summary, engine, clock, time.perf_counter() - wall)

@@ -1,14 +1,16 @@
 """ExternalKV: the driver-side bridge between the engine and an external KV store.
 
 The engine decides (``KVLookupStarted``, ``KVLoadStarted``, ``KVSaveStarted``,
-``KVLoadCancelled``); this bridge carries those decisions to the scheduler-side connector and
-the worker-side transfer engine, and turns their answers into the engine's next inputs
-(``KVLookupAnswered``, ``KVLoadFinished`` / ``KVLoadFailed``, ``KVSaveFinished``). Nothing in
-the engine touches the store, so a run's event log replays without one.
+``KVLoadCancelled``), and each decision carries its store keys' ingredients; this bridge
+carries the decisions to the scheduler-side connector (lookups) and the worker-side transfer
+engine (loads and saves: ``LoadOrder.from_event``, ``SaveOrder.from_event``), and turns their
+answers into the engine's next inputs (``KVLookupAnswered``, ``KVLoadFinished`` /
+``KVLoadFailed``, ``KVSaveFinished``). It reads nothing but the events: nothing in the
+engine touches the store, so a run's event log replays without one.
 
 Order inside a driver step: ``inputs()`` -> ``engine.step`` -> executor runs the plan ->
-``after_step(result)``. Transfers start after the plan ran: a save reads blocks the forward
-just wrote, and a load may overwrite a state slot the plan zeroed for its row.
+``after_step(result.decisions)``. Transfers start after the plan ran: a save reads blocks the
+forward just wrote, and a load may overwrite a state slot the plan zeroed for its row.
 
 ``synchronous=True`` (the default for simulations) answers lookups at once and waits for
 every transfer before the next step, so the step at which each report arrives, and therefore
@@ -21,47 +23,32 @@ from __future__ import annotations
 import time
 from typing import Protocol
 
-from kvsched.connectors.keys import block_key, state_key
 from kvsched.connectors.protocol import (
     PENDING,
+    LoadOrder,
     LookupRequest,
     SaveOrder,
+    SchedulerConnector,
     StepTransfers,
-    TransferReport,
+    WorkerConnector,
     report_events,
 )
-from kvsched.connectors.scheduler import StoreConnector
 from kvsched.events import types as ev
 
-__all__ = ["ChainSource", "ExternalKV", "Worker"]
+__all__ = ["ExternalKV", "InFlight"]
 
 
-class ChainSource(Protocol):
-    """What the bridge asks the engine: a live sequence's namespace root and hash chain."""
-
-    def chain(self, seq_id: int) -> tuple[bytes, tuple[bytes, ...]]: ...
+class InFlight(Protocol):
+    """What a recovered engine says is in flight (``Engine.transfers_in_flight``)."""
 
     def transfers_in_flight(self) -> tuple[list[int], list[int]]: ...
-
-
-class Worker(Protocol):
-    """The worker-side transfer engine (``connectors.TransferEngine``)."""
-
-    def apply(self, transfers: StepTransfers) -> None: ...
-
-    def poll(self) -> TransferReport: ...
-
-    def wait_idle(self, timeout_s: float = 10.0) -> bool: ...
-
-    @property
-    def num_active(self) -> int: ...
 
 
 class ExternalKV:
     def __init__(
         self,
-        connector: StoreConnector,
-        worker: Worker,
+        connector: SchedulerConnector,
+        worker: WorkerConnector,
         *,
         synchronous: bool = True,
         wait_timeout_s: float = 60.0,
@@ -92,24 +79,28 @@ class ExternalKV:
         out.extend(report_events(self.worker.poll()))
         return out
 
-    def after_step(self, engine: ChainSource, decisions: tuple[ev.Event, ...]) -> None:
-        """Carry a step's transfer decisions out: start lookups, bind and start loads, start
-        saves (call it after the step's plan ran)."""
+    def after_step(self, decisions: tuple[ev.Event, ...]) -> None:
+        """Carry a step's transfer decisions out: start lookups, loads and saves (call it
+        after the step's plan ran)."""
+        loads: list[LoadOrder] = []
         saves: list[SaveOrder] = []
         for d in decisions:
             if isinstance(d, ev.KVLookupStarted):
-                self._start_lookup(engine, d)
+                request = LookupRequest.from_event(d)
+                self._asked[d.seq_id] = request
+                self.connector.lookup(request)  # starts the probe (at once if synchronous)
+                self.lookups += 1
             elif isinstance(d, ev.KVLoadCancelled):
                 self._asked.pop(d.seq_id, None)
                 self.connector.cancel_lookup(d.seq_id)
             elif isinstance(d, ev.KVLoadStarted):
-                self.connector.bind(d.seq_id, d.blocks.tolist(), d.first_block)
-                if d.state_slot >= 0:
-                    self.connector.set_state_slot(d.seq_id, d.state_slot)
-                self.loads_started += 1
+                self._asked.pop(d.seq_id, None)
+                self.connector.cancel_lookup(d.seq_id)  # its answer is consumed
+                loads.append(LoadOrder.from_event(d))
             elif isinstance(d, ev.KVSaveStarted):
-                saves.append(_save_order(engine, d))
-        transfers = StepTransfers(self.connector.take_loads(), tuple(saves))
+                saves.append(SaveOrder.from_event(d))
+        transfers = StepTransfers(tuple(loads), tuple(saves))
+        self.loads_started += len(loads)
         self.saves_started += len(saves)
         if not transfers.is_empty:
             self.worker.apply(transfers)
@@ -118,44 +109,16 @@ class ExternalKV:
                 # at its own deadline, so a stuck store cannot stall the run for longer.
                 self.worker.wait_idle(self.wait_timeout_s)
 
-    def _start_lookup(self, engine: ChainSource, d: ev.KVLookupStarted) -> None:
-        root, hashes = engine.chain(d.seq_id)
-        request = LookupRequest(
-            seq_id=d.seq_id,
-            namespace_root=root,
-            block_hashes=hashes[: d.num_blocks],
-            num_computed_blocks=d.first_block,
-            with_state=d.with_state,
-        )
-        self._asked[d.seq_id] = request
-        self.connector.lookup(request)  # starts the probe (answers at once if synchronous)
-        self.lookups += 1
-
     def wait(self, timeout_s: float = 0.001) -> None:
         """Idle the caller briefly while only transfers are outstanding (serving mode)."""
         if self.busy:
             time.sleep(timeout_s)
 
     @staticmethod
-    def recovered_inputs(engine: ChainSource) -> list[ev.Event]:
+    def recovered_inputs(engine: InFlight) -> list[ev.Event]:
         """After a crash the transfers in flight are lost: report them failed, so a recovered
         engine recomputes those prefixes and releases the leases."""
         loads, saves = engine.transfers_in_flight()
         out: list[ev.Event] = [ev.KVLoadFailed(s, 0, "engine restarted") for s in loads]
         out += [ev.KVSaveFinished(s, ok=False) for s in saves]
         return out
-
-
-def _save_order(engine: ChainSource, d: ev.KVSaveStarted) -> SaveOrder:
-    root, hashes = engine.chain(d.seq_id)
-    end = d.first_block + len(d.blocks)
-    keys = tuple(block_key(root, h) for h in hashes[d.first_block : end])
-    state = state_key(root, hashes[end - 1]) if d.ckpt_id >= 0 else None
-    return SaveOrder(
-        save_id=d.save_id,
-        seq_id=d.seq_id,
-        keys=keys,
-        block_ids=tuple(int(b) for b in d.blocks),
-        state_key=state,
-        state_slot=d.state_slot,
-    )

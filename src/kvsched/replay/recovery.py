@@ -15,7 +15,7 @@ from kvsched.engine import Engine
 from kvsched.events import types as ev
 from kvsched.events.codec import decode_record
 from kvsched.events.log import EventLog, TornTail, read_log
-from kvsched.reducers.plan import plan_step
+from kvsched.reducers.planner import plan_step
 from kvsched.replay.driver import Resume, _ended
 from kvsched.replay.verify import first_difference
 

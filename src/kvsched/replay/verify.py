@@ -1,8 +1,15 @@
-"""Record-and-verify: re-run a logged run in a fresh engine and compare every decision.
+"""Record-and-verify: re-run a logged run in a fresh engine and compare every decision and plan.
 
 The logged inputs (arrivals, aborts, executor outcomes, ...) are fed to a fresh engine built
-from the log's config; its decisions are compared, event by event, with the logged ones. The
-first difference is a divergence: step, entity, logged decision, new decision.
+from the log's config; its decisions are compared, event by event, with the logged ones, and
+the digest of each replayed plan with the logged digest. The first difference is a
+divergence: step, entity (or plan field), logged value, new value.
+
+Verification is total: whatever a log holds, the result is a ``VerifyResult`` (with or
+without a divergence) or a ``LogError`` naming what makes the log unusable (a schema version
+this kvsched cannot read, a config it cannot build), never an unexpected exception. Inside
+the log, a record that does not decode, an input the engine refuses and a fold that fails are
+divergences of their step. Damaged framing is ``events.log.CorruptLogError``.
 """
 
 from __future__ import annotations
@@ -10,25 +17,64 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 import attrs
+import numpy as np
 
 from kvsched.config import SchedulerConfig
 from kvsched.engine import Engine
-from kvsched.events.codec import StepRecord, decode_record, encode, to_builtins
+from kvsched.events.codec import (
+    RecordDecodeError,
+    SchemaVersionError,
+    StepRecord,
+    check_schema,
+    decode_record,
+    encode,
+    to_builtins,
+)
 from kvsched.events.log import TornTail, read_log
 from kvsched.events.types import Event, entity_of
+from kvsched.plan import (
+    FIELD_DIGEST_SIZE,
+    PLAN_FIELDS,
+    StepPlan,
+    first_plan_difference,
+    plan_digest,
+)
 from kvsched.policy import Policy
-from kvsched.reducers.state import ReplayMismatch
+
+__all__ = [
+    "Divergence",
+    "LogError",
+    "VerifyResult",
+    "first_difference",
+    "iter_records",
+    "load_config",
+    "verify_log",
+]
+
+
+class LogError(ValueError):
+    """A log this kvsched cannot replay at all (its schema version or its config)."""
 
 
 @attrs.frozen
 class Divergence:
     step: int
-    index: int  # position of the decision within the step
-    entity: str
+    index: int  # position of the decision within the step (-1: not a decision)
+    entity: str  # the entity a decision concerns, or "plan", "engine", "record"
     logged: dict[str, object] | None
     new: dict[str, object] | None
+    field: str | None = None  # the plan field that differs
 
     def describe(self) -> str:
+        if self.field is not None:
+            return (
+                f"divergence at step {self.step}: plan field {self.field!r} differs\n"
+                f"  logged: {self.logged}\n"
+                f"  new:    {self.new}"
+            )
+        if self.index < 0:
+            what = self.logged if self.logged is not None else self.new
+            return f"divergence at step {self.step}, {self.entity}: {what}"
         return (
             f"divergence at step {self.step}, decision #{self.index}, {self.entity}:\n"
             f"  logged: {self.logged}\n"
@@ -66,9 +112,30 @@ def first_difference(step: int, logged: list[Event], new: list[Event]) -> Diverg
     return None
 
 
-def iter_records(path: str) -> tuple[dict[str, object], Iterator[StepRecord], TornTail | None]:
+def load_config(header: dict[str, object], path: str) -> SchedulerConfig:
+    """The config a log header records, after checking its schema version (LogError)."""
+    try:
+        check_schema(header, f"event log {path}")
+    except SchemaVersionError as exc:
+        raise LogError(str(exc)) from exc
+    raw = header.get("config")
+    try:
+        return SchedulerConfig.from_dict(raw)  # type: ignore[arg-type]
+    except (TypeError, ValueError, AttributeError) as exc:
+        why = f"its config is not a valid SchedulerConfig: {exc}"
+        raise LogError(f"event log {path}: {why}") from exc
+
+
+def iter_records(
+    path: str,
+) -> tuple[dict[str, object], Iterator[tuple[int, bytes]], TornTail | None]:
+    """(header, (byte offset, payload) of each complete record, torn tail)."""
     contents = read_log(path)
-    return contents.header, map(decode_record, contents.records), contents.torn_tail
+    return contents.header, zip(contents.offsets, contents.records, strict=True), contents.torn_tail
+
+
+def _step_divergence(step: int, entity: str, message: str) -> Divergence:
+    return Divergence(step, -1, entity, {"error": message}, None)
 
 
 def verify_log(
@@ -78,20 +145,52 @@ def verify_log(
     on_step: Callable[[int], None] | None = None,
 ) -> VerifyResult:
     header, records, torn = iter_records(path)
-    config = SchedulerConfig.from_dict(header["config"])  # type: ignore[arg-type]
-    policy = policy_factory(config) if policy_factory else None
-    engine = Engine(config, policy=policy)
+    config = load_config(header, path)
+    try:
+        policy = policy_factory(config) if policy_factory else None
+        engine = Engine(config, policy=policy)
+    except (TypeError, ValueError) as exc:
+        raise LogError(f"event log {path}: cannot build an engine from its config: {exc}") from exc
     steps = 0
-    for record in records:
-        try:
-            new = list(engine.step(record.inputs, record.clock).decisions)
-        except ReplayMismatch as exc:
-            failed = Divergence(record.step, -1, "engine", {"error": str(exc)}, None)
-            return VerifyResult(steps, failed, torn, config)
-        div = first_difference(record.step, list(record.decisions), new)
-        if div is not None:
-            return VerifyResult(steps, div, torn, config)
+    for offset, payload in records:
+        divergence = _verify_record(engine, offset, payload, steps + 1)
+        if divergence is not None:
+            return VerifyResult(steps, divergence, torn, config)
         steps += 1
         if on_step is not None:
             on_step(steps)
     return VerifyResult(steps, None, torn, config)
+
+
+def _verify_record(engine: Engine, offset: int, payload: bytes, step: int) -> Divergence | None:
+    try:
+        record = decode_record(payload)
+    except RecordDecodeError as exc:
+        return _step_divergence(step, "record", f"the record at byte {offset} {exc}")
+    if record.step != step:
+        why = f"the record at byte {offset} is step {record.step}"
+        return _step_divergence(step, "record", why)
+    try:
+        result = engine.step(record.inputs, record.clock)
+    except Exception as exc:  # any failure of the replay is this step's divergence
+        return _step_divergence(step, "engine", f"{type(exc).__name__}: {exc}")
+    divergence = first_difference(step, list(record.decisions), list(result.decisions))
+    if divergence is not None or not record.plan:
+        return divergence
+    return _plan_divergence(record, result.plan)
+
+
+def _plan_divergence(record: StepRecord, plan: StepPlan) -> Divergence | None:
+    digest = plan_digest(plan)
+    field = first_plan_difference(record.plan, digest)
+    if field is None:
+        return None
+    if field not in PLAN_FIELDS:  # a plan of another layout
+        logged: dict[str, object] = {"digest": record.plan.hex()}
+        return Divergence(record.step, -1, "plan", logged, {"digest": digest.hex()}, field)
+    i, n = PLAN_FIELDS.index(field), FIELD_DIGEST_SIZE
+    value = getattr(plan, field)
+    shown = value.tolist()[:16] if isinstance(value, np.ndarray) else value
+    logged = {"digest": record.plan[i * n : (i + 1) * n].hex()}
+    new: dict[str, object] = {"digest": digest[i * n : (i + 1) * n].hex(), "value": shown}
+    return Divergence(record.step, -1, "plan", logged, new, field)

@@ -1,4 +1,5 @@
-"""Declarative lifecycles (Sequence, KVLoad, KVSave, Checkpoint) and their compiled lookups.
+"""Declarative lifecycles (Sequence, KVLoad, KVSave, Checkpoint), their compiled lookups, and
+the declared map of which event fires which trigger (``triggers.py``, checked at import).
 
 Rendering lives in :mod:`kvsched.statemachines.diagrams` (not imported here).
 """
@@ -35,12 +36,14 @@ from kvsched.statemachines.machines import (
     SeqEvent,
     SeqState,
 )
+from kvsched.statemachines.triggers import EVENT_TRIGGERS, check_triggers, fire, fire_many
 
 __all__ = [
     "ALL_MACHINES",
     "ALL_SPECS",
     "CHECKPOINT",
     "CHECKPOINT_SPEC",
+    "EVENT_TRIGGERS",
     "KVLOAD",
     "KVLOAD_SPEC",
     "KVSAVE",
@@ -63,6 +66,9 @@ __all__ = [
     "SeqState",
     "Transition",
     "build_machine",
+    "check_triggers",
     "compile_spec",
+    "fire",
+    "fire_many",
     "validate_spec",
 ]

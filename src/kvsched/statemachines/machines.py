@@ -41,7 +41,6 @@ class SeqState(IntEnum):
     RUNNING = 2
     FINISHED = 3
     ABORTED = 4
-    MIGRATING_IN = 5
 
 
 class SeqEvent(IntEnum):
@@ -49,14 +48,12 @@ class SeqEvent(IntEnum):
 
     admit = 0
     begin_load = 1
-    load_done = 2
-    load_failed = 3
-    abort = 4
-    schedule_chunk = 5
-    decode = 6
-    preempt = 7
-    finish = 8
-    admit_migrated = 9
+    load_settled = 2
+    abort = 3
+    schedule_chunk = 4
+    decode = 5
+    preempt = 6
+    finish = 7
 
 
 _S, _SE = SeqState, SeqEvent
@@ -65,30 +62,28 @@ SEQUENCE_SPEC = MachineSpec(
     name="Sequence",
     states=SeqState,
     events=SeqEvent,
-    initial=(_S.WAITING, _S.MIGRATING_IN),
+    initial=(_S.WAITING,),
     terminal=(_S.FINISHED, _S.ABORTED),
     transitions=(
         T(_SE.admit, _S.WAITING, _S.RUNNING),
         T(_SE.begin_load, _S.WAITING, _S.LOADING_KV),
-        T(_SE.load_done, _S.LOADING_KV, _S.RUNNING),
-        T(_SE.load_failed, _S.LOADING_KV, _S.RUNNING),
+        T(_SE.load_settled, _S.LOADING_KV, _S.RUNNING),
         T(_SE.schedule_chunk, _S.RUNNING, _S.RUNNING),
         T(_SE.decode, _S.RUNNING, _S.RUNNING),
         T(_SE.preempt, _S.RUNNING, _S.WAITING),
         T(_SE.finish, _S.RUNNING, _S.FINISHED),
         T(_SE.abort, _S.WAITING, _S.ABORTED),
         T(_SE.abort, _S.RUNNING, _S.ABORTED),
-        T(_SE.admit_migrated, _S.MIGRATING_IN, _S.RUNNING),
-        T(_SE.abort, _S.MIGRATING_IN, _S.ABORTED),
     ),
     description=(
         "A request from arrival to completion. LOADING_KV: admitted (it holds a batch row and "
-        "every block of its prompt) while its prefix loads from the external store; it runs "
-        "from the loaded boundary (or, after a failure, from the last good block). There is "
-        "no abort edge from LOADING_KV: an abort or end of session during a load is recorded "
-        "and applied once the load has settled. MIGRATING_IN is the entry state reserved for "
-        "a sequence handed over by another worker's scheduler (migration through the store "
-        "currently arrives as a plain request whose prefix is loaded)."
+        "every block of its prompt) while its prefix loads from the external store; "
+        "`load_settled` (the policy's decision once the load finished or failed) moves it to "
+        "RUNNING from the loaded boundary (or, after a failure, the last good block). Only a "
+        "RUNNING sequence accepts `schedule_chunk` and `decode`, so a row still loading KV "
+        "can never be scheduled. There is no abort edge from LOADING_KV: an abort or end of "
+        "session during a load is recorded and applied once the load has settled. A sequence "
+        "migrated from a prefill worker arrives as a plain request whose prefix is loaded."
     ),
 )
 
@@ -148,8 +143,9 @@ KVLOAD_SPEC = MachineSpec(
     description=(
         "Loading a sequence's KV blocks (and, for a hybrid model, the state at the loaded "
         "boundary) from an external store. The lookup is asynchronous (it may stay pending "
-        "for steps); PLANNED -> ADMITTED -> ALLOCATED -> LOADING happen in one admission "
-        "(row, every prompt block, transfer start). A load can be cancelled until its "
+        "for steps: each pending answer fires `lookup_pending`); PLANNED -> ADMITTED -> "
+        "ALLOCATED -> LOADING happen in one admission (row, every prompt block, transfer "
+        "start). A load can be cancelled until its "
         "transfer starts; once LOADING it either finishes or fails (with the number of good "
         "leading blocks: the sequence recomputes from there)."
     ),
@@ -166,7 +162,6 @@ class SaveState(IntEnum):
     SAVING = 1
     SAVED = 2
     FAILED = 3
-    CANCELLED = 4
 
 
 class SaveEvent(IntEnum):
@@ -175,7 +170,6 @@ class SaveEvent(IntEnum):
     start = 0
     confirm = 1
     fail = 2
-    cancel = 3
 
 
 _V, _VE = SaveState, SaveEvent
@@ -185,18 +179,17 @@ KVSAVE_SPEC = MachineSpec(
     states=SaveState,
     events=SaveEvent,
     initial=(_V.PENDING,),
-    terminal=(_V.SAVED, _V.FAILED, _V.CANCELLED),
+    terminal=(_V.SAVED, _V.FAILED),
     transitions=(
         T(_VE.start, _V.PENDING, _V.SAVING),
         T(_VE.confirm, _V.SAVING, _V.SAVED),
         T(_VE.fail, _V.SAVING, _V.FAILED),
-        T(_VE.cancel, _V.PENDING, _V.CANCELLED),
     ),
     description=(
         "Saving KV blocks (and, for a hybrid model, an aligned state checkpoint) to an "
         "external store. A save starts in the step that decides it and holds a lease (block "
-        "references, a checkpoint pin) until the store confirms or fails it. Only a save not "
-        "yet started can be cancelled."
+        "references, a checkpoint pin) until the store confirms or fails it; a save is never "
+        "cancelled (its blocks stay leased until the store answers)."
     ),
 )
 
@@ -223,7 +216,6 @@ class CkptEvent(IntEnum):
     unpin = 3
     evict = 4
     release = 5
-    drop_stale = 6
 
 
 _C, _CE = CkptState, CkptEvent
@@ -243,11 +235,12 @@ CHECKPOINT_SPEC = MachineSpec(
         T(_CE.unpin, _C.PINNED, _C.PINNED, "more_pins"),
         T(_CE.evict, _C.PUBLISHED, _C.EVICTED),
         T(_CE.release, _C.PUBLISHED, _C.RELEASED),
-        T(_CE.drop_stale, _C.PUBLISHED, _C.RELEASED),
     ),
     description=(
-        "A reusable checkpoint slot. `abandon` rolls back a reservation whose publish failed. "
-        "A PINNED checkpoint has no edge to EVICTED or RELEASED: it must be unpinned first."
+        "A reusable checkpoint slot. `abandon` rolls back a reservation whose publish failed "
+        "(or that a duplicate superseded). A PINNED checkpoint has no edge to EVICTED or "
+        "RELEASED: it must be unpinned first. Index entries are removed by the fold that "
+        "evicts or releases, so no stale entry can exist."
     ),
 )
 

@@ -1,14 +1,14 @@
-"""StepPlan: the frozen plain-data plan of one step, folded from the step's decisions.
+"""plan_step: the fold of one step's scheduled work and copies into a frozen ``StepPlan``.
 
-The executor sees only this: which tokens to compute for which sequences, where their KV
-lives, which blocks to copy or zero, and how to sample. Arrays are read-only.
+Reads the sequence table (the work scheduled this step, block tables, tokens, sampling
+parameters) and the step's extras (``StepWork``); returns read-only arrays.
 """
 
 from __future__ import annotations
 
-import attrs
 import numpy as np
 
+from kvsched.plan import StepPlan
 from kvsched.reducers.checkpoints import CheckpointTable
 from kvsched.reducers.state import EngineState
 
@@ -18,60 +18,14 @@ def _frozen(arr: np.ndarray) -> np.ndarray:
     return arr
 
 
-@attrs.frozen(kw_only=True)
-class StepPlan:
-    step: int
-    clock: float
-    block_size: int
-    seq_ids: np.ndarray  # int64 [n]: decodes first, then prefill chunks
-    starts: np.ndarray  # int64 [n]: first position computed
-    ends: np.ndarray  # int64 [n]: one past the last position computed
-    sample: np.ndarray  # bool [n]: sample a token after this sequence's last position
-    input_ids: np.ndarray  # int32 [T]
-    positions: np.ndarray  # int64 [T]
-    slot_mapping: np.ndarray  # int64 [T]: block * block_size + offset of each token's KV
-    block_tables: np.ndarray  # int32 [n, max_blocks]; unused entries are the null block 0
-    num_blocks: np.ndarray  # int32 [n]: blocks covering [0, end)
-    copy_blocks: np.ndarray  # int32 [k, 2]: (src, dst) pairs to copy before the forward
-    zero_blocks: np.ndarray  # int32 [k]
-    # Hybrid models (all empty / zero for attention-only models). State slot 0 is the null slot.
-    state_slots: np.ndarray  # int32 [n]: each sequence's runtime state slot
-    state_zero: np.ndarray  # int32 [k]: runtime slots reset to zero before the forward
-    state_restore: np.ndarray  # int32 [k, 2]: (checkpoint slot -> runtime slot) before forward
-    state_save: np.ndarray  # int32 [k, 2]: (runtime slot -> checkpoint slot) after the forward
-    copy_blocks_after: np.ndarray  # int32 [k, 2]: (src, dst) block copies after the forward
-    temperature: np.ndarray  # float32 [n]
-    seeds: np.ndarray  # int64 [n]
-    num_prefill_tokens: int
-    num_decode_tokens: int
-    num_hit_tokens: int  # prompt tokens served from the prefix cache by this step's admissions
-    num_query_tokens: int  # prompt tokens of this step's first admissions
-
-    @property
-    def num_seqs(self) -> int:
-        return len(self.seq_ids)
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.input_ids)
-
-    @property
-    def is_empty(self) -> bool:
-        return len(self.seq_ids) == 0
-
-    @property
-    def kv_tokens_read(self) -> int:
-        return int(self.ends.sum())
-
-
 def _pairs(pairs: list[tuple[int, int]]) -> np.ndarray:
     return _frozen(np.asarray(pairs, dtype=np.int32).reshape(len(pairs), 2))
 
 
 def plan_step(state: EngineState) -> StepPlan:
     """Fold the step's scheduled work (``state.pending``) into a frozen plan."""
-    table, bs, x = state.seqs, state.block_size, state.extras
-    rows, starts, ends = state.pending.arrays()
+    table, bs, x = state.seqs, state.block_size, state.work.extras
+    rows, starts, ends = table.pending_arrays()
     lens = ends - starts
     total = int(lens.sum())
     bounds = np.concatenate(([0], np.cumsum(lens)))
@@ -113,6 +67,6 @@ def plan_step(state: EngineState) -> StepPlan:
         seeds=_frozen(table.seed[rows].copy()),
         num_prefill_tokens=int(lens[~decode].sum()),
         num_decode_tokens=int(decode.sum()),
-        num_hit_tokens=state.step_hit_tokens,
-        num_query_tokens=state.step_query_tokens,
+        num_hit_tokens=x.hit_tokens,
+        num_query_tokens=x.query_tokens,
     )

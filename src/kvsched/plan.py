@@ -1,0 +1,96 @@
+"""StepPlan: the frozen plain-data plan of one step, and its digest.
+
+The executor sees only this: which tokens to compute for which sequences, where their KV
+lives, which blocks to copy or zero, which state slots to reset, restore or save, and how to
+sample. Arrays are read-only. This module imports nothing of the scheduler, so an executor
+depends on the plan alone (``reducers.planner.plan_step`` builds it).
+
+``plan_digest`` is the plan's fingerprint in every step record: one 8-byte blake2b digest per
+field, in declaration order, so ``kvsched verify`` can say which field of a replayed plan
+differs from the logged one.
+"""
+
+from __future__ import annotations
+
+from hashlib import blake2b
+
+import attrs
+import numpy as np
+
+FIELD_DIGEST_SIZE = 8
+
+
+@attrs.frozen(kw_only=True)
+class StepPlan:
+    step: int
+    clock: float
+    block_size: int
+    seq_ids: np.ndarray  # int64 [n]: decodes first, then prefill chunks
+    starts: np.ndarray  # int64 [n]: first position computed
+    ends: np.ndarray  # int64 [n]: one past the last position computed
+    sample: np.ndarray  # bool [n]: sample a token after this sequence's last position
+    input_ids: np.ndarray  # int32 [T]
+    positions: np.ndarray  # int64 [T]
+    slot_mapping: np.ndarray  # int64 [T]: block * block_size + offset of each token's KV
+    block_tables: np.ndarray  # int32 [n, max_blocks]; unused entries are the null block 0
+    num_blocks: np.ndarray  # int32 [n]: blocks covering [0, end)
+    copy_blocks: np.ndarray  # int32 [k, 2]: (src, dst) pairs to copy before the forward
+    zero_blocks: np.ndarray  # int32 [k]
+    # Hybrid models (all empty / zero for attention-only models). State slot 0 is the null slot.
+    state_slots: np.ndarray  # int32 [n]: each sequence's runtime state slot
+    state_zero: np.ndarray  # int32 [k]: runtime slots reset to zero before the forward
+    state_restore: np.ndarray  # int32 [k, 2]: (checkpoint slot -> runtime slot) before forward
+    state_save: np.ndarray  # int32 [k, 2]: (runtime slot -> checkpoint slot) after the forward
+    copy_blocks_after: np.ndarray  # int32 [k, 2]: (src, dst) block copies after the forward
+    temperature: np.ndarray  # float32 [n]
+    seeds: np.ndarray  # int64 [n]
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    num_hit_tokens: int  # prompt tokens served from the prefix cache by this step's admissions
+    num_query_tokens: int  # prompt tokens of this step's first admissions
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.input_ids)
+
+    @property
+    def is_empty(self) -> bool:
+        return len(self.seq_ids) == 0
+
+    @property
+    def kv_tokens_read(self) -> int:
+        return int(self.ends.sum())
+
+
+PLAN_FIELDS: tuple[str, ...] = tuple(f.name for f in attrs.fields(StepPlan))
+
+
+def _field_digest(name: str, value: object) -> bytes:
+    h = blake2b(name.encode(), digest_size=FIELD_DIGEST_SIZE)
+    if isinstance(value, np.ndarray):
+        h.update(f"{value.dtype.str}{value.shape}".encode())
+        h.update(np.ascontiguousarray(value).tobytes())
+    else:
+        h.update(repr(value).encode())
+    return h.digest()
+
+
+def plan_digest(plan: StepPlan) -> bytes:
+    """``len(PLAN_FIELDS)`` concatenated 8-byte digests, one per field."""
+    return b"".join(_field_digest(name, getattr(plan, name)) for name in PLAN_FIELDS)
+
+
+def first_plan_difference(logged: bytes, new: bytes) -> str | None:
+    """The name of the first field whose digest differs (None when equal); a digest of
+    another length (another plan layout) names the first field past the common part."""
+    if logged == new:
+        return None
+    n = FIELD_DIGEST_SIZE
+    for i, name in enumerate(PLAN_FIELDS):
+        if logged[i * n : (i + 1) * n] != new[i * n : (i + 1) * n]:
+            return name
+    return "<plan layout>"

@@ -1,0 +1,212 @@
+"""Prefill: canonical chunks, the per-step token budget, continuing chunked prefills, and
+admitting waiting sequences (with a local prefix hit, or with a load from the store).
+
+Rules: the first prefill of a step is always admitted, others must fit the token budget;
+chunk boundaries are multiples of ``config.chunk_tokens`` (a function of the request and the
+config, never of the cache hit); at most ``max_long_chunks_per_step`` non-final chunks per
+step; FCFS and priority orders stop at the first request that does not fit, the TTFT order
+skips it. An admission that does not fit leaves no trace (its tentative match is never
+emitted).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kvsched.config import SchedulerConfig
+from kvsched.events import types as ev
+from kvsched.policy.checkpoints import Checkpoints
+from kvsched.policy.common import Chunk, Emit, Match, StepBudget, cdiv
+from kvsched.policy.growth import Growth
+from kvsched.policy.matching import Matcher
+from kvsched.policy.ordering import order_waiting
+from kvsched.policy.transfers import Transfers
+from kvsched.reducers.sequences import Seq
+from kvsched.reducers.state import EngineState
+from kvsched.statemachines import SeqState
+
+
+class Admission:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        matcher: Matcher,
+        growth: Growth,
+        checkpoints: Checkpoints,
+        transfers: Transfers,
+    ) -> None:
+        self.config = config
+        self.bs = config.block_size
+        self.matcher = matcher
+        self.growth = growth
+        self.checkpoints = checkpoints
+        self.transfers = transfers
+        self._split_tail = config.hybrid and config.external_save
+
+    # ---------------------------------------------------------------------- chunks
+
+    def chunk_of(self, seq: Seq, start: int) -> Chunk:
+        """The canonical chunk starting at ``start``: it ends at the next multiple of the
+        chunk length (a function of the request and the config only) or at the prompt end."""
+        size = self.config.chunk_tokens
+        end = min(seq.n_tokens, (start // size + 1) * size)
+        if self._split_tail and end == seq.n_tokens:
+            # Hybrid models saving to the store: end a chunk at the deepest block boundary a
+            # lookup of this prompt (or of it plus its first token) can use, so an aligned
+            # state checkpoint exists there to be saved.
+            cut = (seq.n_tokens - 1) // self.bs * self.bs
+            if start < cut < end:
+                end = cut
+        return Chunk(start, end, end == seq.n_tokens)
+
+    def fits_budget(self, budget: StepBudget, chunk: Chunk) -> bool:
+        if budget.prefills == 0:
+            return True  # the first prefill of a step is always admitted
+        return budget.tokens + chunk.end - chunk.start <= self.config.max_prefill_tokens
+
+    def long_gate_open(self, budget: StepBudget, chunk: Chunk) -> bool:
+        return chunk.final or budget.long_chunks < self.config.max_long_chunks_per_step
+
+    def add_prefill(
+        self, state: EngineState, seq: Seq, chunk: Chunk, budget: StepBudget, emit: Emit
+    ) -> None:
+        """Schedule a chunk; for a hybrid model, save the state at its end when the end is a
+        save point (a block-aligned chunk end, or the prompt end)."""
+        budget.add(seq.seq_id, chunk.start, chunk.end, chunk.final)
+        if state.hybrid and (chunk.end % self.bs == 0 or chunk.final):
+            self.checkpoints.reserve(state, seq, chunk.end, emit)
+
+    # -------------------------------------------------------------- running chunks
+
+    def schedule_chunks(
+        self, state: EngineState, rows: np.ndarray, budget: StepBudget, emit: Emit
+    ) -> None:
+        """Continue the chunked prefills of running sequences, oldest first."""
+        table = state.seqs
+        seqs = [table.objs[r] for r in rows.tolist()]
+        for seq in sorted((s for s in seqs if s is not None), key=_arrival_key):
+            if seq.state != SeqState.RUNNING:
+                continue  # preempted for an earlier sequence's chunk this step
+            chunk = self.chunk_of(seq, int(table.computed[seq.row]))
+            if not (self.fits_budget(budget, chunk) and self.long_gate_open(budget, chunk)):
+                continue
+            need = cdiv(chunk.end, self.bs) - int(table.nblocks[seq.row])
+            if need > state.pool.num_available:
+                self.growth.reclaim_sessions(state, need, emit, keep=-1)
+            if need > state.pool.num_available and state.hybrid:
+                self.checkpoints.evict_for(state, need, emit, keep=-1)
+            if need > state.pool.num_available:
+                if not budget.busy and budget.prefills == 0:
+                    # Nothing else can progress: preempt victims (maybe this one itself).
+                    self.growth.preempt_until(state, need, emit, spare=seq)
+                continue
+            self.growth.allocate_one(state, seq.seq_id, need, emit)
+            self.add_prefill(state, seq, chunk, budget, emit)
+
+    # ------------------------------------------------------------------- admission
+
+    def admit_waiting(self, state: EngineState, budget: StepBudget, emit: Emit) -> None:
+        table = state.seqs
+        if not table.waiting:
+            return
+        stop_on_failure = self.config.order != "ttft"
+        for seq in order_waiting(self.config, list(table.waiting.values()), state.clock):
+            if table.num_running >= self.config.max_batch:
+                return
+            if seq.preempted_at == state.step:
+                continue  # preempted to make room this step: not readmitted in the same step
+            if self.config.external_load and self.transfers.awaits_lookup(state, seq, emit):
+                continue  # the store is being asked: skipped until it answers
+            verdict = self.try_admit(state, seq, budget, emit)
+            if verdict == "stop" and stop_on_failure:
+                return
+
+    def try_admit(self, state: EngineState, seq: Seq, budget: StepBudget, emit: Emit) -> str:
+        """Admit one waiting sequence, or return why not ('skip' or 'stop') leaving no trace."""
+        match = self.matcher.find_prefix(state, seq)
+        if self.config.external_load:
+            first, end = self.transfers.planned_load(state, seq, match.num_tokens)
+            if end:
+                return self._admit_with_load(state, seq, first, end, emit)
+        chunk = self.chunk_of(seq, match.num_tokens)
+        if not self.long_gate_open(budget, chunk):
+            return "skip"
+        if not self.fits_budget(budget, chunk):
+            return "stop"
+        hit = match.blocks
+        need = cdiv(chunk.end, self.bs) - len(hit)
+        if not self.make_fit(state, need, hit, match.ckpt_id, emit):
+            return "stop"
+        load = state.transfers.load_of(seq.seq_id)
+        if load is not None and load.open:
+            emit(ev.KVLoadCancelled(seq.seq_id, "served by the local cache"))
+        self.attach_prefix(state, seq, match, emit)
+        if seq.session_id in state.sessions:
+            self.growth.free_session_hold(state, seq.session_id, emit)
+        self.growth.allocate_one(state, seq.seq_id, need, emit)
+        self.add_prefill(state, seq, chunk, budget, emit)
+        return "admitted"
+
+    def attach_prefix(self, state: EngineState, seq: Seq, match: Match, emit: Emit) -> None:
+        """Commit a match: take a batch row, pin the checkpoint (hybrid) and attach the cached
+        blocks (statistics counted on the first admission only, not after preemption)."""
+        first = seq.num_preemptions == 0
+        emit(ev.SequenceAdmitted(seq.seq_id, state.seqs.peek_free_row()))
+        if match.ckpt_id >= 0:
+            emit(ev.CheckpointPinned(match.ckpt_id, seq.seq_id))
+        if match.num_tokens or first:
+            query = seq.n_prompt if first else 0
+            emit(
+                ev.PrefixMatched(
+                    seq.seq_id, match.blocks, match.num_tokens, query, match.ckpt_id,
+                    match.kv_tokens,
+                )
+            )
+
+    def _admit_with_load(
+        self, state: EngineState, seq: Seq, first: int, end: int, emit: Emit
+    ) -> str:
+        """Admit a sequence whose chain blocks [first, end) load from the store: it takes a
+        row and every block of its prompt now (so concurrent loads never wait on each other
+        for their tails) and computes nothing until the load settles."""
+        hit = state.pool.find_blocks(seq.hashes, first)
+        need = cdiv(seq.n_tokens, self.bs) - first
+        if not self.make_fit(state, need, hit, -1, emit):
+            return "stop"
+        emit(ev.KVLoadAdmitted(seq.seq_id, state.seqs.peek_free_row(), first, end))
+        first_admission = seq.num_preemptions == 0
+        query = seq.n_prompt if first_admission else 0
+        emit(ev.PrefixMatched(seq.seq_id, hit, first * self.bs, query))
+        if seq.session_id in state.sessions:
+            self.growth.free_session_hold(state, seq.session_id, emit)
+        self.growth.allocate_one(state, seq.seq_id, need, emit)
+        emit(self.transfers.load_started(state, seq, first, end))
+        return "admitted"
+
+    def make_fit(
+        self, state: EngineState, need: int, hit: np.ndarray, keep: int, emit: Emit
+    ) -> bool:
+        """Make ``need`` blocks available besides the ``hit`` an admission attaches, by
+        releasing other sessions' holds or evicting checkpoints (never ``keep``, the one it
+        restores) only when that makes the admission fit. False: it cannot fit."""
+        pool = state.pool
+        unheld = pool.count_unheld(hit)
+        shortfall = need - (pool.num_available - unheld)
+        if shortfall <= 0:
+            return True
+        if state.hybrid:
+            # Unheld hit blocks count as available but are attached, not taken.
+            if not self.checkpoints.evict_for(state, need + unheld, emit, keep=keep):
+                return False
+        elif shortfall > self.growth.reclaim_gain(state, -1, hit):
+            return False
+        else:
+            # Any session's hold may go, the admitted sequence's own too: the admission
+            # releases it anyway (after attaching what the hit shares with it).
+            self.growth.reclaim_sessions(state, need, emit, -1, hit)
+        # (Evicting a checkpoint whose path overlaps an unheld hit gains nothing for it.)
+        return need <= pool.num_available - pool.count_unheld(hit)
+
+
+def _arrival_key(seq: Seq) -> tuple[float, int]:
+    return (seq.arrival_time, seq.seq_id)

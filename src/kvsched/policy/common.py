@@ -1,0 +1,63 @@
+"""Shared vocabulary of the policy's parts: the emit hook, a tentative match, a chunk, the
+step's prefill budget, and small array helpers."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple
+
+import attrs
+import numpy as np
+
+from kvsched.events import types as ev
+
+Emit = Callable[[ev.Event], None]
+I32, I64 = np.int32, np.int64
+
+
+def arr(values: list[int], dtype: type = I64) -> np.ndarray:
+    return np.asarray(values, dtype=dtype)
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class Match(NamedTuple):
+    """A tentative prefix match: tokens served, their blocks, the checkpoint to restore."""
+
+    num_tokens: int
+    blocks: np.ndarray
+    ckpt_id: int = -1
+    kv_tokens: int = -1  # hybrid: what the KV cache alone matched
+
+
+NO_MATCH = Match(0, np.zeros(0, dtype=np.int32))
+
+
+@attrs.frozen
+class Chunk:
+    start: int
+    end: int
+    final: bool
+
+
+@attrs.define(slots=True)
+class StepBudget:
+    """What this step has committed so far."""
+
+    busy: bool = False  # decode work is scheduled this step
+    tokens: int = 0
+    prefills: int = 0
+    long_chunks: int = 0
+    seq_ids: list[int] = attrs.field(factory=list)
+    starts: list[int] = attrs.field(factory=list)
+    ends: list[int] = attrs.field(factory=list)
+
+    def add(self, seq_id: int, start: int, end: int, final: bool) -> None:
+        self.seq_ids.append(seq_id)
+        self.starts.append(start)
+        self.ends.append(end)
+        self.tokens += end - start
+        self.prefills += 1
+        self.long_chunks += 0 if final else 1

@@ -1,0 +1,109 @@
+"""External KV: when to look a waiting sequence up in the store, whether a planned load is
+still worth taking, and which blocks (and aligned checkpoints) to save after a step.
+
+Every transfer decision carries its store keys' ingredients (the namespace root and the block
+hashes), so whoever carries the decision out needs nothing but the event.
+"""
+
+from __future__ import annotations
+
+from kvsched.config import SchedulerConfig
+from kvsched.events import types as ev
+from kvsched.policy.common import Emit
+from kvsched.policy.matching import Matcher
+from kvsched.reducers.sequences import Seq
+from kvsched.reducers.state import EngineState
+from kvsched.statemachines import LoadState
+
+
+class Transfers:
+    def __init__(self, config: SchedulerConfig, matcher: Matcher) -> None:
+        self.config = config
+        self.bs = config.block_size
+        self.matcher = matcher
+
+    def lookup_range(self, state: EngineState, seq: Seq) -> tuple[int, int]:
+        """(first, end): the chain blocks the store could add beyond the local match. A hit
+        never covers the last known token; for a hybrid model the local part is what a
+        checkpoint serves."""
+        end = (seq.n_tokens - 1) // self.bs - self.config.num_speculative_tokens
+        match = self.matcher.find_prefix(state, seq)
+        return match.num_tokens // self.bs, end
+
+    def awaits_lookup(self, state: EngineState, seq: Seq, emit: Emit) -> bool:
+        """Start the store lookup of a sequence that has none; True while it is pending."""
+        load = state.transfers.load_of(seq.seq_id)
+        if load is None:
+            if seq.want_experts:
+                return False  # the store keeps no routed-expert ids: never loaded
+            first, end = self.lookup_range(state, seq)
+            if first >= end:
+                return False  # the local cache serves every block the store could
+            hashes = b"".join(seq.hashes[first:end])
+            emit(ev.KVLookupStarted(seq.seq_id, first, end, seq.root, hashes, state.hybrid))
+            return True
+        return load.state == LoadState.LOOKUP_PENDING
+
+    def planned_load(self, state: EngineState, seq: Seq, hit_tokens: int) -> tuple[int, int]:
+        """(first, end) of a usable planned load, else (0, 0). The local part is the cached
+        KV chain (for a hybrid model the loaded state replaces a local checkpoint); it must
+        still reach the block the lookup started from."""
+        load = state.transfers.load_of(seq.seq_id)
+        if load is None or load.state != LoadState.PLANNED:
+            return 0, 0
+        end = load.num_blocks
+        if end * self.bs <= hit_tokens:
+            return 0, 0  # the local cache now serves as much
+        local = state.pool.find_prefix_len(seq.hashes, end)
+        if local < load.first_block:
+            return 0, 0  # the local part the lookup relied on was evicted meanwhile
+        if local >= end and not state.hybrid:
+            return 0, 0  # nothing to load (a hybrid model may still load the state at end)
+        return local, end
+
+    def load_started(self, state: EngineState, seq: Seq, first: int, end: int) -> ev.KVLoadStarted:
+        """The load of chain blocks [first, end) into the sequence's blocks (and, for a hybrid
+        model, the state stored at block end - 1 into its runtime slot)."""
+        blocks = state.seqs.table[seq.row, first:end].copy()
+        hashes = b"".join(seq.hashes[first:end])
+        if not state.hybrid:
+            return ev.KVLoadStarted(seq.seq_id, blocks, first, seq.root, hashes)
+        slot = state.ckpts.runtime_slot(seq.row)
+        anchor = seq.hashes[end - 1]
+        return ev.KVLoadStarted(seq.seq_id, blocks, first, seq.root, hashes, slot, anchor)
+
+    def start_saves(
+        self, state: EngineState, published: list[tuple[int, int, bytes]], emit: Emit
+    ) -> None:
+        """After a successful step, save what became saveable to the store: an attention
+        model's newly cached full blocks; a hybrid model's blocks up to each aligned state
+        checkpoint the step published (``published``: (seq id, tokens, identity)), with the
+        state. Each save leases its blocks (and checkpoint) until the store confirms."""
+        if not self.config.external_save or state.serving.drain_pending:
+            return
+        t = state.seqs
+        if state.hybrid:
+            for seq_id, step, key in published:
+                c = state.ckpts.find(key)
+                seq = t.seqs.get(seq_id)
+                if c is None or step % self.bs or seq is None or seq.row < 0:
+                    continue
+                self._save(state, seq, step // self.bs, c.ckpt_id, c.slot, emit)
+            return
+        rows = t.schedulable_rows()
+        for row in rows[t.registered[rows] > t.saved[rows]].tolist():
+            seq = t.objs[row]
+            assert seq is not None
+            self._save(state, seq, int(t.registered[row]), -1, -1, emit)
+
+    def _save(
+        self, state: EngineState, seq: Seq, end: int, ckpt: int, slot: int, emit: Emit
+    ) -> None:
+        row = seq.row
+        lo = int(state.seqs.saved[row])
+        if end <= lo:
+            return
+        blocks = state.seqs.table[row, lo:end].copy()
+        hashes = b"".join(seq.hashes[lo:end])
+        save_id = state.transfers.next_save_id
+        emit(ev.KVSaveStarted(save_id, seq.seq_id, blocks, lo, seq.root, hashes, ckpt, slot))

@@ -1,0 +1,236 @@
+"""Input validation: every input of a step is checked before anything is folded.
+
+``validate_inputs(state, inputs)`` returns the inputs in the order they are applied, or
+raises an ``InputError`` naming the offending input, and never changes the state:
+
+1. Only input events are inputs (a decision type such as ``BlocksAllocated``, or anything that
+   is not an event, is ``NotAnInput``).
+2. Every field has its declared type and a value the codec can encode and the state can
+   hold: integers within int64, finite floats, 1-D integer arrays (``MalformedInput``).
+3. An executor outcome answers the step that ran: ``StepExecuted`` / ``StepFailed`` of the
+   pending step, exactly one per step that scheduled work (``OutcomeMismatch``); the sampled
+   ids are exactly the sequences that sample, once each, with one in-vocabulary token each
+   and, for MoE, one set of expert ids per computed token.
+4. A transfer report concerns a transfer in flight: a load outcome a sequence whose load is
+   loading, a save outcome a save not yet answered, each at most once (``UnknownTransfer``).
+
+Requests that are well-formed but unacceptable (an empty prompt, an unknown token id, a
+duplicate id, a prompt the cache cannot hold) are not input errors: the policy rejects them
+with a ``RequestRejected`` decision, which the log records.
+
+Order: executor outcomes first, then transfer reports, then client requests (arrivals,
+aborts, ends of session, drain, wake) in the order given. So an abort given before the
+outcome of its sequence's step is applied after it, and the outcome never meets a freed row.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+import numpy as np
+
+from kvsched.events import types as ev
+
+if TYPE_CHECKING:
+    from kvsched.reducers.state import EngineState
+
+__all__ = [
+    "InputError",
+    "MalformedInput",
+    "NotAnInput",
+    "OutcomeMismatch",
+    "UnknownTransfer",
+    "apply_order",
+    "validate_inputs",
+]
+
+_I64 = 1 << 63
+
+_RANK: dict[type[ev.Event], int] = {
+    ev.StepExecuted: 0,
+    ev.StepFailed: 0,
+    ev.KVLookupAnswered: 1,
+    ev.KVLoadFinished: 1,
+    ev.KVLoadFailed: 1,
+    ev.KVSaveFinished: 1,
+}
+_CLIENT_RANK = 2
+
+
+class InputError(ValueError):
+    """An input the engine refuses; the step is rejected and the state is unchanged."""
+
+    def __init__(self, index: int, event: object, reason: str) -> None:
+        self.index = index
+        self.event = event
+        self.reason = reason
+        name = type(event).__name__
+        super().__init__(f"input #{index} ({name}): {reason}")
+
+
+class NotAnInput(InputError):
+    """Something that is not an input event (a decision, or not an event at all)."""
+
+
+class MalformedInput(InputError):
+    """A field of the wrong type, or a value the log cannot encode or the state cannot hold."""
+
+
+class OutcomeMismatch(InputError):
+    """An executor outcome that does not answer the step that ran."""
+
+
+class UnknownTransfer(InputError):
+    """A transfer report for no transfer in flight (or a second report of one)."""
+
+
+def apply_order(inputs: Sequence[ev.Event]) -> list[ev.Event]:
+    """Outcomes, then transfer reports, then client requests; stable within each class."""
+    return sorted(inputs, key=lambda e: _RANK.get(type(e), _CLIENT_RANK))
+
+
+def validate_inputs(state: EngineState, inputs: Sequence[ev.Event]) -> list[ev.Event]:
+    for i, event in enumerate(inputs):
+        if not isinstance(event, ev.INPUT_TYPES) or type(event) not in _FIELDS:
+            raise NotAnInput(i, event, "not an input event (inputs: " + _INPUT_NAMES + ")")
+        reason = _check_fields(event)
+        if reason is not None:
+            raise MalformedInput(i, event, reason)
+    ordered = apply_order(inputs)
+    _Checker(state, inputs).run(ordered)
+    return ordered
+
+
+# ----------------------------------------------------------------------- field types
+
+_INPUT_NAMES = ", ".join(t.__name__ for t in ev.INPUT_TYPES)
+_FIELDS: dict[type[ev.Event], tuple[tuple[str, Any], ...]] = {
+    kind: tuple((f.name, f.type) for f in msgspec.structs.fields(kind)) for kind in ev.INPUT_TYPES
+}
+
+
+def _check_value(name: str, kind: Any, value: object) -> str | None:
+    if kind is bool:
+        return None if isinstance(value, (bool, np.bool_)) else f"{name} must be a bool"
+    if kind is int:
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+            return f"{name} must be an integer, got {type(value).__name__}"
+        return None if -_I64 <= int(value) < _I64 else f"{name}={value} does not fit in int64"
+    if kind is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+            return f"{name} must be a number, got {type(value).__name__}"
+        return None if math.isfinite(float(value)) else f"{name} must be finite, got {value}"
+    if kind is str:
+        return None if isinstance(value, str) else f"{name} must be a str"
+    if kind is bytes:
+        return None if isinstance(value, bytes) else f"{name} must be bytes"
+    if kind is np.ndarray:
+        if not isinstance(value, np.ndarray) or value.ndim != 1:
+            return f"{name} must be a 1-D numpy array"
+        return None if value.dtype.kind in "iu" else f"{name} must hold integers, not {value.dtype}"
+    return _check_spans(name, value)
+
+
+def _check_spans(name: str, value: object) -> str | None:
+    if not isinstance(value, tuple) or not all(isinstance(s, ev.MultimodalSpan) for s in value):
+        return f"{name} must be a tuple of MultimodalSpan"
+    for span in value:
+        for field, kind in (("start", int), ("end", int), ("content_hash", bytes)):
+            reason = _check_value(f"{name}.{field}", kind, getattr(span, field))
+            if reason is not None:
+                return reason
+    return None
+
+
+def _check_fields(event: ev.Event) -> str | None:
+    for name, kind in _FIELDS[type(event)]:
+        reason = _check_value(name, kind, getattr(event, name))
+        if reason is not None:
+            return reason
+    return None
+
+
+# ----------------------------------------------------------------- against the state
+
+
+class _Checker:
+    """Checks the ordered inputs against the state as it would be when each is applied."""
+
+    def __init__(self, state: EngineState, given: Sequence[ev.Event]) -> None:
+        self.state = state
+        self.given = list(given)
+        self.answered = False  # the pending step's outcome has been given
+        self.loads_done: set[int] = set()
+        self.saves_done: set[int] = set()
+
+    def index(self, event: ev.Event) -> int:
+        return next(i for i, e in enumerate(self.given) if e is event)
+
+    def run(self, ordered: list[ev.Event]) -> None:
+        for event in ordered:
+            if isinstance(event, (ev.StepExecuted, ev.StepFailed)):
+                self._outcome(event)
+            elif isinstance(event, (ev.KVLoadFinished, ev.KVLoadFailed)):
+                self._load_report(event)
+            elif isinstance(event, ev.KVSaveFinished):
+                self._save_report(event)
+            elif isinstance(event, ev.KVLookupAnswered) and event.num_blocks < 0:
+                raise MalformedInput(self.index(event), event, "num_blocks must be >= 0")
+        seqs = self.state.seqs
+        if seqs.has_pending and not self.answered:
+            step = seqs.pending_step
+            raise OutcomeMismatch(
+                len(self.given), None, f"the outcome of step {step} (StepExecuted or "
+                "StepFailed) is missing: every step that scheduled work needs one"
+            )
+
+    def _outcome(self, e: ev.StepExecuted | ev.StepFailed) -> None:
+        seqs, i = self.state.seqs, self.index(e)
+        if self.answered or not seqs.has_pending:
+            raise OutcomeMismatch(i, e, f"no step awaits an outcome (step {e.step} given)")
+        if e.step != seqs.pending_step:
+            raise OutcomeMismatch(i, e, f"outcome of step {e.step}, but step "
+                                  f"{seqs.pending_step} ran")
+        self.answered = True
+        if isinstance(e, ev.StepExecuted):
+            reason = self._sampled(e)
+            if reason is not None:
+                raise OutcomeMismatch(i, e, reason)
+
+    def _sampled(self, e: ev.StepExecuted) -> str | None:
+        seqs, model = self.state.seqs, self.state.config.model
+        expected = seqs.sampling_seq_ids()
+        if len(e.tokens) != len(e.seq_ids):
+            return f"{len(e.tokens)} tokens for {len(e.seq_ids)} sequences"
+        if len(np.unique(e.seq_ids)) != len(e.seq_ids):
+            return "a sequence id appears twice"
+        if not np.array_equal(np.sort(e.seq_ids), np.sort(expected)):
+            extra = sorted(set(e.seq_ids.tolist()) ^ set(expected.tolist()))[:8]
+            return f"sampled ids differ from the sequences that sample (differ: {extra})"
+        if len(e.tokens) and (e.tokens.min() < 0 or e.tokens.max() >= model.vocab_size):
+            return f"a sampled token is outside the vocabulary [0, {model.vocab_size})"
+        if not math.isfinite(e.duration_s) or e.duration_s < 0:
+            return f"duration_s must be finite and >= 0, got {e.duration_s}"
+        k = model.routed_experts_per_token
+        if len(e.routed_experts):
+            _, starts, ends = seqs.pending_arrays()
+            want = int((ends - starts).sum()) * k
+            if not k or len(e.routed_experts) != want:
+                return f"{len(e.routed_experts)} routed-expert ids, expected {want} or none"
+        return None
+
+    def _load_report(self, e: ev.KVLoadFinished | ev.KVLoadFailed) -> None:
+        load = self.state.transfers.load_of(e.seq_id)
+        if load is None or not load.in_flight or e.seq_id in self.loads_done:
+            raise UnknownTransfer(self.index(e), e, f"sequence {e.seq_id} has no load in flight")
+        if isinstance(e, ev.KVLoadFailed) and e.num_good_blocks < 0:
+            raise MalformedInput(self.index(e), e, "num_good_blocks must be >= 0")
+        self.loads_done.add(e.seq_id)
+
+    def _save_report(self, e: ev.KVSaveFinished) -> None:
+        if e.save_id not in self.state.transfers.leases or e.save_id in self.saves_done:
+            raise UnknownTransfer(self.index(e), e, f"save {e.save_id} is not in flight")
+        self.saves_done.add(e.save_id)

@@ -1,0 +1,103 @@
+"""Cross-owner invariants of EngineState: what no single owner can check alone.
+
+Each owner checks its own structure (``BlockPool.check_invariants`` and so on); the checks
+here relate owners: every holder's references against the pool's counts, batch rows against
+sequences' states, checkpoint pins against the sequences and leases that pin them, loads
+against the sequences loading, sessions against live sequences.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from kvsched.reducers.blocks import BlockPoolError
+from kvsched.reducers.errors import InvariantError
+from kvsched.reducers.seq import FREE_ROW, Seq
+from kvsched.statemachines import SeqState
+
+if TYPE_CHECKING:
+    from kvsched.reducers.state import EngineState
+
+_LIVE = (SeqState.RUNNING, SeqState.LOADING_KV)
+
+
+def check_all(state: EngineState) -> None:
+    """Raise InvariantError naming the first violation."""
+    try:
+        state.pool.check_invariants(state.holders())
+    except BlockPoolError as exc:
+        raise InvariantError(str(exc)) from exc
+    _check_rows(state)
+    pins: dict[int, int] = {}
+    for seq in state.seqs.seqs.values():
+        _check_seq(state, seq)
+        if seq.pinned_ckpt >= 0:
+            pins[seq.pinned_ckpt] = pins.get(seq.pinned_ckpt, 0) + 1
+    for problem in (
+        state.ckpts.check_invariants(pins),
+        state.sessions.check_invariants(set(state.seqs.seqs)),
+    ):
+        if problem is not None:
+            raise InvariantError(problem)
+    _check_transfers(state)
+
+
+def _check_rows(state: EngineState) -> None:
+    t = state.seqs
+    used = set(t.running_rows().tolist())
+    if used & set(t.free_rows) or len(used) + len(t.free_rows) != t.max_batch:
+        raise InvariantError("batch rows are not partitioned into used and free")
+    for row in used:
+        seq = t.seqs.get(int(t.row_seq[row]))
+        if seq is None or seq.row != row or seq.state not in _LIVE:
+            raise InvariantError(f"row {row} holds a sequence that is not running there")
+        if t.row_state[row] != seq.state or t.objs[row] is not seq:
+            raise InvariantError(f"row {row}: its state column disagrees with its sequence")
+
+
+def _check_seq(state: EngineState, seq: Seq) -> None:
+    t, bs = state.seqs, state.block_size
+    n_tokens = int(t.ntokens[seq.row]) if seq.row != FREE_ROW else seq.n_tokens
+    if len(seq.hashes) != n_tokens // bs:
+        raise InvariantError(f"sequence {seq.seq_id}: {len(seq.hashes)} hashes")
+    if seq.state == SeqState.WAITING:
+        if seq.pinned_ckpt >= 0 or seq.n_pinned:
+            raise InvariantError(f"waiting sequence {seq.seq_id} pins a checkpoint")
+        if seq.row != FREE_ROW or seq.seq_id not in t.waiting:
+            raise InvariantError(f"waiting sequence {seq.seq_id} holds a row or is unqueued")
+        return
+    if seq.state not in _LIVE:
+        raise InvariantError(f"sequence {seq.seq_id} is in state {seq.state.name}")
+    row = seq.row
+    if seq.seq_id in t.waiting:
+        raise InvariantError(f"running sequence {seq.seq_id} is also queued")
+    computed, nblocks = int(t.computed[row]), int(t.nblocks[row])
+    if not seq.n_tokens <= n_tokens < seq.n_tokens + bs:
+        raise InvariantError(f"sequence {seq.seq_id}: token count disagrees with its row")
+    if computed > n_tokens or computed > nblocks * bs:
+        raise InvariantError(f"sequence {seq.seq_id}: computed {computed} out of range")
+    if int(t.registered[row]) > computed // bs:
+        raise InvariantError(f"sequence {seq.seq_id}: registered past its computed tokens")
+    hash_of = state.pool.hash_of
+    for i in range(int(t.registered[row])):
+        if hash_of[int(t.table[row, i])] != seq.hashes[i]:
+            raise InvariantError(f"sequence {seq.seq_id}: block {i} has another identity")
+
+
+def _check_transfers(state: EngineState) -> None:
+    t = state.seqs
+    loading = {s.seq_id for s in t.seqs.values() if s.state == SeqState.LOADING_KV}
+    rows = {int(t.row_seq[r]) for r in np.nonzero(t.loading)[0].tolist()}
+    if rows != loading:
+        raise InvariantError(f"loading rows {sorted(rows)} vs loading seqs {sorted(loading)}")
+    problem = state.transfers.check_invariants(loading)
+    if problem is not None:
+        raise InvariantError(problem)
+    for seq_id, load in state.transfers.loads.items():
+        seq = t.seqs.get(seq_id)
+        if seq is None:
+            raise InvariantError(f"load record of retired sequence {seq_id}")
+        if load.open and seq.state != SeqState.WAITING:
+            raise InvariantError(f"open load of {seq_id}, which is {seq.state.name}")

@@ -1,0 +1,180 @@
+"""RowTable: the batch rows of the sequences that hold one, as numpy arrays.
+
+While a sequence holds a row (LOADING_KV or RUNNING), its hot numbers live in arrays indexed
+by row, so a decode step updates every running sequence in a few vectorised operations:
+
+* ``computed[row]``: tokens whose KV is written (after the last executed step);
+* ``ntokens[row]``: tokens known (prompt plus sampled outputs);
+* ``nblocks[row]``: blocks in the row's block table; ``table[row, :nblocks]`` the ids;
+* ``registered[row]``: leading blocks whose identity is in the prefix index (canonical ids);
+* ``last_token[row]``: the newest token (the decode input);
+* ``row_state[row]``: the sequence's lifecycle state (for vectorised trigger checks).
+
+It also keeps the work scheduled in the current step until its outcome arrives
+(``pending_arrays``). ``SequenceTable`` (``sequences.py``) builds on it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kvsched.events import types as ev
+from kvsched.reducers.seq import FREE_ROW, Seq
+from kvsched.statemachines import SeqEvent
+
+
+class RowTable:
+    def __init__(self, max_batch: int, max_blocks_per_seq: int, block_size: int) -> None:
+        self.block_size = block_size
+        # Sampled tokens not yet copied into their sequence's token array, by position % bs;
+        # copied ("flushed") whenever a block fills and when the sequence leaves its row.
+        self.tail = np.zeros((max_batch, block_size), dtype=np.int32)
+        self.max_batch = max_batch
+        self.row_seq = np.full(max_batch, FREE_ROW, dtype=np.int64)
+        self.row_state = np.zeros(max_batch, dtype=np.int64)
+        self.computed = np.zeros(max_batch, dtype=np.int64)
+        self.ntokens = np.zeros(max_batch, dtype=np.int64)
+        self.nblocks = np.zeros(max_batch, dtype=np.int64)
+        self.registered = np.zeros(max_batch, dtype=np.int64)
+        self.last_token = np.zeros(max_batch, dtype=np.int32)
+        # External KV: the row's prefix is loading (LOADING_KV); chain blocks [0, saved) are
+        # in the store or being saved (or were matched locally).
+        self.loading = np.zeros(max_batch, dtype=bool)
+        self.saved = np.zeros(max_batch, dtype=np.int64)
+        # Per-row request constants, written in one assignment at activation; the named
+        # arrays are column views of it.
+        self._consts = np.zeros((max_batch, 5), dtype=np.int64)
+        self.n_prompt = self._consts[:, 0]
+        self.max_tokens = self._consts[:, 1]
+        self.eos = self._consts[:, 2]
+        self.failures = self._consts[:, 3]  # mirrors Seq.num_failures
+        self.seed = self._consts[:, 4]
+        self.objs: list[Seq | None] = [None] * max_batch
+        self.temperature = np.zeros(max_batch, dtype=np.float32)
+        self.table = np.zeros((max_batch, max_blocks_per_seq), dtype=np.int32)
+        self.free_rows: list[int] = list(range(max_batch - 1, -1, -1))
+        self._version = 0  # bumped when rows are taken or freed (invalidates _row_index)
+        self._row_index: tuple[int, np.ndarray, np.ndarray] | None = None
+        self.step = 0
+        # Work of the current step awaiting the executor's outcome (row order = plan order).
+        self.pending_step = 0
+        self._pending: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+
+    # ------------------------------------------------------------------------- queries
+
+    @property
+    def num_running(self) -> int:
+        return self.max_batch - len(self.free_rows)
+
+    def running_rows(self) -> np.ndarray:
+        """Rows holding a sequence (RUNNING, or LOADING_KV: see ``loading``)."""
+        return np.nonzero(self.row_seq != FREE_ROW)[0]
+
+    def schedulable_rows(self) -> np.ndarray:
+        """Rows whose sequence can compute (not waiting for a KV load)."""
+        return np.nonzero((self.row_seq != FREE_ROW) & ~self.loading)[0]
+
+    def rows_of(self, seq_ids: np.ndarray) -> np.ndarray:
+        """Rows of running sequences, vectorised (raises KeyError if one is not running)."""
+        if self._row_index is None or self._row_index[0] != self._version:
+            order = np.argsort(self.row_seq, kind="stable")
+            self._row_index = (self._version, order, self.row_seq[order])
+        _, order, sorted_ids = self._row_index
+        pos = np.searchsorted(sorted_ids, seq_ids)
+        pos = np.minimum(pos, len(order) - 1)
+        rows = order[pos]
+        if len(seq_ids) and not np.array_equal(self.row_seq[rows], seq_ids):
+            missing = seq_ids[self.row_seq[rows] != seq_ids]
+            raise KeyError(f"sequences not running: {missing[:8].tolist()}")
+        return rows
+
+    def blocks_of(self, row: int) -> np.ndarray:
+        return self.table[row, : self.nblocks[row]]
+
+    def peek_free_row(self) -> int:
+        return self.free_rows[-1] if self.free_rows else FREE_ROW
+
+    def pending_arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(rows, starts, ends) of the work scheduled in the current step, in plan order."""
+        if not self._pending:
+            empty = np.zeros(0, dtype=np.int64)
+            return empty, empty, empty
+        rows = np.concatenate([p[0] for p in self._pending])
+        starts = np.concatenate([p[1] for p in self._pending])
+        ends = np.concatenate([p[2] for p in self._pending])
+        return rows, starts, ends
+
+    @property
+    def has_pending(self) -> bool:
+        return bool(self._pending)
+
+    def sampling_seq_ids(self) -> np.ndarray:
+        """Sequences whose pending work ends at their newest token (they sample one)."""
+        rows, _, ends = self.pending_arrays()
+        sampling: np.ndarray = self.row_seq[rows[ends == self.ntokens[rows]]]
+        return sampling
+
+    # ------------------------------------------------------------------------ commands
+
+    def set_nblocks(self, row: int, n: int) -> None:
+        """Shrink (or set) a row's block count; entries past it are kept zero (the null
+        block), so plans copy block tables without masking."""
+        old = int(self.nblocks[row])
+        if n < old:
+            self.table[row, n:old] = 0
+        self.nblocks[row] = n
+
+    def activate(self, seq: Seq, row: int, event: ev.Event, trigger: SeqEvent) -> None:
+        if self.row_seq[row] != FREE_ROW or not self.free_rows or self.free_rows[-1] != row:
+            raise ValueError(f"row {row} is not the next free row")
+        seq.fire(event, trigger)
+        self.loading[row] = trigger == SeqEvent.begin_load
+        self.row_state[row] = seq.state
+        self.free_rows.pop()
+        seq.row = row
+        self.row_seq[row] = seq.seq_id
+        self._version += 1
+        # computed, nblocks and registered are zero for a free row (``deactivate``).
+        self.ntokens[row] = seq.n_tokens
+        self.last_token[row] = seq.tokens[seq.n_tokens - 1]
+        self._consts[row] = (
+            seq.n_prompt, seq.max_tokens, seq.eos_token_id, seq.num_failures, seq.seed
+        )
+        self.objs[row] = seq
+        self.temperature[row] = seq.temperature
+
+    def flush(self, row: int) -> Seq:
+        """Copy the row's unflushed sampled tokens into its sequence; returns the sequence."""
+        seq = self.objs[row]
+        assert seq is not None
+        n0, n1 = seq.n_tokens, int(self.ntokens[row])
+        if n1 > n0:
+            seq.ensure_tokens(n1)
+            seq.tokens[n0:n1] = self.tail[row, np.arange(n0, n1) % self.block_size]
+            seq.n_tokens = n1
+        return seq
+
+    def deactivate(self, seq: Seq) -> None:
+        """Free the sequence's row (its blocks must have been released already)."""
+        row = seq.row
+        self.flush(row)
+        self.row_seq[row] = FREE_ROW
+        self.row_state[row] = 0
+        self._version += 1
+        self.objs[row] = None
+        self.set_nblocks(row, 0)
+        self.computed[row] = 0
+        self.registered[row] = 0
+        self.loading[row] = False
+        self.saved[row] = 0
+        self.free_rows.append(row)
+        seq.row = FREE_ROW
+
+    def add_pending(self, rows: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> None:
+        self.pending_step = self.step
+        self._pending.append((rows, starts, ends))
+
+    def take_pending(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        arrays = self.pending_arrays()
+        self._pending = []
+        return arrays

@@ -1,0 +1,122 @@
+"""StepWork: what a step's plan carries besides the forward; Serving: the step counter, the
+clock, sleep and drain.
+
+``StepWork`` collects, in decision order, the state-slot and block copies the current step's
+plan needs (hybrid models: runtime slots to zero at admission, checkpoints to restore before
+the forward and to save after it, partial blocks to freeze) and the prefix-hit statistics of
+the step's admissions. It reads the sequence and checkpoint tables for rows and slots. Both
+are reset by ``StepStarted``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+
+from kvsched.events import types as ev
+from kvsched.reducers.checkpoints import CheckpointTable
+from kvsched.reducers.errors import RefChange
+from kvsched.reducers.sequences import SequenceTable
+
+Folds = dict[type[ev.Event], Callable[[Any], RefChange | None]]
+
+
+@attrs.define(slots=True)
+class StepExtras:
+    state_zero: list[int] = attrs.field(factory=list)
+    state_restore: list[tuple[int, int]] = attrs.field(factory=list)
+    state_save: list[tuple[int, int]] = attrs.field(factory=list)
+    copy_after: list[tuple[int, int]] = attrs.field(factory=list)
+    # (row, block index, frozen block): copy the frozen block into the row's private block
+    restore_blocks: list[tuple[int, int, int]] = attrs.field(factory=list)
+    hit_tokens: int = 0  # prefix-hit statistics of the step's first admissions
+    query_tokens: int = 0
+
+
+class StepWork:
+    def __init__(self, seqs: SequenceTable, ckpts: CheckpointTable, hybrid: bool) -> None:
+        self._seqs = seqs
+        self._ckpts = ckpts
+        self.hybrid = hybrid
+        self.extras = StepExtras()
+
+    def folds(self) -> Folds:
+        out: Folds = {ev.StepStarted: self._on_step_started, ev.PrefixMatched: self._on_matched}
+        if self.hybrid:
+            out[ev.SequenceAdmitted] = self._on_admitted
+            out[ev.KVLoadAdmitted] = self._on_admitted
+            out[ev.CheckpointReserved] = self._on_ckpt_reserved
+            out[ev.CheckpointPinned] = self._on_ckpt_pinned
+        return out
+
+    def _on_step_started(self, e: ev.StepStarted) -> None:
+        self.extras = StepExtras()
+
+    def _on_matched(self, e: ev.PrefixMatched) -> None:
+        if e.num_query_tokens:  # re-admissions after preemption are not counted
+            self.extras.query_tokens += e.num_query_tokens
+            self.extras.hit_tokens += e.num_tokens
+
+    def _on_admitted(self, e: ev.SequenceAdmitted | ev.KVLoadAdmitted) -> None:
+        self.extras.state_zero.append(CheckpointTable.runtime_slot(e.row))
+
+    def _on_ckpt_reserved(self, e: ev.CheckpointReserved) -> None:
+        row, bs = self._seqs.seq(e.seq_id).row, self._seqs.block_size
+        if e.frozen_block:
+            partial = int(self._seqs.table[row, e.num_tokens // bs])
+            self.extras.copy_after.append((partial, e.frozen_block))
+        self.extras.state_save.append((CheckpointTable.runtime_slot(row), e.slot))
+
+    def _on_ckpt_pinned(self, e: ev.CheckpointPinned) -> None:
+        c = self._ckpts.get(e.ckpt_id)
+        row = self._seqs.seq(e.seq_id).row
+        self.extras.state_restore.append((c.slot, CheckpointTable.runtime_slot(row)))
+        if c.frozen_block:
+            depth = c.step // self._seqs.block_size
+            self.extras.restore_blocks.append((row, depth, c.frozen_block))
+
+
+class Serving:
+    """The step counter and clock, sleep (after a drain) and a deferred drain, and the count
+    of consecutive decode-only steps (alternate turn mode)."""
+
+    def __init__(self) -> None:
+        self.step = 0
+        self.clock = 0.0
+        self.sleeping = False
+        self.drain_pending = False
+        self.decode_turns = 0
+
+    def folds(self) -> Folds:
+        return {
+            ev.StepStarted: self._on_step_started,
+            ev.Drained: self._on_drained,
+            ev.Woken: self._on_woken,
+            ev.DrainDeferred: self._on_drain_deferred,
+            ev.PrefillScheduled: self._on_prefill,
+            ev.DecodeScheduled: self._on_decode,
+        }
+
+    def _on_step_started(self, e: ev.StepStarted) -> None:
+        self.step, self.clock = e.step, e.clock
+
+    def _on_drained(self, e: ev.Drained) -> None:
+        self.sleeping, self.drain_pending = True, False
+
+    def _on_woken(self, e: ev.Woken) -> None:
+        self.sleeping = False
+        self.drain_pending = False  # a wake before a deferred drain cancels it
+
+    def _on_drain_deferred(self, e: ev.DrainDeferred) -> None:
+        self.drain_pending = True
+
+    def _on_prefill(self, e: ev.PrefillScheduled) -> None:
+        self.decode_turns = 0
+
+    def _on_decode(self, e: ev.DecodeScheduled) -> None:
+        self.decode_turns += 1
+
+    def snapshot(self) -> tuple[object, ...]:
+        return (self.step, self.clock, self.sleeping, self.drain_pending, self.decode_turns)
