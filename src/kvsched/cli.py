@@ -1,4 +1,4 @@
-"""The ``kvsched`` command: demo, replay, diff, verify, bench."""
+"""The ``kvsched`` command: demo, replay, diff, verify, watch, bench."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from tqdm import tqdm
 
 from kvsched.config import SchedulerConfig
 from kvsched.events.log import CorruptLogError, LogOpenError
+from kvsched.events.wire import WireError, WireTimeout
 from kvsched.replay.demo import run_demo
 from kvsched.replay.diff import diff_logs, format_diff
 from kvsched.replay.metrics import ReplayResult
@@ -27,18 +28,13 @@ from kvsched.replay.setup import (
     trace_config,
 )
 from kvsched.replay.traces import FORMATS, TraceError
-from kvsched.replay.verify import verify_log
+from kvsched.replay.verify import LogError, verify_log
+from kvsched.stream.watch import StreamError, Watched, dump, summary_line, watch
 
 
 def _fail(message: str, code: int = 2) -> int:
     print(f"kvsched: error: {message}", file=sys.stderr)
     return code
-
-
-def _options(args: argparse.Namespace, names: str) -> dict[str, Any]:
-    """The options ``names`` (space-separated argparse dests, each named like the parameter
-    it is passed as)."""
-    return {name: getattr(args, name) for name in names.split()}
 
 
 def _progress(quiet: bool) -> Progress:
@@ -93,8 +89,22 @@ def _finish(
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    names = "sessions turns seed cache_blocks max_batch executor model hybrid external check log"
-    demo = run_demo(**_options(args, names), progress=_progress(args.quiet))
+    demo = run_demo(
+        sessions=args.sessions,
+        turns=args.turns,
+        seed=args.seed,
+        cache_blocks=args.cache_blocks,
+        max_batch=args.max_batch,
+        executor=args.executor,
+        model=args.model,
+        hybrid=args.hybrid,
+        external=args.external,
+        check=args.check,
+        log=args.log,
+        publish=args.publish,
+        wait_subscribers=args.wait_subscribers,
+        progress=_progress(args.quiet),
+    )
     n = len(demo.workload.turns)
     title = f"kvsched demo: {n} chat turns"
     if args.external:
@@ -106,8 +116,19 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
-    names = "cost sweep log executor model block_size skip_bad_lines limit speedup"
-    setup = load_trace_replay(args.trace, fmt=args.format, **_options(args, names))
+    setup = load_trace_replay(
+        args.trace,
+        fmt=args.format,
+        cost=args.cost,
+        sweep=args.sweep,
+        log=args.log,
+        executor=args.executor,
+        model=args.model,
+        block_size=args.block_size,
+        skip_bad_lines=args.skip_bad_lines,
+        limit=args.limit,
+        speedup=args.speedup,
+    )
     info = setup.trace.info
     if info.bad_lines and not args.json:
         print(
@@ -115,13 +136,29 @@ def cmd_replay(args: argparse.Namespace) -> int:
             + "; ".join(f"line {b.line}: {b.reason}" for b in info.bad_lines[:3]),
             file=sys.stderr,
         )
-    names = "block_size cache_blocks max_batch max_prefill_tokens order hybrid"
-    config = trace_config(setup.trace, **_options(args, names))
+    config = trace_config(
+        setup.trace,
+        block_size=args.block_size,
+        cache_blocks=args.cache_blocks,
+        max_batch=args.max_batch,
+        max_prefill_tokens=args.max_prefill_tokens,
+        order=args.order,
+        hybrid=args.hybrid,
+    )
     name = Path(args.trace).name
     if setup.sweep is not None:
+        if args.publish:
+            raise SetupError("--publish streams one run: it cannot be combined with --sweep")
         return _replay_sweep(args, setup, config, name)
-    progress = _progress(args.quiet)
-    result = replay_trace(setup, config, log=args.log, check=args.check, progress=progress)
+    result = replay_trace(
+        setup,
+        config,
+        log=args.log,
+        publish=args.publish,
+        wait_subscribers=args.wait_subscribers,
+        check=args.check,
+        progress=_progress(args.quiet),
+    )
     return _finish(args, f"kvsched replay: {name}", result, {**result.metrics, **setup.extra()})
 
 
@@ -165,12 +202,15 @@ def cmd_diff(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
+    """Exit 0: verified; 1: a divergence, or a damaged log; 2: a log this kvsched cannot
+    replay (unreadable, another schema version, an invalid config)."""
     try:
-        bar = tqdm(desc="verify", unit="step", disable=args.quiet)
-        result = verify_log(args.log, on_step=lambda n: bar.update(1))
-        bar.close()
+        with tqdm(desc="verify", unit="step", disable=args.quiet) as bar:
+            result = verify_log(args.log, on_step=lambda n: bar.update(1))
     except CorruptLogError as exc:
         return _fail(str(exc), 1)
+    except LogError as exc:
+        return _fail(str(exc), 2)
     except OSError as exc:
         return _fail(f"cannot read {args.log}: {exc.strerror or exc}")
     if result.torn_tail is not None:
@@ -187,12 +227,57 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_watch(args: argparse.Namespace) -> int:
+    """Exit 0: the stream was followed from its first step to its end without a gap (the
+    view is the engine's cache); 1: it was not (joined late, gaps, or nothing arrived for
+    --timeout seconds); 2: the stream cannot be read."""
+    show: Callable[[str], None] = (lambda line: None) if args.json else print
+    try:
+        watched = watch(args.endpoint, timeout_s=args.timeout, every=args.every, on_line=show)
+    except WireTimeout as exc:
+        return _fail(f"{exc}", 1)
+    except (WireError, StreamError) as exc:
+        return _fail(str(exc))
+    if args.dump:
+        try:
+            dump(watched, args.dump)
+        except OSError as exc:
+            return _fail(f"cannot write {args.dump}: {exc.strerror or exc}")
+    summary = watched.summary()
+    if args.json:
+        print(json.dumps(summary))
+    else:
+        print("final " + summary_line(summary))
+        print(_watch_verdict(watched))
+    return 0 if watched.complete else 1
+
+
+def _watch_verdict(watched: Watched) -> str:
+    if watched.complete:
+        return f"stream ended after {watched.records} steps: followed completely"
+    why = []
+    if watched.first_seq:
+        why.append(f"joined at step message {watched.first_seq}")
+    if watched.gaps:
+        why.append(f"{len(watched.gaps)} gap(s): {watched.gaps[:3]}")
+    if watched.header is None:
+        why.append("no header received")
+    return f"incomplete view ({'; '.join(why) or 'the stream did not end'})"
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     if args.bench == "match":
         from kvsched.bench.match import run_match_bench
 
         try:
-            out = run_match_bench(**_options(args, "mode batch context block_size warmup samples"))
+            out = run_match_bench(
+                mode=args.mode,
+                batch=args.batch,
+                context=args.context,
+                block_size=args.block_size,
+                warmup=args.warmup,
+                samples=args.samples,
+            )
         except ValueError as exc:
             return _fail(str(exc))
     else:
@@ -257,6 +342,7 @@ def _add_replay(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
     )
     r.add_argument("--skip-bad-lines", action="store_true", help="count bad lines, skip them")
     r.add_argument("--log", metavar="OUT", help="record the run to this event log")
+    _add_publish(r)
     r.add_argument("--report", metavar="DIR", help="write metrics JSON and PNG plots here")
     r.add_argument("--json", action="store_true", help="print the metrics as one JSON object")
     r.add_argument("--check", action="store_true", help="check invariants after every step")
@@ -264,11 +350,44 @@ def _add_replay(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
     r.set_defaults(func=cmd_replay)
 
 
+def _add_publish(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--publish",
+        metavar="ENDPOINT",
+        help="publish the event stream over ZeroMQ, e.g. tcp://127.0.0.1:5557 (kvsched watch)",
+    )
+    p.add_argument(
+        "--wait-subscribers",
+        type=int,
+        default=0,
+        metavar="N",
+        help="with --publish: wait (up to 10 s) for N subscribers before the first step",
+    )
+
+
+def _add_watch(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    w = sub.add_parser(
+        "watch",
+        help="follow a published event stream: live admissions, hits and cache use",
+        description="Subscribe to a stream published with --publish, rebuild the cache from "
+        "its events and print a summary line every --every steps, then a final one.",
+    )
+    w.add_argument("endpoint", metavar="ENDPOINT", help="e.g. tcp://127.0.0.1:5557")
+    w.add_argument("--every", type=int, default=100, metavar="N", help="steps between lines")
+    w.add_argument(
+        "--timeout", type=float, default=30.0, metavar="S", help="give up after S idle seconds"
+    )
+    w.add_argument("--dump", metavar="FILE", help="write the rebuilt cache view as JSON")
+    w.add_argument("--json", action="store_true", help="print only the final summary as JSON")
+    w.set_defaults(func=cmd_watch)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvsched", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="run the built-in multi-turn chat workload (simulated)")
     demo.add_argument("--log", help="record the run to this event log")
+    _add_publish(demo)
     demo.add_argument("--sessions", type=int, default=64)
     demo.add_argument("--turns", type=int, default=4)
     demo.add_argument("--seed", type=int, default=0)
@@ -305,6 +424,7 @@ def build_parser() -> argparse.ArgumentParser:
     verify.add_argument("log")
     verify.add_argument("--quiet", action="store_true")
     verify.set_defaults(func=cmd_verify)
+    _add_watch(sub)
     _add_bench(sub)
     return p
 
@@ -313,7 +433,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         code: int = args.func(args)
-    except (SetupError, TraceError, LogOpenError, _ReportError) as exc:
+    except (SetupError, TraceError, LogOpenError, _ReportError, WireError) as exc:
         return _fail(str(exc))
     return code
 

@@ -180,7 +180,7 @@ def test_a_released_cached_chain_is_evicted_leaf_first_and_the_index_stays_prefi
         pool.check_invariants([arr(*blocks[remaining:].tolist())])
         for h in pool.index:
             parent = pool.parent_of[pool.index[h]]
-            assert parent is None or parent in pool.index
+            assert parent == ROOT or parent in pool.index
 
 
 def test_the_least_recently_released_chain_is_evicted_before_a_newer_one():
@@ -421,7 +421,7 @@ class BlockPoolMachine(RuleBasedStateMachine):
         pool = self.pool
         for b in pool.index.values():
             parent = pool.parent_of[b]
-            if parent is not None:
+            if parent != ROOT:
                 assert parent in pool.index
                 assert pool.ref[pool.index[parent]] >= pool.ref[b]
                 # An evictable parent is evicted after its child.

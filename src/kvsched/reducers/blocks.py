@@ -68,7 +68,7 @@ class BlockPool:
         self.block_size = block_size
         self.ref = np.zeros(num_blocks, dtype=np.int32)
         self.hash_of: list[bytes | None] = [None] * num_blocks
-        self.parent_of: list[bytes | None] = [None] * num_blocks
+        self.parent_of: list[bytes | None] = [None] * num_blocks  # namespace root at depth 0
         self.path_of: list[tuple[_Path, int] | None] = [None] * num_blocks
         self.children = np.zeros(num_blocks, dtype=np.int32)  # cached children per block
         # MoE: routed-expert ids recorded when a cached block was computed ([bs, K] int16).
@@ -249,12 +249,11 @@ class BlockPool:
                 arr[depth] = block
                 path = _Path(arr, depth + 1)
             self.children[pb] += 1
-            self.parent_of[block] = parent
         else:
             arr = np.zeros(16, dtype=np.int32)
             arr[0] = block
             path = _Path(arr, 1)
-            self.parent_of[block] = None
+        self.parent_of[block] = parent  # (the namespace root at depth 0)
         self.index[h] = block
         self.hash_of[block] = h
         self.path_of[block] = (path, depth)
@@ -280,8 +279,9 @@ class BlockPool:
         path, depth = entry
         if path.n == depth + 1:
             path.n = depth  # the tip of its chain: the slot can be reused
-        parent = self.parent_of[block]
-        if parent is not None:
+        if depth:
+            parent = self.parent_of[block]
+            assert parent is not None
             self.children[self.index[parent]] -= 1
         self.hash_of[block] = None
         self.parent_of[block] = None
@@ -363,16 +363,16 @@ class BlockPool:
         for h, b in self.index.items():
             if self.hash_of[b] != h:
                 raise BlockPoolError(f"index entry for block {b} disagrees with its identity")
-            parent = self.parent_of[b]
-            if parent is not None:
-                if parent not in self.index:
-                    raise BlockPoolError(f"block {b} is cached but its parent is not")
-                children[self.index[parent]] += 1
             entry = self.path_of[b]
             if entry is None or entry[1] >= entry[0].n or entry[0].arr[entry[1]] != b:
                 raise BlockPoolError(f"block {b}: its prefix path does not end at it")
-            if entry[1] and self.index.get(parent or b"") != entry[0].arr[entry[1] - 1]:
-                raise BlockPoolError(f"block {b}: its prefix path disagrees with its parent")
+            parent = self.parent_of[b]
+            if entry[1]:
+                if parent is None or parent not in self.index:
+                    raise BlockPoolError(f"block {b} is cached but its parent is not")
+                children[self.index[parent]] += 1
+                if self.index[parent] != entry[0].arr[entry[1] - 1]:
+                    raise BlockPoolError(f"block {b}: its prefix path disagrees with its parent")
         if not np.array_equal(children, self.children):
             raise BlockPoolError("cached-children counts disagree with the index")
 

@@ -16,6 +16,7 @@ from kvsched.connectors import InProcessStore, StoreConnector, TransferEngine
 from kvsched.connectors.buffers import HostBlockBuffer, HostStateBuffer
 from kvsched.engine import Engine
 from kvsched.events.log import EventLog
+from kvsched.events.wire import Publisher
 from kvsched.gpu.sim import CostModel, SimulatedExecutor
 from kvsched.replay.driver import Executor
 from kvsched.replay.external import ExternalKV
@@ -23,6 +24,7 @@ from kvsched.replay.metrics import ReplayResult
 from kvsched.replay.runs import Progress, no_progress, replay
 from kvsched.replay.setup import SetupError, make_executor, open_log, torch_module
 from kvsched.replay.workload import Workload, chat_workload
+from kvsched.stream.publish import open_publisher
 
 
 @attrs.frozen
@@ -107,11 +109,15 @@ def run_demo(
     external: bool = False,
     check: bool = False,
     log: str | None = None,
+    publish: str | None = None,
+    wait_subscribers: int = 0,
     progress: Progress = no_progress,
 ) -> DemoRun:
     """Serve ``sessions`` chat sessions of ``turns`` turns; record the reported run to the
-    event log ``log`` if given. The log is opened before any work, so a bad path costs
-    nothing (``LogOpenError``); a bad executor or model is a SetupError."""
+    event log ``log`` if given, and publish its stream on the ZeroMQ endpoint ``publish``
+    (after ``wait_subscribers`` subscribers connected). The log and the publisher are opened
+    before any work, so a bad path or endpoint costs nothing (``LogOpenError``,
+    ``WireError``); a bad executor or model is a SetupError."""
     with tempfile.TemporaryDirectory(prefix="kvsched-demo-") as workdir:
         vocab, model_dir = ModelSpec().vocab_size, None
         if executor == "torch":
@@ -125,26 +131,33 @@ def run_demo(
             external_kv=external,
         )
         event_log = open_log(log, config)
+        sinks: list[Publisher] = []
         try:
+            if publish:
+                sinks.append(open_publisher(publish, config, wait_subscribers))
             workload = chat_workload(sessions=sessions, turns=turns, seed=seed, vocab_size=vocab)
             server = _Server(config, workload, executor, model_dir, progress)
             if external:
-                return _serve_twice(server, event_log, check)
-            engine = Engine(config, log=event_log, check_invariants=check)
+                return _serve_twice(server, event_log, sinks, check)
+            engine = Engine(config, log=event_log, sinks=sinks, check_invariants=check)
             result = server.serve(engine, "demo")
         finally:
             if event_log is not None:
                 event_log.close()
+            for sink in sinks:
+                sink.close()
     return DemoRun(result, workload, {"workload": workload.name})
 
 
-def _serve_twice(server: _Server, log: EventLog | None, check: bool) -> DemoRun:
+def _serve_twice(
+    server: _Server, log: EventLog | None, sinks: list[Publisher], check: bool
+) -> DemoRun:
     """Serve the workload on engine A, saving to an in-process store; then on engine B (a
     restarted server: empty cache, same store), which loads A's prefixes. B's run is the one
     logged and reported."""
     store = InProcessStore(capacity_bytes=8 << 30)
     res_a = server.serve(Engine(server.config, check_invariants=check), "demo A", store)
-    engine = Engine(server.config, log=log, check_invariants=check)
+    engine = Engine(server.config, log=log, sinks=sinks, check_invariants=check)
     result = server.serve(engine, "demo B", store)
     extra = {
         "workload": server.workload.name,

@@ -12,11 +12,13 @@ import attrs
 
 from kvsched.config import SchedulerConfig
 from kvsched.engine import Engine
+from kvsched.events.wire import Publisher
 from kvsched.replay.driver import Executor, run
 from kvsched.replay.external import ExternalKV
 from kvsched.replay.metrics import ReplayResult, replay_workload
 from kvsched.replay.setup import Sweep, TraceReplay, make_executor, open_log, sweep_config
 from kvsched.replay.workload import Workload
+from kvsched.stream.publish import open_publisher
 
 Progress = Callable[[str, int], contextlib.AbstractContextManager[Callable[[int], None] | None]]
 """``progress(desc, total)`` opens a progress display for a run of ``total`` requests; the
@@ -50,18 +52,26 @@ def replay_trace(
     config: SchedulerConfig,
     *,
     log: str | None = None,
+    publish: str | None = None,
+    wait_subscribers: int = 0,
     check: bool = False,
     progress: Progress = no_progress,
 ) -> ReplayResult:
-    """One run of the trace on a fresh engine, recorded to the event log ``log`` if given."""
+    """One run of the trace on a fresh engine, recorded to the event log ``log`` and
+    published on the ZeroMQ endpoint ``publish`` if given."""
     executor = make_executor(setup.executor, config, setup.cost, setup.model)
     event_log = open_log(log, config)
+    sinks: list[Publisher] = []
     try:
-        engine = Engine(config, log=event_log, check_invariants=check)
+        if publish:
+            sinks.append(open_publisher(publish, config, wait_subscribers))
+        engine = Engine(config, log=event_log, sinks=sinks, check_invariants=check)
         return replay(engine, executor, setup.trace.workload, progress=progress)
     finally:
         if event_log is not None:
             event_log.close()
+        for sink in sinks:
+            sink.close()
 
 
 @attrs.frozen
