@@ -78,7 +78,7 @@ def test_a_follower_of_the_external_demo_stream_rebuilds_the_second_engines_cach
     config = demo_config(num_blocks=400, hybrid=hybrid, external_kv=True)
     workload = chat_workload(sessions=8, turns=2, seed=5)
     store = InProcessStore(capacity_bytes=1 << 30)
-    for name in ("A", "B"):  # B: a restarted server, empty cache, same store
+    for _name in ("A", "B"):  # B: a restarted server, empty cache, same store
         engine = Engine(config, check_invariants=True)
         executor = SimulatedExecutor(config.model.vocab_size)
         follower = Follower(engine)

@@ -104,17 +104,17 @@ class CacheView:
             self.seqs[seq_id] = SeqView()
         self._arrivals.clear()
 
-    def _on_StepStarted(self, e: ev.StepStarted) -> None:  # noqa: N802
+    def _on_StepStarted(self, e: ev.StepStarted) -> None:
         self._accept_arrivals()
         self.step = e.step
         self.counters.steps += 1
 
-    def _on_RequestArrived(self, e: ev.RequestArrived) -> None:  # noqa: N802
+    def _on_RequestArrived(self, e: ev.RequestArrived) -> None:
         if e.seq_id not in self.seqs:  # (an id already live is a duplicate: rejected)
             self._arrivals[e.seq_id] = self._arrivals.get(e.seq_id, 0) + 1
         self.counters.arrived += 1
 
-    def _on_RequestRejected(self, e: ev.RequestRejected) -> None:  # noqa: N802
+    def _on_RequestRejected(self, e: ev.RequestRejected) -> None:
         left = self._arrivals.get(e.seq_id, 0) - 1
         if left > 0:
             self._arrivals[e.seq_id] = left
@@ -122,52 +122,52 @@ class CacheView:
             self._arrivals.pop(e.seq_id, None)
         self.counters.rejected += 1
 
-    def _on_SequenceAdmitted(self, e: ev.SequenceAdmitted) -> None:  # noqa: N802
+    def _on_SequenceAdmitted(self, e: ev.SequenceAdmitted) -> None:
         self._seq(e.seq_id).state = "RUNNING"
         self.counters.admitted += 1
 
-    def _on_KVLoadAdmitted(self, e: ev.KVLoadAdmitted) -> None:  # noqa: N802
+    def _on_KVLoadAdmitted(self, e: ev.KVLoadAdmitted) -> None:
         self._seq(e.seq_id).state = "LOADING_KV"
         self.counters.loads_admitted += 1
 
-    def _on_KVLoadSettled(self, e: ev.KVLoadSettled) -> None:  # noqa: N802
+    def _on_KVLoadSettled(self, e: ev.KVLoadSettled) -> None:
         self._seq(e.seq_id).state = "RUNNING"
 
-    def _on_SequencePreempted(self, e: ev.SequencePreempted) -> None:  # noqa: N802
+    def _on_SequencePreempted(self, e: ev.SequencePreempted) -> None:
         self.seqs[e.seq_id] = SeqView()
         self.counters.preempted += 1
 
-    def _on_SequenceFinished(self, e: ev.SequenceFinished) -> None:  # noqa: N802
+    def _on_SequenceFinished(self, e: ev.SequenceFinished) -> None:
         for seq_id in e.seq_ids.tolist():
             del self.seqs[seq_id]
         self.counters.finished += len(e.seq_ids)
 
-    def _on_SequenceAborted(self, e: ev.SequenceAborted) -> None:  # noqa: N802
+    def _on_SequenceAborted(self, e: ev.SequenceAborted) -> None:
         self._seq(e.seq_id)
         del self.seqs[e.seq_id]
         self.counters.aborted += 1
 
-    def _on_PrefixMatched(self, e: ev.PrefixMatched) -> None:  # noqa: N802
+    def _on_PrefixMatched(self, e: ev.PrefixMatched) -> None:
         self._seq(e.seq_id).blocks = e.blocks.tolist()
         if e.num_query_tokens:
             self.counters.query_tokens += e.num_query_tokens
             self.counters.hit_tokens += e.num_tokens
 
-    def _on_BlocksAllocated(self, e: ev.BlocksAllocated) -> None:  # noqa: N802
+    def _on_BlocksAllocated(self, e: ev.BlocksAllocated) -> None:
         blocks = e.blocks.tolist()
         for seq_id, (lo, hi) in zip(e.seq_ids.tolist(), _segments(e.counts), strict=True):
             self._seq(seq_id).blocks.extend(blocks[lo:hi])
 
-    def _on_BlocksFreed(self, e: ev.BlocksFreed) -> None:  # noqa: N802
+    def _on_BlocksFreed(self, e: ev.BlocksFreed) -> None:
         for holder, (lo, hi) in zip(e.seq_ids.tolist(), _segments(e.counts), strict=True):
             if holder >= 0:  # a sequence drops its tail (a session's hold is not a table)
                 table = self.seqs[holder].blocks
                 del table[len(table) - (hi - lo) :]
 
-    def _on_SessionBlocksHeld(self, e: ev.SessionBlocksHeld) -> None:  # noqa: N802
+    def _on_SessionBlocksHeld(self, e: ev.SessionBlocksHeld) -> None:
         del self.seqs[e.seq_id].blocks[: len(e.blocks)]
 
-    def _on_BlocksCached(self, e: ev.BlocksCached) -> None:  # noqa: N802
+    def _on_BlocksCached(self, e: ev.BlocksCached) -> None:
         hashes, parents = ev.split_hashes(e.hashes), ev.split_hashes(e.parents)
         blocks, replaced, starts = e.blocks.tolist(), e.replaced.tolist(), e.starts.tolist()
         for i, (lo, hi) in enumerate(_segments(e.counts)):
@@ -180,21 +180,21 @@ class CacheView:
                     self.parents[hashes[j]] = parents[j]
                     self.counters.blocks_cached += 1
 
-    def _on_BlocksEvicted(self, e: ev.BlocksEvicted) -> None:  # noqa: N802
+    def _on_BlocksEvicted(self, e: ev.BlocksEvicted) -> None:
         for h in ev.split_hashes(e.hashes):
             del self.prefix[h]
             self.parents.pop(h, None)
         self.counters.blocks_evicted += len(e.blocks)
 
-    def _on_CacheCleared(self, e: ev.CacheCleared) -> None:  # noqa: N802
+    def _on_CacheCleared(self, e: ev.CacheCleared) -> None:
         self.counters.blocks_evicted += len(self.prefix)
         self.prefix.clear()
         self.parents.clear()
 
-    def _on_CheckpointReserved(self, e: ev.CheckpointReserved) -> None:  # noqa: N802
+    def _on_CheckpointReserved(self, e: ev.CheckpointReserved) -> None:
         self._ckpt_keys[e.ckpt_id] = e.key
 
-    def _on_CheckpointPublished(self, e: ev.CheckpointPublished) -> None:  # noqa: N802
+    def _on_CheckpointPublished(self, e: ev.CheckpointPublished) -> None:
         self.checkpoints[self._ckpt_keys[e.ckpt_id]] = e.ckpt_id
         self.counters.ckpts_published += 1
 
@@ -203,16 +203,16 @@ class CacheView:
         if self.checkpoints.get(key) == ckpt_id:
             del self.checkpoints[key]
 
-    def _on_CheckpointAbandoned(self, e: ev.CheckpointAbandoned) -> None:  # noqa: N802
+    def _on_CheckpointAbandoned(self, e: ev.CheckpointAbandoned) -> None:
         self._drop_checkpoint(e.ckpt_id)
 
-    def _on_CheckpointReleased(self, e: ev.CheckpointReleased) -> None:  # noqa: N802
+    def _on_CheckpointReleased(self, e: ev.CheckpointReleased) -> None:
         self._drop_checkpoint(e.ckpt_id)
 
-    def _on_CheckpointEvicted(self, e: ev.CheckpointEvicted) -> None:  # noqa: N802
+    def _on_CheckpointEvicted(self, e: ev.CheckpointEvicted) -> None:
         self._drop_checkpoint(e.ckpt_id)
 
-    def _on_CheckpointUnpinned(self, e: ev.CheckpointUnpinned) -> None:  # noqa: N802
+    def _on_CheckpointUnpinned(self, e: ev.CheckpointUnpinned) -> None:
         self.seqs[e.seq_id].blocks.clear()  # the pinned prefix was all that was left
 
     # ------------------------------------------------------------------------ queries

@@ -23,7 +23,7 @@ from kvsched.events.codec import RecordDecodeError, check_schema, decode_record
 from kvsched.events.wire import Subscriber, WireError
 from kvsched.stream.view import CacheView
 
-__all__ = ["StreamError", "WireError", "Watched", "dump", "summary_line", "watch"]
+__all__ = ["StreamError", "Watched", "WireError", "dump", "summary_line", "watch"]
 
 
 class StreamError(ValueError):
