@@ -44,6 +44,25 @@ from typing import Any, BinaryIO, NamedTuple, Self
 
 import msgspec
 
+from kvsched.events.framing import (
+    HEADER_OFFSET,
+    MAGIC,
+    PREFIX_SIZE,
+    CorruptLogError,
+    StrPath,
+    TornTail,
+    check_magic,
+    encode_frame,
+    frame_prefix,
+    read_frame,
+    read_header,
+)
+
+_WRITE_BUFFER = 1 << 16
+_PREFIX = struct.Struct("<III")
+_crc32 = zlib.crc32
+_logger = logging.getLogger("kvsched.events.log")
+
 __all__ = [
     "HEADER_OFFSET",
     "MAGIC",
@@ -61,34 +80,7 @@ __all__ = [
     "read_log",
 ]
 
-MAGIC = b"KVSLOG01"
-HEADER_OFFSET = len(MAGIC)
-PREFIX_SIZE = 12
-MAX_PAYLOAD = 0xFFFF_FFFF
-_WRITE_BUFFER = 1 << 16
-
-_PREFIX = struct.Struct("<III")
-_PREFIX_HEAD = struct.Struct("<II")
-_crc32 = zlib.crc32
-_logger = logging.getLogger("kvsched.events.log")
-
-StrPath = str | os.PathLike[str]
-
-
 # --------------------------------------------------------------------------- errors
-
-
-class CorruptLogError(Exception):
-    """The log is damaged at ``offset`` (not merely cut short by a crash)."""
-
-    def __init__(self, path: StrPath, offset: int, reason: str) -> None:
-        self.path = os.fspath(path)
-        self.offset = offset
-        self.reason = reason
-        super().__init__(self.path, offset, reason)
-
-    def __str__(self) -> str:
-        return f"event log {self.path} is corrupt at byte {self.offset}: {self.reason}"
 
 
 class LogOpenError(OSError):
@@ -137,19 +129,6 @@ def _lock(fd: int, path: StrPath) -> None:
 
 
 @dataclass(frozen=True, slots=True)
-class TornTail:
-    """An incomplete last frame starting at ``offset``.
-
-    ``missing_bytes`` is how many more bytes the frame needed; for a cut inside
-    the 12-byte prefix the payload length is unknown, so it is a lower bound.
-    """
-
-    offset: int
-    missing_bytes: int
-    reason: str
-
-
-@dataclass(frozen=True, slots=True)
 class LogContents:
     """Everything :func:`read_log` found.
 
@@ -172,77 +151,6 @@ class LogRecord(NamedTuple):
     payload: bytes
 
 
-class _Frame(NamedTuple):
-    start: int
-    end: int
-
-
-# --------------------------------------------------------------------------- framing
-
-
-def encode_frame(payload: bytes) -> bytes:
-    """Return the complete frame (prefix + payload) for ``payload``."""
-    return _prefix(payload) + payload
-
-
-def _prefix(payload: bytes) -> bytes:
-    length = len(payload)
-    if length > MAX_PAYLOAD:
-        raise ValueError(f"payload of {length} bytes exceeds the {MAX_PAYLOAD}-byte frame limit")
-    payload_crc = _crc32(payload)
-    return _PREFIX.pack(length, payload_crc, _crc32(_PREFIX_HEAD.pack(length, payload_crc)))
-
-
-def _read_frame(buf: memoryview, offset: int, path: str) -> _Frame | TornTail:
-    """Parse the frame at ``offset``; raise on corruption, return TornTail if cut."""
-    size = len(buf)
-    available = size - offset
-    if available < PREFIX_SIZE:
-        reason = f"incomplete frame prefix ({available} of {PREFIX_SIZE} bytes)"
-        return TornTail(offset, PREFIX_SIZE - available, reason)
-    length, payload_crc, prefix_crc = _PREFIX.unpack_from(buf, offset)
-    if _crc32(buf[offset : offset + 8]) != prefix_crc:
-        raise CorruptLogError(path, offset, "frame header is corrupt (prefix checksum mismatch)")
-    start = offset + PREFIX_SIZE
-    end = start + length
-    if end > size:
-        reason = f"incomplete frame payload ({size - start} of {length} bytes)"
-        return TornTail(offset, end - size, reason)
-    if _crc32(buf[start:end]) != payload_crc:
-        raise CorruptLogError(path, offset, "payload checksum mismatch")
-    return _Frame(start, end)
-
-
-def _check_magic(buf: memoryview, path: str) -> None:
-    if len(buf) < len(MAGIC):
-        raise CorruptLogError(path, 0, f"bad magic: file is only {len(buf)} bytes long")
-    found = bytes(buf[: len(MAGIC)])
-    if found != MAGIC:
-        raise CorruptLogError(path, 0, f"bad magic: expected {MAGIC!r}, found {found!r}")
-
-
-def _read_header(buf: memoryview, path: str) -> tuple[dict[str, Any], int]:
-    """Decode the header frame; return it and the offset of the first record."""
-    frame = _read_frame(buf, HEADER_OFFSET, path)
-    if isinstance(frame, TornTail):
-        raise CorruptLogError(path, HEADER_OFFSET, f"log has no complete header ({frame.reason})")
-    try:
-        header = msgspec.msgpack.decode(buf[frame.start : frame.end])
-    except msgspec.DecodeError as exc:
-        raise CorruptLogError(path, HEADER_OFFSET, f"header is not valid msgpack: {exc}") from exc
-    _validate_header(header, path)
-    return header, frame.end
-
-
-def _validate_header(header: object, path: str) -> None:
-    if not isinstance(header, dict):
-        raise CorruptLogError(path, HEADER_OFFSET, "header is not a map")
-    expected = {"schema_version": int, "kvsched_version": str, "config": dict}
-    for key, kind in expected.items():
-        if not isinstance(header.get(key), kind):
-            raise CorruptLogError(path, HEADER_OFFSET, f"header field {key!r} missing or invalid")
-
-
 # --------------------------------------------------------------------------- reading
 
 
@@ -263,8 +171,8 @@ class LogReader:
         self._data = data
         self._buf = memoryview(data)
         self.size = len(data)
-        _check_magic(self._buf, self.path)
-        self.header, self._first = _read_header(self._buf, self.path)
+        check_magic(self._buf, self.path)
+        self.header, self._first = read_header(self._buf, self.path)
         self._end: int | None = None
         self._torn: TornTail | None = None
 
@@ -272,7 +180,7 @@ class LogReader:
         buf, path, size = self._buf, self.path, self.size
         offset = self._first
         while offset < size:
-            frame = _read_frame(buf, offset, path)
+            frame = read_frame(buf, offset, path)
             if isinstance(frame, TornTail):
                 self._finish(offset, frame)
                 return
@@ -305,7 +213,7 @@ class LogReader:
         """Classify why the fast path stopped at ``offset`` (raises if corrupt)."""
         if offset == self.size:
             return None
-        frame = _read_frame(self._buf, offset, self.path)
+        frame = read_frame(self._buf, offset, self.path)
         if not isinstance(frame, TornTail):
             raise AssertionError(f"reader stopped at valid frame {offset}")  # pragma: no cover
         return frame
@@ -475,7 +383,7 @@ class EventLog:
         if not isinstance(payload, bytes):
             payload = bytes(payload)
         offset = self._offset
-        prefix = _prefix(payload)
+        prefix = frame_prefix(payload)
         self._file.write(prefix)
         self._file.write(payload)
         self._offset = offset + PREFIX_SIZE + len(payload)

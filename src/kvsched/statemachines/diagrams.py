@@ -15,6 +15,7 @@ from typing import NamedTuple
 
 from kvsched.statemachines.declare import CompiledMachine
 from kvsched.statemachines.machines import ALL_MACHINES
+from kvsched.statemachines.triggers import EVENT_TRIGGERS
 
 __all__ = [
     "DEFAULT_PATH",
@@ -92,6 +93,25 @@ def render_machine(compiled: CompiledMachine) -> str:
     return "\n".join(lines)
 
 
+def render_triggers() -> str:
+    """The declared map of which event fires which trigger (``triggers.py``)."""
+    lines = [
+        "## Events and the triggers they fire",
+        "",
+        "Declared in `src/kvsched/statemachines/triggers.py` and checked when it is imported:",
+        "every trigger of every machine is fired by some event, and every trigger an event",
+        "fires is used by a transition of its machine. Folds look triggers up here.",
+        "",
+        "| event | machine | triggers |",
+        "| --- | --- | --- |",
+    ]
+    for kind, per_machine in EVENT_TRIGGERS.items():
+        for machine, triggers in per_machine.items():
+            names = ", ".join(f"`{t.name}`" for t in triggers)
+            lines.append(f"| `{kind.__name__}` | {machine.name} | {names} |")
+    return "\n".join([*lines, ""])
+
+
 def render_all(machines: Iterable[CompiledMachine] = ALL_MACHINES) -> str:
     """The whole generated document."""
     header = [
@@ -104,7 +124,8 @@ def render_all(machines: Iterable[CompiledMachine] = ALL_MACHINES) -> str:
         f"`{REGENERATE_COMMAND}`. Edit the declarations, then regenerate.",
         "",
     ]
-    return "\n".join(header) + "\n" + "\n".join(render_machine(m) for m in machines)
+    body = "\n".join(render_machine(m) for m in machines)
+    return "\n".join(header) + "\n" + body + "\n" + render_triggers()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
