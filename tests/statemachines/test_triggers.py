@@ -45,7 +45,7 @@ def test_a_declared_trigger_no_event_fires_is_refused(monkeypatch: pytest.Monkey
     mapping = {k: dict(v) for k, v in EVENT_TRIGGERS.items()}
     del mapping[ev.CheckpointReleased]
     monkeypatch.setattr(triggers_module, "EVENT_TRIGGERS", mapping)
-    with pytest.raises(MachineDefinitionError, match="Checkpoint.release"):
+    with pytest.raises(MachineDefinitionError, match=r"Checkpoint\.release"):
         check_triggers()
 
 
