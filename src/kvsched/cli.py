@@ -13,6 +13,7 @@ from typing import Any
 from tqdm import tqdm
 
 from kvsched.config import SchedulerConfig
+from kvsched.events.codec import RecordDecodeError, SchemaVersionError
 from kvsched.events.log import CorruptLogError, LogOpenError
 from kvsched.events.wire import WireError, WireTimeout
 from kvsched.replay.demo import run_demo
@@ -190,7 +191,7 @@ def _replay_sweep(
 def cmd_diff(args: argparse.Namespace) -> int:
     try:
         result = diff_logs(args.log_a, args.log_b)
-    except CorruptLogError as exc:
+    except (CorruptLogError, SchemaVersionError, RecordDecodeError) as exc:
         return _fail(str(exc))
     except OSError as exc:
         return _fail(f"cannot read {exc.filename or 'log'}: {exc.strerror or exc}")

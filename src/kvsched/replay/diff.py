@@ -14,7 +14,7 @@ from typing import Any
 import attrs
 
 from kvsched.events import types as ev
-from kvsched.events.codec import StepRecord, decode_record, encode, to_builtins
+from kvsched.events.codec import StepRecord, check_schema, decode_record, encode, to_builtins
 from kvsched.events.log import read_log
 from kvsched.replay.verify import Divergence, first_difference
 
@@ -130,7 +130,11 @@ def totals(records: Iterable[StepRecord]) -> dict[str, float]:
 
 
 def diff_logs(path_a: str, path_b: str) -> DiffResult:
+    """Raises CorruptLogError, OSError, SchemaVersionError or RecordDecodeError for a log
+    that cannot be read."""
     a, b = read_log(path_a), read_log(path_b)
+    check_schema(a.header, f"event log {path_a}")
+    check_schema(b.header, f"event log {path_b}")
     recs_a = [decode_record(r) for r in a.records]
     recs_b = [decode_record(r) for r in b.records]
     first: FirstDifference | None = None

@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import attrs
 
-from kvsched.config import SchedulerConfig
 from kvsched.engine import Engine
 from kvsched.events import types as ev
 from kvsched.events.codec import decode_record
 from kvsched.events.log import EventLog, TornTail, read_log
 from kvsched.reducers.planner import plan_step
 from kvsched.replay.driver import Resume, _ended
-from kvsched.replay.verify import first_difference
+from kvsched.replay.verify import first_difference, load_config
 
 
 class RecoveryError(RuntimeError):
@@ -33,16 +32,21 @@ class Recovered:
 
 
 def recover(path: str, *, check_invariants: bool = False) -> Recovered:
+    """Raises RecoveryError if the log does not replay to what it records (or LogError if
+    this kvsched cannot replay it at all)."""
     contents = read_log(path)
-    config = SchedulerConfig.from_dict(contents.header["config"])
+    config = load_config(contents.header, path)
     engine = Engine(config, check_invariants=check_invariants)
     arrived: set[int] = set()
     ended_at: dict[int, float] = {}
     clock = 0.0
     steps = 0
-    for payload in contents.records:
-        record = decode_record(payload)
-        result = engine.step(record.inputs, record.clock)
+    for offset, payload in zip(contents.offsets, contents.records, strict=True):
+        try:
+            record = decode_record(payload)
+            result = engine.step(record.inputs, record.clock)
+        except Exception as exc:  # the log records something this engine cannot replay
+            raise RecoveryError(f"step at byte {offset}: {type(exc).__name__}: {exc}") from exc
         divergence = first_difference(record.step, list(record.decisions), list(result.decisions))
         if divergence is not None:
             raise RecoveryError(divergence.describe())

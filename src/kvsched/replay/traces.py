@@ -415,12 +415,14 @@ def read_azure(
 
 def read_log_trace(path: str | Path, *, limit: int | None = None) -> Trace:
     """The arrivals of a kvsched event log, at their logged arrival times (open loop)."""
-    from kvsched.events.codec import decode_record
+    from kvsched.events.codec import RecordDecodeError, check_schema, decode_record
     from kvsched.events.log import CorruptLogError, read_log
 
     try:
         contents = read_log(str(path))
-    except CorruptLogError as exc:
+        check_schema(contents.header, f"event log {path}")
+        records = [decode_record(payload) for payload in contents.records]
+    except (CorruptLogError, RecordDecodeError, ValueError) as exc:
         raise TraceError(str(exc)) from None
     except FileNotFoundError:
         raise TraceError(f"{path}: no such event log") from None
@@ -428,7 +430,7 @@ def read_log_trace(path: str | Path, *, limit: int | None = None) -> Trace:
         raise TraceError(f"{path}: cannot read event log ({exc.strerror or exc})") from None
     rows: list[tuple[float, int, ev.RequestArrived]] = []
     order = 0
-    for record in map(decode_record, contents.records):
+    for record in records:
         e: ev.Event
         for e in record.inputs:
             if isinstance(e, ev.RequestArrived):
