@@ -1,7 +1,7 @@
 """Apply each hand-written mutant of a scheduler guard, run the tests meant to catch it, and
 restore the source: every mutant must be caught.
 
-    python3 scripts/guard_mutants.py        # prints CAUGHT / SURVIVED per mutant; exit 1 if any survives
+    python3 scripts/guard_mutants.py    # CAUGHT / SURVIVED per mutant; exit 1 if one survives
 
 The six guards a mutation probe once found untested (issue 12), and the tests that now
 guard them.
@@ -17,11 +17,12 @@ ROOT = Path(__file__).resolve().parents[1]
 BUDGET = "budget.tokens + chunk.end - chunk.start <= self.config.max_prefill_tokens"
 SPAN_END = "hi = min(last_block, (span.end - 1) // block_size + 1)"
 RETRIES = "if seq.num_failures > self.config.max_step_retries:"
+SCHED, IDENT = "tests/policy/test_scheduler.py", "tests/test_identity.py"
 MUTANTS = [
-    ("policy/admission.py", BUDGET, BUDGET.replace("<=", "<"), "tests/policy/test_scheduler.py", "budget"),
-    ("policy/admission.py", BUDGET, BUDGET + " + 1", "tests/policy/test_scheduler.py", "budget"),
-    ("identity.py", SPAN_END, SPAN_END.replace(" + 1)", ")"), "tests/test_identity.py", ""),
-    ("identity.py", SPAN_END, "hi = min(last_block, span.end // block_size + 1)", "tests/test_identity.py", ""),
+    ("policy/admission.py", BUDGET, BUDGET.replace("<=", "<"), SCHED, "budget"),
+    ("policy/admission.py", BUDGET, BUDGET + " + 1", SCHED, "budget"),
+    ("identity.py", SPAN_END, SPAN_END.replace(" + 1)", ")"), IDENT, ""),
+    ("identity.py", SPAN_END, "hi = min(last_block, span.end // block_size + 1)", IDENT, ""),
     (
         "policy/checkpoints.py",
         "order = [c for c in state.ckpts.eviction_order() if c.ckpt_id != keep]",
@@ -33,7 +34,7 @@ MUTANTS = [
         "policy/growth.py",
         "for session_id in sorted(state.sessions.sessions):",
         "for session_id in sorted(state.sessions.sessions, reverse=True):",
-        "tests/policy/test_scheduler.py",
+        SCHED,
         "idle_session",
     ),
     (
@@ -43,8 +44,8 @@ MUTANTS = [
         "tests/replay/test_external.py",
         "beyond",
     ),
-    ("policy/scheduler.py", RETRIES, RETRIES.replace(">", ">="), "tests/policy/test_scheduler.py", "retries"),
-    ("policy/scheduler.py", RETRIES, RETRIES.replace(":", " + 1:"), "tests/policy/test_scheduler.py", "retries"),
+    ("policy/scheduler.py", RETRIES, RETRIES.replace(">", ">="), SCHED, "retries"),
+    ("policy/scheduler.py", RETRIES, RETRIES.replace(":", " + 1:"), SCHED, "retries"),
 ]  # fmt: skip
 
 
