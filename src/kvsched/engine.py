@@ -117,7 +117,7 @@ class Engine:
             clock
         ):
             raise MalformedInput(-1, clock, f"the step clock must be a finite number: {clock!r}")
-        ordered = self.state.check_inputs(inputs)
+        ordered = self.state.check_inputs(list(inputs))  # (a one-shot iterable is read once)
         try:
             return self._step(ordered, float(clock))
         except BaseException as exc:

@@ -84,6 +84,8 @@ def _enc_hook(obj: Any) -> Any:
         if arr.ndim != 1:
             raise TypeError(f"only 1-D arrays are encoded, got shape {arr.shape}")
         return msgspec.msgpack.Ext(_EXT_NDARRAY, arr.dtype.str.encode().ljust(4) + arr.tobytes())
+    if isinstance(obj, np.bool_):
+        return bool(obj)
     if isinstance(obj, np.integer):
         return int(obj)
     if isinstance(obj, np.floating):

@@ -89,7 +89,11 @@ class UnknownTransfer(InputError):
 
 def apply_order(inputs: Sequence[ev.Event]) -> list[ev.Event]:
     """Outcomes, then transfer reports, then client requests; stable within each class."""
-    return sorted(inputs, key=lambda e: _RANK.get(type(e), _CLIENT_RANK))
+    return [e for _, e in _ordered(list(enumerate(inputs)))]
+
+
+def _ordered(indexed: list[tuple[int, ev.Event]]) -> list[tuple[int, ev.Event]]:
+    return sorted(indexed, key=lambda p: (_RANK.get(type(p[1]), _CLIENT_RANK), p[0]))
 
 
 def validate_inputs(state: EngineState, inputs: Sequence[ev.Event]) -> list[ev.Event]:
@@ -99,9 +103,9 @@ def validate_inputs(state: EngineState, inputs: Sequence[ev.Event]) -> list[ev.E
         reason = _check_fields(event)
         if reason is not None:
             raise MalformedInput(i, event, reason)
-    ordered = apply_order(inputs)
-    _Checker(state, inputs).run(ordered)
-    return ordered
+    ordered = _ordered(list(enumerate(inputs)))
+    _Checker(state, len(inputs)).run(ordered)
+    return [e for _, e in ordered]
 
 
 # ----------------------------------------------------------------------- field types
@@ -124,7 +128,13 @@ def _check_value(name: str, kind: Any, value: object) -> str | None:
             return f"{name} must be a number, got {type(value).__name__}"
         return None if math.isfinite(float(value)) else f"{name} must be finite, got {value}"
     if kind is str:
-        return None if isinstance(value, str) else f"{name} must be a str"
+        if not isinstance(value, str):
+            return f"{name} must be a str"
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return f"{name} is not valid UTF-8 text (a lone surrogate)"
+        return None
     if kind is bytes:
         return None if isinstance(value, bytes) else f"{name} must be bytes"
     if kind is np.ndarray:
@@ -145,11 +155,16 @@ def _check_spans(name: str, value: object) -> str | None:
     return None
 
 
+_F32_MAX = float(np.finfo(np.float32).max)
+
+
 def _check_fields(event: ev.Event) -> str | None:
     for name, kind in _FIELDS[type(event)]:
         reason = _check_value(name, kind, getattr(event, name))
         if reason is not None:
             return reason
+    if isinstance(event, ev.RequestArrived) and abs(event.temperature) > _F32_MAX:
+        return f"temperature={event.temperature} does not fit the sampling parameters (float32)"
     return None
 
 
@@ -159,36 +174,33 @@ def _check_fields(event: ev.Event) -> str | None:
 class _Checker:
     """Checks the ordered inputs against the state as it would be when each is applied."""
 
-    def __init__(self, state: EngineState, given: Sequence[ev.Event]) -> None:
+    def __init__(self, state: EngineState, count: int) -> None:
         self.state = state
-        self.given = list(given)
+        self.count = count
         self.answered = False  # the pending step's outcome has been given
         self.loads_done: set[int] = set()
         self.saves_done: set[int] = set()
 
-    def index(self, event: ev.Event) -> int:
-        return next(i for i, e in enumerate(self.given) if e is event)
-
-    def run(self, ordered: list[ev.Event]) -> None:
-        for event in ordered:
+    def run(self, ordered: list[tuple[int, ev.Event]]) -> None:
+        for i, event in ordered:
             if isinstance(event, (ev.StepExecuted, ev.StepFailed)):
-                self._outcome(event)
+                self._outcome(i, event)
             elif isinstance(event, (ev.KVLoadFinished, ev.KVLoadFailed)):
-                self._load_report(event)
+                self._load_report(i, event)
             elif isinstance(event, ev.KVSaveFinished):
-                self._save_report(event)
+                self._save_report(i, event)
             elif isinstance(event, ev.KVLookupAnswered) and event.num_blocks < 0:
-                raise MalformedInput(self.index(event), event, "num_blocks must be >= 0")
+                raise MalformedInput(i, event, "num_blocks must be >= 0")
         seqs = self.state.seqs
         if seqs.has_pending and not self.answered:
             step = seqs.pending_step
             raise OutcomeMismatch(
-                len(self.given), None, f"the outcome of step {step} (StepExecuted or "
+                self.count, None, f"the outcome of step {step} (StepExecuted or "
                 "StepFailed) is missing: every step that scheduled work needs one"
             )
 
-    def _outcome(self, e: ev.StepExecuted | ev.StepFailed) -> None:
-        seqs, i = self.state.seqs, self.index(e)
+    def _outcome(self, i: int, e: ev.StepExecuted | ev.StepFailed) -> None:
+        seqs = self.state.seqs
         if self.answered or not seqs.has_pending:
             raise OutcomeMismatch(i, e, f"no step awaits an outcome (step {e.step} given)")
         if e.step != seqs.pending_step:
@@ -215,22 +227,25 @@ class _Checker:
         if not math.isfinite(e.duration_s) or e.duration_s < 0:
             return f"duration_s must be finite and >= 0, got {e.duration_s}"
         k = model.routed_experts_per_token
-        if len(e.routed_experts):
+        experts = e.routed_experts
+        if len(experts):
             _, starts, ends = seqs.pending_arrays()
             want = int((ends - starts).sum()) * k
-            if not k or len(e.routed_experts) != want:
-                return f"{len(e.routed_experts)} routed-expert ids, expected {want} or none"
+            if not k or len(experts) != want:
+                return f"{len(experts)} routed-expert ids, expected {want} or none"
+            if experts.min() < 0 or experts.max() > np.iinfo(np.int16).max:
+                return "a routed-expert id is outside [0, 32767]"
         return None
 
-    def _load_report(self, e: ev.KVLoadFinished | ev.KVLoadFailed) -> None:
+    def _load_report(self, i: int, e: ev.KVLoadFinished | ev.KVLoadFailed) -> None:
         load = self.state.transfers.load_of(e.seq_id)
         if load is None or not load.in_flight or e.seq_id in self.loads_done:
-            raise UnknownTransfer(self.index(e), e, f"sequence {e.seq_id} has no load in flight")
+            raise UnknownTransfer(i, e, f"sequence {e.seq_id} has no load in flight")
         if isinstance(e, ev.KVLoadFailed) and e.num_good_blocks < 0:
-            raise MalformedInput(self.index(e), e, "num_good_blocks must be >= 0")
+            raise MalformedInput(i, e, "num_good_blocks must be >= 0")
         self.loads_done.add(e.seq_id)
 
-    def _save_report(self, e: ev.KVSaveFinished) -> None:
+    def _save_report(self, i: int, e: ev.KVSaveFinished) -> None:
         if e.save_id not in self.state.transfers.leases or e.save_id in self.saves_done:
-            raise UnknownTransfer(self.index(e), e, f"save {e.save_id} is not in flight")
+            raise UnknownTransfer(i, e, f"save {e.save_id} is not in flight")
         self.saves_done.add(e.save_id)
