@@ -6,7 +6,16 @@ from typing import Any, Literal
 
 import attrs
 
+MAX_BLOCKS = 1 << 26  # KV blocks of one engine
+MAX_BATCH = 1 << 16  # batch rows
+MAX_TABLE_ENTRIES = 1 << 28  # block-table entries (max_batch x blocks per sequence): 1 GiB
+
 OrderPolicy = Literal["fcfs", "priority", "ttft"]
+
+
+def _in_range(name: str, value: int, lo: int, hi: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+        raise ValueError(f"{name} must be an integer in [{lo}, {hi}], got {value!r}")
 TurnMode = Literal["mixed", "alternate"]
 Role = Literal["both", "prefill", "decode"]
 
@@ -22,6 +31,11 @@ class ModelSpec:
     max_context: int = 262144
     # MoE: routed-expert ids recorded per token (layers x top-k); 0 when none are recorded.
     routed_experts_per_token: int = 0
+
+    def __attrs_post_init__(self) -> None:
+        _in_range("vocab_size", self.vocab_size, 1, 1 << 31)
+        _in_range("max_context", self.max_context, 2, 1 << 31)
+        _in_range("routed_experts_per_token", self.routed_experts_per_token, 0, 1 << 12)
 
 
 @attrs.frozen(kw_only=True)
@@ -54,12 +68,24 @@ class SchedulerConfig:
     def __attrs_post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
-        if self.num_blocks < 2:
-            raise ValueError(f"num_blocks must be >= 2, got {self.num_blocks}")
-        if self.max_batch < 1:
-            raise ValueError(f"max_batch must be >= 1, got {self.max_batch}")
-        if self.max_prefill_tokens < self.block_size:
-            raise ValueError("max_prefill_tokens must be at least one block")
+        _in_range("num_blocks", self.num_blocks, 2, MAX_BLOCKS)
+        _in_range("max_batch", self.max_batch, 1, MAX_BATCH)
+        _in_range("max_prefill_tokens", self.max_prefill_tokens, self.block_size, 1 << 24)
+        _in_range("checkpoint_budget", self.checkpoint_budget, 0, 1 << 20)
+        _in_range("max_long_chunks_per_step", self.max_long_chunks_per_step, 1, 1 << 20)
+        _in_range("prefill_interval", self.prefill_interval, 1, 1 << 20)
+        _in_range("max_step_retries", self.max_step_retries, 0, 1 << 20)
+        _in_range("num_speculative_tokens", self.num_speculative_tokens, 0, 64)
+        _in_range("decode_checkpoint_interval", self.decode_checkpoint_interval, 0, 1 << 31)
+        if not self.aging_s > 0:
+            raise ValueError(f"aging_s must be positive, got {self.aging_s}")
+        entries = self.max_batch * (self.model.max_context // self.block_size + 1)
+        if entries > MAX_TABLE_ENTRIES:
+            raise ValueError(
+                f"block tables of max_batch {self.max_batch} x max_context "
+                f"{self.model.max_context} / block_size {self.block_size} need {entries:,} "
+                f"entries (at most {MAX_TABLE_ENTRIES:,}): lower one of them"
+            )
         if self.order not in ("fcfs", "priority", "ttft"):
             raise ValueError(f"unknown order policy {self.order!r}")
         if self.decode_checkpoint_interval % self.block_size:

@@ -1,4 +1,4 @@
-"""Hand-built StepPlans for the torch executor tests, computed as ``reducers/plan.py`` does."""
+"""Hand-built StepPlans for the torch executor tests, computed as ``reducers/planner.py`` does."""
 
 from __future__ import annotations
 

@@ -125,8 +125,10 @@ def decode_record(data: bytes) -> StepRecord:
     """Decode one step record; RecordDecodeError (with msgspec's reason) if it is not one."""
     try:
         return _RECORD_DECODER.decode(data)
-    except (msgspec.DecodeError, msgspec.ValidationError, ValueError, TypeError) as exc:
+    except (msgspec.DecodeError, ValueError, TypeError, NotImplementedError) as exc:
         raise RecordDecodeError(f"not a step record of schema {SCHEMA_VERSION}: {exc}") from exc
+    except RecursionError:
+        raise RecordDecodeError("not a step record: nested too deeply to decode") from None
 
 
 def decode_events(data: bytes) -> list[Event]:

@@ -134,6 +134,8 @@ def read_header(buf: memoryview, path: str) -> tuple[dict[str, Any], int]:
         header = msgspec.msgpack.decode(buf[frame.start : frame.end])
     except msgspec.DecodeError as exc:
         raise CorruptLogError(path, HEADER_OFFSET, f"header is not valid msgpack: {exc}") from exc
+    except RecursionError:
+        raise CorruptLogError(path, HEADER_OFFSET, "header is nested too deeply") from None
     _validate_header(header, path)
     return header, frame.end
 

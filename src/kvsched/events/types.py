@@ -437,7 +437,15 @@ def entity_of(event: Event) -> str:
             return f"{field}={value}"
     seq_ids = getattr(event, "seq_ids", None)
     if isinstance(seq_ids, np.ndarray):
-        head = ",".join(str(int(s)) for s in seq_ids[:4])
+        head = ",".join(_plain_id(s) for s in seq_ids[:4])
         more = "..." if len(seq_ids) > 4 else ""
         return f"seq_ids=[{head}{more}]"
     return "engine"
+
+
+def _plain_id(value: object) -> str:
+    """An id as text (a damaged log may hold anything in an id array)."""
+    try:
+        return str(int(value))  # type: ignore[call-overload]
+    except (TypeError, ValueError, OverflowError):
+        return repr(value)

@@ -149,8 +149,9 @@ def verify_log(
     try:
         policy = policy_factory(config) if policy_factory else None
         engine = Engine(config, policy=policy)
-    except (TypeError, ValueError) as exc:
-        raise LogError(f"event log {path}: cannot build an engine from its config: {exc}") from exc
+    except (TypeError, ValueError, MemoryError) as exc:
+        why = f"cannot build an engine from its config: {type(exc).__name__}: {exc}"
+        raise LogError(f"event log {path}: {why}") from exc
     steps = 0
     for offset, payload in records:
         divergence = _verify_record(engine, offset, payload, steps + 1)
@@ -175,8 +176,10 @@ def _verify_record(engine: Engine, offset: int, payload: bytes, step: int) -> Di
     except Exception as exc:  # any failure of the replay is this step's divergence
         return _step_divergence(step, "engine", f"{type(exc).__name__}: {exc}")
     divergence = first_difference(step, list(record.decisions), list(result.decisions))
-    if divergence is not None or not record.plan:
+    if divergence is not None:
         return divergence
+    if not record.plan:  # every record of schema 2 carries its plan's digest
+        return _step_divergence(step, "plan", "the record carries no plan digest")
     return _plan_divergence(record, result.plan)
 
 
