@@ -120,6 +120,9 @@ class TorchExecutor:
             or plan.slot_mapping.max() >= self.num_blocks * self.block_size
         ):
             raise ValueError("slot_mapping outside the KV pool (or in the null block)")
+        tables = plan.block_tables
+        if tables.size and (tables.min() < 0 or tables.max() >= self.num_blocks):
+            raise ValueError(f"block_tables outside the KV pool [0, {self.num_blocks})")
         if len(plan.input_ids) and (
             plan.input_ids.min() < 0 or plan.input_ids.max() >= self.config.vocab_size
         ):

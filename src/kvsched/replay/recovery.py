@@ -12,11 +12,10 @@ import attrs
 
 from kvsched.engine import Engine
 from kvsched.events import types as ev
-from kvsched.events.codec import decode_record
 from kvsched.events.log import EventLog, TornTail, read_log
 from kvsched.reducers.planner import plan_step
 from kvsched.replay.driver import Resume, _ended
-from kvsched.replay.verify import first_difference, load_config
+from kvsched.replay.verify import load_config, replay_record
 
 
 class RecoveryError(RuntimeError):
@@ -42,14 +41,11 @@ def recover(path: str, *, check_invariants: bool = False) -> Recovered:
     clock = 0.0
     steps = 0
     for offset, payload in zip(contents.offsets, contents.records, strict=True):
-        try:
-            record = decode_record(payload)
-            result = engine.step(record.inputs, record.clock)
-        except Exception as exc:  # the log records something this engine cannot replay
-            raise RecoveryError(f"step at byte {offset}: {type(exc).__name__}: {exc}") from exc
-        divergence = first_difference(record.step, list(record.decisions), list(result.decisions))
-        if divergence is not None:
+        replayed, divergence = replay_record(engine, offset, payload, steps + 1)
+        if replayed is None:  # checked as verify checks it: decisions, plan digest, step
+            assert divergence is not None
             raise RecoveryError(divergence.describe())
+        record, result = replayed
         inputs: list[ev.Event] = list(record.inputs)
         for event in inputs:
             if isinstance(event, ev.RequestArrived):

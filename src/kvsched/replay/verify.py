@@ -20,7 +20,7 @@ import attrs
 import numpy as np
 
 from kvsched.config import SchedulerConfig
-from kvsched.engine import Engine
+from kvsched.engine import Engine, StepResult
 from kvsched.events.codec import (
     RecordDecodeError,
     SchemaVersionError,
@@ -48,6 +48,7 @@ __all__ = [
     "first_difference",
     "iter_records",
     "load_config",
+    "replay_record",
     "verify_log",
 ]
 
@@ -154,7 +155,7 @@ def verify_log(
         raise LogError(f"event log {path}: {why}") from exc
     steps = 0
     for offset, payload in records:
-        divergence = _verify_record(engine, offset, payload, steps + 1)
+        _, divergence = replay_record(engine, offset, payload, steps + 1)
         if divergence is not None:
             return VerifyResult(steps, divergence, torn, config)
         steps += 1
@@ -163,24 +164,29 @@ def verify_log(
     return VerifyResult(steps, None, torn, config)
 
 
-def _verify_record(engine: Engine, offset: int, payload: bytes, step: int) -> Divergence | None:
+def replay_record(
+    engine: Engine, offset: int, payload: bytes, step: int
+) -> tuple[tuple[StepRecord, StepResult] | None, Divergence | None]:
+    """Replay one logged record (the ``step``-th, at byte ``offset``) through ``engine`` and
+    check it: ((record, the replay's result), None), or (None, its divergence). Any failure
+    of the replay is the step's divergence."""
     try:
         record = decode_record(payload)
     except RecordDecodeError as exc:
-        return _step_divergence(step, "record", f"the record at byte {offset} {exc}")
+        return None, _step_divergence(step, "record", f"the record at byte {offset} {exc}")
     if record.step != step:
         why = f"the record at byte {offset} is step {record.step}"
-        return _step_divergence(step, "record", why)
+        return None, _step_divergence(step, "record", why)
     try:
         result = engine.step(record.inputs, record.clock)
-    except Exception as exc:  # any failure of the replay is this step's divergence
-        return _step_divergence(step, "engine", f"{type(exc).__name__}: {exc}")
+    except Exception as exc:
+        return None, _step_divergence(step, "engine", f"{type(exc).__name__}: {exc}")
     divergence = first_difference(step, list(record.decisions), list(result.decisions))
-    if divergence is not None:
-        return divergence
-    if not record.plan:  # every record of schema 2 carries its plan's digest
-        return _step_divergence(step, "plan", "the record carries no plan digest")
-    return _plan_divergence(record, result.plan)
+    if divergence is None and not record.plan:  # every record of schema 2 has a digest
+        divergence = _step_divergence(step, "plan", "the record carries no plan digest")
+    if divergence is None:
+        divergence = _plan_divergence(record, result.plan)
+    return ((record, result), None) if divergence is None else (None, divergence)
 
 
 def _plan_divergence(record: StepRecord, plan: StepPlan) -> Divergence | None:
