@@ -3,6 +3,7 @@ that means for sharing KV between requests."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 from tests.policy.helpers import Harness, matched, of_type, request, tokens
 
@@ -60,3 +61,23 @@ def test_two_images_inside_one_block_share_its_kv_only_when_their_content_is_ide
     result = h.step([request(1, prompt, mm_spans=(MultimodalSpan(20, 28, content),))])
     # Block 0 precedes the image: shared whatever the image; from block 1 on only the same one.
     assert matched(result)[1].num_tokens == hit
+
+
+def test_a_block_filled_by_outputs_after_an_image_keeps_the_images_content_hash():
+    """The prompt's last block holds the end of an image and is filled by sampled tokens:
+    its identity includes the image's content hash, as a prompt block's would, so two
+    requests whose images differ never share that block."""
+    image = MultimodalSpan(36, 40, b"cat-image-digest")  # positions 36..39 of block 2
+    prompt = tokens(40, seed=33)
+    h = Harness()
+    h.step([request(0, prompt, max_tokens=12, mm_spans=(image,))])
+    results = h.run_until_idle()
+    cached = [d for r in results for d in of_type(r.decisions, ev.BlocksCached)]
+    chain = [x for d in cached for x in ev.split_hashes(d.hashes)]
+    assert len(chain) == 3  # block 2 (tokens 32..47) is filled by the first 8 outputs
+    # Each decode step's input is the token sampled by the step before it.
+    outputs = [int(r.plan.input_ids[0]) for r in results if r.plan.num_decode_tokens]
+    block_tokens = np.asarray([*prompt[:40], *outputs[:8]], np.int32)
+    root = namespace_root(h.config.model, BS)
+    assert chain == chain_hashes(root, block_tokens, BS, 0, {2: image.content_hash})
+    assert chain[2] != chain_hashes(root, block_tokens, BS)[2]

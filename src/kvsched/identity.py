@@ -43,6 +43,15 @@ def span_extras(
     return extras
 
 
+def block_hash(parent: bytes, tokens: np.ndarray, extra: bytes = b"") -> bytes:
+    """The hash of one full block (``chain_hashes`` of one block, without its loop)."""
+    h = blake2b(parent, digest_size=DIGEST_SIZE)
+    h.update(np.ascontiguousarray(tokens, dtype=_TOKEN_DTYPE).tobytes())
+    if extra:
+        h.update(extra)
+    return h.digest()
+
+
 def chain_hashes(
     parent: bytes,
     tokens: np.ndarray,

@@ -49,15 +49,17 @@ def finish(proc: subprocess.Popen[str]) -> tuple[int, str, str]:
     return proc.returncode, out, err
 
 
-@pytest.mark.parametrize("hybrid", [False, True], ids=["attention", "hybrid"])
+@pytest.mark.parametrize(
+    "extra", [[], ["--hybrid"], ["--external"]], ids=["attention", "hybrid", "external"]
+)
 def test_watch_in_another_process_rebuilds_the_cache_of_a_published_demo(
-    tmp_path: Path, hybrid: bool
+    tmp_path: Path, extra: list[str]
 ):
     endpoint, dump, log = free_endpoint(), tmp_path / "view.json", tmp_path / "run.kvlog"
     proc = start_watch(endpoint, dump, "--every", "50")
     args = ["demo", "--sessions", "6", "--turns", "2", "--cache-blocks", "120", "--quiet"]
     args += ["--publish", endpoint, "--wait-subscribers", "1", "--log", str(log), "--json"]
-    assert main([*args, "--hybrid"] if hybrid else args) == 0
+    assert main([*args, *extra]) == 0  # (--external: the second engine's run is published)
     code, out, err = finish(proc)
     assert code == 0, err
     assert "followed completely" in out and "step" in out.splitlines()[0]

@@ -84,7 +84,7 @@ def run_match_bench(
     _prefill_producers(engine, [p.astype(np.int32) for p in prompts])
     build_s = time.perf_counter() - t0
     state, policy = engine.state, engine.policy
-    emit = engine._emit  # the engine's fold-and-record hook, as the policy uses it
+    emit = state.apply  # fold each decision at once, as the engine's emit does (unrecorded)
     consumers = []
     for i, p in enumerate(prompts):
         arrived = ev.RequestArrived(

@@ -18,6 +18,7 @@ from kvsched.reducers.sessions import SessionTable
 from kvsched.reducers.state import EngineState
 
 _EMPTY16 = np.zeros(0, dtype=np.int16)
+_NO_MARKS = np.zeros(0, dtype=np.bool_)
 
 
 class Growth:
@@ -53,45 +54,79 @@ class Growth:
 
     def cache_computed(self, state: EngineState, rows: np.ndarray, emit: Emit) -> None:
         """Give identity to the rows' blocks that became full and computed."""
-        t, pool, bs = state.seqs, state.pool, self.bs
+        t, bs = state.seqs, self.bs
         full = t.computed[rows] // bs
         grown = rows[full > t.registered[rows]]
         if not len(grown):
             return
-        k = self.config.model.routed_experts_per_token
-        staged: dict[bytes, int] = {}
-        with_experts: set[int] = set()
-        seq_ids, counts, starts, blocks, replaced = [], [], [], [], []
-        hashes, parents, marks, experts = [], [], [], []
-        for row in grown.tolist():
+        index = state.pool.index
+        firsts = t.registered[grown]
+        lasts = t.computed[grown] // bs
+        seq_ids = t.row_seq[grown]
+        own = [t.table[row, first:last] for row, first, last in zip(
+            grown.tolist(), firsts.tolist(), lasts.tolist(), strict=True
+        )]
+        blocks = np.concatenate(own).astype(np.int32)
+        hashes: list[bytes] = []
+        parents: list[bytes] = []
+        for row, first, last in zip(grown.tolist(), firsts.tolist(), lasts.tolist(), strict=True):
             seq = t.objs[row]
             assert seq is not None
-            first, last = int(t.registered[row]), int(t.computed[row]) // bs
-            seq_ids.append(seq.seq_id)
-            counts.append(last - first)
-            starts.append(first)
-            for i in range(first, last):
-                h, own = seq.hashes[i], int(t.table[row, i])
-                canonical = pool.index.get(h, staged.get(h))
-                if canonical is None:
-                    staged[h] = canonical = own
-                blocks.append(canonical)
-                replaced.append(0 if canonical == own else own)
-                hashes.append(h)
-                parents.append(seq.hashes[i - 1] if i else seq.root)
-                if k:
-                    mark = self._experts_of(state, seq, i, canonical, with_experts)
-                    marks.append(mark is not None)
-                    if mark is not None:
-                        experts.append(mark)
+            chain = seq.hashes[first:last]
+            hashes += chain
+            parents.append(seq.hashes[first - 1] if first else seq.root)
+            parents += chain[:-1]
+        replaced = np.zeros(len(blocks), dtype=np.int32)
+        canonical = [index.get(h) for h in hashes]
+        if any(c is not None for c in canonical) or len(set(hashes)) < len(hashes):
+            self._deduplicate(hashes, canonical, blocks, replaced)
+        marks, experts = self._cached_experts(state, grown, firsts, lasts, blocks)
         emit(
             ev.BlocksCached(
-                arr(seq_ids), arr(counts, I32), arr(starts, I32), arr(blocks, I32),
-                arr(replaced, I32), b"".join(hashes), b"".join(parents),
-                np.asarray(marks, dtype=np.bool_),
-                np.concatenate(experts) if experts else _EMPTY16,
+                seq_ids.copy(), (lasts - firsts).astype(I32), firsts.astype(I32), blocks,
+                replaced, b"".join(hashes), b"".join(parents), marks, experts,
             )
         )
+
+    @staticmethod
+    def _deduplicate(
+        hashes: list[bytes], canonical: list[int | None], blocks: np.ndarray, replaced: np.ndarray
+    ) -> None:
+        """Entries whose hash is cached (or staged earlier in the same event) name the cached
+        block and the copy it replaces."""
+        staged: dict[bytes, int] = {}
+        for j, h in enumerate(hashes):
+            cached = canonical[j]
+            target = cached if cached is not None else staged.setdefault(h, int(blocks[j]))
+            if target != blocks[j]:
+                replaced[j], blocks[j] = blocks[j], target
+
+    def _cached_experts(
+        self,
+        state: EngineState,
+        rows: np.ndarray,
+        firsts: np.ndarray,
+        lasts: np.ndarray,
+        blocks: np.ndarray,
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """MoE: which entries bring routed-expert ids into the cache, and the ids."""
+        if not self.config.model.routed_experts_per_token:
+            return _NO_MARKS, _EMPTY16
+        t, j = state.seqs, 0
+        marks: list[bool] = []
+        experts: list[np.ndarray] = []
+        done: set[int] = set()
+        for row, first, last in zip(rows.tolist(), firsts.tolist(), lasts.tolist(), strict=True):
+            seq = t.objs[row]
+            assert seq is not None
+            for i in range(first, last):
+                mark = self._experts_of(state, seq, i, int(blocks[j]), done)
+                marks.append(mark is not None)
+                if mark is not None:
+                    experts.append(mark)
+                j += 1
+        ids = np.concatenate(experts) if experts else _EMPTY16
+        return np.asarray(marks, dtype=np.bool_), ids
 
     def _experts_of(
         self, state: EngineState, seq: Seq, i: int, canonical: int, done: set[int]

@@ -211,15 +211,20 @@ class BlockPool:
 
     def _on_cached(self, e: ev.BlocksCached) -> None:
         hashes, parents = split_hashes(e.hashes), split_hashes(e.parents)
-        bounds = np.concatenate(([0], np.cumsum(e.counts, dtype=np.int64)))
-        depths = np.repeat(e.starts - bounds[:-1], e.counts) + np.arange(len(e.blocks))
+        if len(e.seq_ids) == len(e.blocks):
+            depths = e.starts.tolist()  # one block per sequence
+        else:
+            bounds = np.concatenate(([0], np.cumsum(e.counts, dtype=np.int64)))
+            steps = np.repeat(e.starts - bounds[:-1], e.counts) + np.arange(len(e.blocks))
+            depths = steps.tolist()
         blocks = e.blocks.tolist()
+        replaced = e.replaced.tolist() if e.replaced.any() else None
         for j, block in enumerate(blocks):
-            if e.replaced[j]:
+            if replaced is not None and replaced[j]:
                 if self.index.get(hashes[j]) != block:
                     raise ReplayMismatch(f"dedup onto block {block}, which lacks that hash")
             else:
-                self._register(block, hashes[j], parents[j], int(depths[j]))
+                self._register(block, hashes[j], parents[j], depths[j])
         marked = np.nonzero(e.with_experts)[0].tolist() if len(e.with_experts) else []
         per = len(e.experts) // len(marked) if marked else 0
         for m, j in enumerate(marked):

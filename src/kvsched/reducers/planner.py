@@ -28,9 +28,13 @@ def plan_step(state: EngineState) -> StepPlan:
     rows, starts, ends = table.pending_arrays()
     lens = ends - starts
     total = int(lens.sum())
-    bounds = np.concatenate(([0], np.cumsum(lens)))
-    positions = np.arange(total, dtype=np.int64) - np.repeat(bounds[:-1] - starts, lens)
-    token_rows = np.repeat(rows, lens)
+    if total == len(rows):  # one token per sequence (a decode step): no ragged expansion
+        bounds = np.arange(total + 1)
+        positions, token_rows = starts.copy(), rows
+    else:
+        bounds = np.concatenate(([0], np.cumsum(lens)))
+        positions = np.arange(total, dtype=np.int64) - np.repeat(bounds[:-1] - starts, lens)
+        token_rows = np.repeat(rows, lens)
     slots = table.table[token_rows, positions // bs].astype(np.int64) * bs + positions % bs
     input_ids = np.empty(total, dtype=np.int32)
     decode = (lens == 1) & (starts == table.ntokens[rows] - 1)

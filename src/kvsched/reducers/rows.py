@@ -55,6 +55,7 @@ class RowTable:
         self.free_rows: list[int] = list(range(max_batch - 1, -1, -1))
         self._version = 0  # bumped when rows are taken or freed (invalidates _row_index)
         self._row_index: tuple[int, np.ndarray, np.ndarray] | None = None
+        self._rows_memo: tuple[int, np.ndarray, np.ndarray] | None = None
         self.step = 0
         # Work of the current step awaiting the executor's outcome (row order = plan order).
         self.pending_step = 0
@@ -75,7 +76,16 @@ class RowTable:
         return np.nonzero((self.row_seq != FREE_ROW) & ~self.loading)[0]
 
     def rows_of(self, seq_ids: np.ndarray) -> np.ndarray:
-        """Rows of running sequences, vectorised (raises KeyError if one is not running)."""
+        """Rows of running sequences, vectorised (raises KeyError if one is not running).
+        The latest answer is kept: an event's id array is looked up by several owners."""
+        memo = self._rows_memo
+        if memo is not None and memo[0] == self._version and memo[1] is seq_ids:
+            return memo[2]
+        rows = self._lookup_rows(seq_ids)
+        self._rows_memo = (self._version, seq_ids, rows)
+        return rows
+
+    def _lookup_rows(self, seq_ids: np.ndarray) -> np.ndarray:
         if self._row_index is None or self._row_index[0] != self._version:
             order = np.argsort(self.row_seq, kind="stable")
             self._row_index = (self._version, order, self.row_seq[order])
@@ -99,6 +109,8 @@ class RowTable:
         if not self._pending:
             empty = np.zeros(0, dtype=np.int64)
             return empty, empty, empty
+        if len(self._pending) == 1:
+            return self._pending[0]
         rows = np.concatenate([p[0] for p in self._pending])
         starts = np.concatenate([p[1] for p in self._pending])
         ends = np.concatenate([p[2] for p in self._pending])
@@ -147,10 +159,13 @@ class RowTable:
         """Copy the row's unflushed sampled tokens into its sequence; returns the sequence."""
         seq = self.objs[row]
         assert seq is not None
-        n0, n1 = seq.n_tokens, int(self.ntokens[row])
+        n0, n1, bs = seq.n_tokens, int(self.ntokens[row]), self.block_size
         if n1 > n0:
             seq.ensure_tokens(n1)
-            seq.tokens[n0:n1] = self.tail[row, np.arange(n0, n1) % self.block_size]
+            if n1 - n0 == bs and n0 % bs == 0:  # exactly one whole block: the tail in order
+                seq.tokens[n0:n1] = self.tail[row]
+            else:
+                seq.tokens[n0:n1] = self.tail[row, np.arange(n0, n1) % bs]
             seq.n_tokens = n1
         return seq
 

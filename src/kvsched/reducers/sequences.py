@@ -17,8 +17,14 @@ import numpy as np
 
 from kvsched.config import ModelSpec
 from kvsched.events import types as ev
-from kvsched.events.types import split_hashes
-from kvsched.identity import chain_hashes, checkpoint_identity, namespace_root, span_extras
+from kvsched.identity import (
+    block_hash,
+    chain_hashes,
+    checkpoint_identity,
+    namespace_root,
+    span_extras,
+    tail_extra,
+)
 from kvsched.reducers.blocks import BlockPool
 from kvsched.reducers.errors import RefChange, ReplayMismatch
 from kvsched.reducers.rows import RowTable
@@ -155,6 +161,7 @@ class SequenceTable(RowTable):
         rows, starts, ends = self.take_pending()
         if len(e.routed_experts) and len(rows):
             self._record_experts(rows, starts, ends, e.routed_experts)
+        sampling = rows[ends == self.ntokens[rows]]
         if len(rows):
             self.computed[rows] = ends
             for row in rows[self.failures[rows] > 0].tolist():  # a success resets the count
@@ -163,7 +170,10 @@ class SequenceTable(RowTable):
                 seq.num_failures = 0
                 self.failures[row] = 0
         if len(e.seq_ids):
-            self._append_sampled(self.rows_of(e.seq_ids), e.tokens)
+            # The outcome names the samplers, usually in plan order (then no lookup is needed).
+            if not np.array_equal(self.row_seq[sampling], e.seq_ids):
+                sampling = self.rows_of(e.seq_ids)
+            self._append_sampled(sampling, e.tokens)
 
     def _record_experts(
         self, rows: np.ndarray, starts: np.ndarray, ends: np.ndarray, flat: np.ndarray
@@ -187,7 +197,9 @@ class SequenceTable(RowTable):
             seq = self.flush(row)
             start = seq.n_tokens - bs
             parent = seq.hashes[-1] if seq.hashes else seq.root
-            seq.hashes.extend(chain_hashes(parent, seq.tokens[start : seq.n_tokens], bs))
+            # A block the prompt's last span reaches into keeps that span's content hash.
+            extra = tail_extra(seq.mm_spans, start, seq.n_tokens) if seq.mm_spans else b""
+            seq.hashes.append(block_hash(parent, seq.tokens[start : seq.n_tokens], extra))
 
     def _on_step_failed(self, e: ev.StepFailed) -> None:
         """The forward raised: none of its effects happened (no KV or state written, no
@@ -259,6 +271,14 @@ class SequenceTable(RowTable):
     # ------------------------------------------------------------------ block folds
 
     def _on_allocated(self, e: ev.BlocksAllocated) -> None:
+        if len(e.seq_ids) == len(e.blocks):  # one block each (decode growth): vectorised
+            rows = self._rows(e.seq_ids)
+            n = self.nblocks[rows]
+            if np.any(n >= self.table.shape[1]):
+                raise ReplayMismatch("a sequence cannot take one more block")
+            self.table[rows, n] = e.blocks
+            self.nblocks[rows] = n + 1
+            return
         bounds = np.concatenate(([0], np.cumsum(e.counts)))
         for i, seq_id in enumerate(e.seq_ids.tolist()):
             row = self.seq(seq_id).row
@@ -288,25 +308,30 @@ class SequenceTable(RowTable):
         self.computed[row] = min(int(self.computed[row]), (n - k) * self.block_size)
 
     def _on_cached(self, e: ev.BlocksCached) -> RefChange:
-        hashes = split_hashes(e.hashes)
-        bounds = np.concatenate(([0], np.cumsum(e.counts))).tolist()
-        for i, seq_id in enumerate(e.seq_ids.tolist()):
-            seq = self.seq(seq_id)
-            row, start, lo, hi = seq.row, int(e.starts[i]), bounds[i], bounds[i + 1]
-            end = start + hi - lo
-            if row == FREE_ROW or start != self.registered[row]:
-                raise ReplayMismatch(f"sequence {seq_id}: caches blocks from {start}")
-            computed = end * self.block_size <= self.computed[row]
-            if not computed or seq.hashes[start:end] != hashes[lo:hi]:
-                raise ReplayMismatch(f"sequence {seq_id}: blocks [{start}, {end}) not computed")
-            own = np.where(e.replaced[lo:hi] != 0, e.replaced[lo:hi], e.blocks[lo:hi])
-            if not np.array_equal(self.table[row, start:end], own):
-                raise ReplayMismatch(f"sequence {seq_id}: caches blocks it does not hold")
-            self.table[row, start:end] = e.blocks[lo:hi]
-            self.registered[row] = end
-        swapped = np.nonzero(e.replaced != 0)[0]
+        """Each sequence's next computed blocks enter the index (a duplicate's table entry is
+        swapped for the canonical block). That the hashes are the sequence's own is an
+        invariant (``invariants._check_seq``), not re-checked on this hot path."""
+        rows = self._rows(e.seq_ids)
+        starts = e.starts.astype(np.int64)
+        ends = starts + e.counts
+        if not np.array_equal(self.registered[rows], starts) or np.any(
+            ends * self.block_size > self.computed[rows]
+        ):
+            raise ReplayMismatch("blocks cached that are not the next computed ones")
+        if len(rows) == len(e.blocks):  # one block per sequence: the decode case
+            entry_rows, entry_index = rows, starts
+        else:
+            bounds = np.concatenate(([0], np.cumsum(e.counts)))
+            entry_rows = np.repeat(rows, e.counts)
+            entry_index = np.repeat(starts - bounds[:-1], e.counts) + np.arange(len(e.blocks))
+        swapped = np.nonzero(e.replaced)[0]
+        own = e.blocks if not len(swapped) else np.where(e.replaced != 0, e.replaced, e.blocks)
+        if not np.array_equal(self.table[entry_rows, entry_index], own):
+            raise ReplayMismatch("blocks cached that their sequences do not hold")
+        self.registered[rows] = ends
         if not len(swapped):
             return RefChange()
+        self.table[entry_rows, entry_index] = e.blocks
         # One array per swap: two sequences may deduplicate onto the same block.
         attach = tuple(e.blocks[j : j + 1] for j in swapped.tolist())
         return RefChange(attach=attach, release=(e.replaced[swapped],))

@@ -186,6 +186,8 @@ class TransferTable:
         load.first_block, load.num_blocks = e.first_block, e.num_blocks
 
     def _on_allocated(self, e: ev.BlocksAllocated) -> None:
+        if not self.loads:
+            return
         for seq_id in e.seq_ids.tolist():
             load = self.loads.get(seq_id)
             if load is not None and load.state == LoadState.ADMITTED:
