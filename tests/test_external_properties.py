@@ -514,7 +514,7 @@ def test_a_deferred_abort_that_is_forgotten_is_caught(monkeypatch: pytest.Monkey
         good = 0 if failed and state.hybrid else load.good_blocks
         emit(ev.KVLoadSettled(seq_id, load.first_block + good))
         seq = state.seq(seq_id)
-        self.growth.cache_computed(state, np.asarray([seq.row]), emit)
+        self.growth.cache_computed(state, emit, np.asarray([seq.row]))
         if failed and state.hybrid:
             self.preempt(state, seq, emit, "kv load failed")
 

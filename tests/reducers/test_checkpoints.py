@@ -358,7 +358,7 @@ def test_publishing_a_second_checkpoint_of_one_identity_is_a_replay_mismatch():
     state = engine.state
     state.apply(ev.StepStarted(2, 0.1))
     state.apply(executor.execute(first.plan))
-    engine.policy.growth.cache_computed(state, state.seqs.schedulable_rows(), state.apply)
+    engine.policy.growth.cache_computed(state, state.apply)
     engine.state.apply(ev.CheckpointPublished(ids[0]))
     with pytest.raises(ReplayMismatch):
         engine.state.apply(ev.CheckpointPublished(ids[1]))

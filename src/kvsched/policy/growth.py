@@ -52,11 +52,16 @@ class Growth:
 
     # --------------------------------------------------------------------- caching
 
-    def cache_computed(self, state: EngineState, rows: np.ndarray, emit: Emit) -> None:
-        """Give identity to the rows' blocks that became full and computed."""
+    def cache_computed(
+        self, state: EngineState, emit: Emit, rows: np.ndarray | None = None
+    ) -> None:
+        """Give identity to the blocks that became full and computed (of ``rows``, default
+        every row: a free row has none, a loading row none until its load settles)."""
         t, bs = state.seqs, self.bs
-        full = t.computed[rows] // bs
-        grown = rows[full > t.registered[rows]]
+        if rows is None:
+            grown = np.nonzero(t.computed // bs > t.registered)[0]
+        else:
+            grown = rows[t.computed[rows] // bs > t.registered[rows]]
         if not len(grown):
             return
         index = state.pool.index

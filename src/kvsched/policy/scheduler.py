@@ -99,7 +99,7 @@ class Policy:
         saved, start saves to the store, and finish the sequences its tokens end."""
         saving = self.config.external_save and state.hybrid
         published = self._awaiting_identities(state) if saving else []
-        self.growth.cache_computed(state, state.seqs.schedulable_rows(), emit)
+        self.growth.cache_computed(state, emit)
         self.checkpoints.publish(state, emit)
         self.transfers.start_saves(state, published, emit)
         self._finish_finished(state, outcome, emit)
@@ -175,7 +175,7 @@ class Policy:
         failed = load.state == LoadState.FAILED
         good = 0 if failed and state.hybrid else load.good_blocks
         emit(ev.KVLoadSettled(seq_id, load.first_block + good))
-        self.growth.cache_computed(state, np.asarray([seq.row]), emit)
+        self.growth.cache_computed(state, emit, np.asarray([seq.row]))
         if failed and state.hybrid:
             self.growth.preempt(state, seq, emit, f"kv load failed: {load.failure}")
         if load.abort_reason:

@@ -13,7 +13,7 @@ from collections import defaultdict, deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 from enum import IntEnum
-from typing import Any, Final
+from typing import Any, Final, NoReturn
 
 import numpy as np
 import numpy.typing as npt
@@ -308,19 +308,26 @@ class CompiledMachine:
         ids, states = np.asarray(entity_ids), np.asarray(states)
         if ids.shape != states.shape or states.ndim != 1:
             raise ValueError(f"entity_ids {ids.shape} and states {states.shape} must be equal 1-D")
-        if not np.issubdtype(states.dtype, np.integer) and states.size:
-            raise TypeError(f"states must be an integer array, got dtype {states.dtype}")
-        if not 0 <= event < self.table.shape[0]:
-            if states.size:
-                raise self._illegal(int(ids[0]), int(states[0]), event)
+        if not states.size:
             return np.empty(0, dtype=np.int64)
-        valid = (states >= 0) & (states < self.table.shape[1])
-        dests: npt.NDArray[np.int64] = self.table[event, np.where(valid, states, 0)]
-        bad = (dests == ILLEGAL) | ~valid
-        if bad.any():
-            first = int(np.argmax(bad))
-            raise self._illegal(int(ids[first]), int(states[first]), event)
+        if not np.issubdtype(states.dtype, np.integer):
+            raise TypeError(f"states must be an integer array, got dtype {states.dtype}")
+        n_events, n_states = self.table.shape
+        if not 0 <= event < n_events or states.min() < 0 or states.max() >= n_states:
+            return self._raise_first_illegal(ids, states, event)
+        dests: npt.NDArray[np.int64] = self.table[event][states]
+        if dests.min() == ILLEGAL:
+            return self._raise_first_illegal(ids, states, event)
         return dests
+
+    def _raise_first_illegal(self, ids: IntArray, states: IntArray, event: int) -> NoReturn:
+        n_events, n_states = self.table.shape
+        for entity, state in zip(ids.tolist(), states.tolist(), strict=True):
+            if not (0 <= event < n_events and 0 <= state < n_states):
+                raise self._illegal(int(entity), int(state), event)
+            if self.table[event, state] == ILLEGAL:
+                raise self._illegal(int(entity), int(state), event)
+        raise AssertionError("no illegal entry found")  # pragma: no cover
 
     def _next_guarded(self, entity_id: int, state: int, event: int, facts: frozenset[str]) -> int:
         options = self._guarded.get((state, event), ())
