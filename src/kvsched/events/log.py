@@ -1,13 +1,5 @@
-"""Append-only, crash-tolerant framed record file (the event log).
-
-File layout::
-
-    MAGIC (8 bytes) | header frame | record frame | record frame | ...
-
-A frame is a 12-byte prefix ``struct.pack('<III', length, crc32(payload),
-crc32(prefix[:8]))`` followed by ``length`` payload bytes.  The header frame's
-payload is msgpack of a dict with ``schema_version``, ``kvsched_version``,
-``config`` and any extra keys.  Record payloads are opaque ``bytes``.
+"""Append-only, crash-tolerant framed record file (the event log): the reader and the one
+writer. The file format (magic, frames, header) is ``framing.py``'s.
 
 Reading never skips anything silently:
 
@@ -39,11 +31,11 @@ import struct
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
-from types import TracebackType
-from typing import Any, BinaryIO, NamedTuple, Self
+from typing import Any, BinaryIO, NamedTuple
 
 import msgspec
 
+from kvsched.events.closing import Closing
 from kvsched.events.framing import (
     HEADER_OFFSET,
     MAGIC,
@@ -278,7 +270,7 @@ def _encode_header(
     return msgspec.msgpack.encode(header)
 
 
-class EventLog:
+class EventLog(Closing):
     """Writer for an event log; use :meth:`create` or :meth:`open_append`."""
 
     def __init__(
@@ -402,17 +394,6 @@ class EventLog:
         """Flush and close, releasing the writer's lock; idempotent."""
         if not self._file.closed:
             self._file.close()
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else f"offset={self._offset}"

@@ -68,11 +68,12 @@ import logging
 import struct
 import time
 from collections.abc import Iterator
-from types import TracebackType
-from typing import Final, Literal, Self
+from typing import Final, Literal
 
 import attrs
 import zmq
+
+from kvsched.events.closing import Closing
 
 __all__ = [
     "KINDS",
@@ -139,7 +140,7 @@ def decode_frames(frames: list[bytes], source: str = "the stream") -> Message:
 # --------------------------------------------------------------------------- publisher
 
 
-class Publisher:
+class Publisher(Closing):
     """Publishes a header, then step records, then an end message, on a bound XPUB socket."""
 
     def __init__(
@@ -251,17 +252,6 @@ class Publisher:
         if self._closed:
             raise WireError(f"publisher on {self.endpoint} is closed")
 
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
-
     def __repr__(self) -> str:
         state = "closed" if self._closed else f"sent={self.sent}"
         return f"Publisher({self.endpoint!r}, {state})"
@@ -270,7 +260,7 @@ class Publisher:
 # --------------------------------------------------------------------------- subscriber
 
 
-class Subscriber:
+class Subscriber(Closing):
     """Follows a stream: iterate it for messages, in order, up to and including the end."""
 
     def __init__(self, endpoint: str, *, timeout_s: float | None = None) -> None:
@@ -332,17 +322,6 @@ class Subscriber:
     @property
     def closed(self) -> bool:
         return self._closed
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         return f"Subscriber({self.endpoint!r}, received={self.received}, gaps={len(self.gaps)})"
