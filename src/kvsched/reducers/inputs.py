@@ -27,15 +27,28 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import msgspec
 import numpy as np
 
+from kvsched.config import SchedulerConfig
 from kvsched.events import types as ev
+from kvsched.reducers.sequences import SequenceTable
+from kvsched.reducers.transfers import TransferTable
 
-if TYPE_CHECKING:
-    from kvsched.reducers.state import EngineState
+
+class Owners(Protocol):
+    """What the validation reads: the config, the pending work, the transfers in flight."""
+
+    @property
+    def config(self) -> SchedulerConfig: ...
+
+    @property
+    def seqs(self) -> SequenceTable: ...
+
+    @property
+    def transfers(self) -> TransferTable: ...
 
 __all__ = [
     "InputError",
@@ -96,7 +109,7 @@ def _ordered(indexed: list[tuple[int, ev.Event]]) -> list[tuple[int, ev.Event]]:
     return sorted(indexed, key=lambda p: (_RANK.get(type(p[1]), _CLIENT_RANK), p[0]))
 
 
-def validate_inputs(state: EngineState, inputs: Sequence[ev.Event]) -> list[ev.Event]:
+def validate_inputs(state: Owners, inputs: Sequence[ev.Event]) -> list[ev.Event]:
     for i, event in enumerate(inputs):
         if not isinstance(event, ev.INPUT_TYPES) or type(event) not in _FIELDS:
             raise NotAnInput(i, event, "not an input event (inputs: " + _INPUT_NAMES + ")")
@@ -174,7 +187,7 @@ def _check_fields(event: ev.Event) -> str | None:
 class _Checker:
     """Checks the ordered inputs against the state as it would be when each is applied."""
 
-    def __init__(self, state: EngineState, count: int) -> None:
+    def __init__(self, state: Owners, count: int) -> None:
         self.state = state
         self.count = count
         self.answered = False  # the pending step's outcome has been given

@@ -8,22 +8,36 @@ against the sequences loading, sessions against live sequences.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 
-from kvsched.reducers.blocks import BlockPoolError
+from kvsched.reducers.blocks import BlockPool, BlockPoolError
+from kvsched.reducers.checkpoints import CheckpointTable
 from kvsched.reducers.errors import InvariantError
 from kvsched.reducers.seq import FREE_ROW, Seq
+from kvsched.reducers.sequences import SequenceTable
+from kvsched.reducers.sessions import SessionTable
+from kvsched.reducers.transfers import TransferTable
 from kvsched.statemachines import SeqState
 
-if TYPE_CHECKING:
-    from kvsched.reducers.state import EngineState
+
+class Owners(Protocol):
+    """The owners the cross-owner checks relate (an ``EngineState``)."""
+
+    block_size: int
+    pool: BlockPool
+    seqs: SequenceTable
+    sessions: SessionTable
+    ckpts: CheckpointTable
+    transfers: TransferTable
+
+    def holders(self) -> list[np.ndarray]: ...
 
 _LIVE = (SeqState.RUNNING, SeqState.LOADING_KV)
 
 
-def check_all(state: EngineState) -> None:
+def check_all(state: Owners) -> None:
     """Raise InvariantError naming the first violation."""
     try:
         state.pool.check_invariants(state.holders())
@@ -44,7 +58,7 @@ def check_all(state: EngineState) -> None:
     _check_transfers(state)
 
 
-def _check_rows(state: EngineState) -> None:
+def _check_rows(state: Owners) -> None:
     t = state.seqs
     used = set(t.running_rows().tolist())
     if used & set(t.free_rows) or len(used) + len(t.free_rows) != t.max_batch:
@@ -57,7 +71,7 @@ def _check_rows(state: EngineState) -> None:
             raise InvariantError(f"row {row}: its state column disagrees with its sequence")
 
 
-def _check_seq(state: EngineState, seq: Seq) -> None:
+def _check_seq(state: Owners, seq: Seq) -> None:
     t, bs = state.seqs, state.block_size
     n_tokens = int(t.ntokens[seq.row]) if seq.row != FREE_ROW else seq.n_tokens
     if len(seq.hashes) != n_tokens // bs:
@@ -86,7 +100,7 @@ def _check_seq(state: EngineState, seq: Seq) -> None:
             raise InvariantError(f"sequence {seq.seq_id}: block {i} has another identity")
 
 
-def _check_transfers(state: EngineState) -> None:
+def _check_transfers(state: Owners) -> None:
     t = state.seqs
     loading = {s.seq_id for s in t.seqs.values() if s.state == SeqState.LOADING_KV}
     rows = {int(t.row_seq[r]) for r in np.nonzero(t.loading)[0].tolist()}
