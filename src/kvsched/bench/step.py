@@ -1,9 +1,11 @@
 """``kvsched bench step``: one scheduler step with N running decode sequences.
 
-Timed: ``Engine.step`` with the previous step's outcome as input — folding the sampled tokens
-(appending, hashing filled blocks, registering computed blocks), deciding (decode growth,
-finish checks, admission), folding the decisions and building the frozen plan. Not timed: the
-simulated executor that produces the outcome. No event log.
+Timed: ``Engine.step`` with the previous step's outcome as input — validating the inputs
+(the outcome against the pending work), folding the sampled tokens (appending, hashing
+filled blocks), deciding and folding ``BlocksCached`` for the filled blocks, decode growth
+(with its evictions, if any), finish checks and admission, the lifecycle checks of every
+scheduled row, and building the frozen plan. Not timed: the simulated executor that
+produces the outcome. No event log, no sink (so no encoding and no plan digest).
 """
 
 from __future__ import annotations

@@ -23,7 +23,8 @@ def _pairs(pairs: list[tuple[int, int]]) -> np.ndarray:
 
 
 def plan_step(state: EngineState) -> StepPlan:
-    """Fold the step's scheduled work (``state.pending``) into a frozen plan."""
+    """Fold the step's scheduled work (``SequenceTable.pending_arrays``) and copies
+    (``StepWork.extras``) into a frozen plan."""
     table, bs, x = state.seqs, state.block_size, state.work.extras
     rows, starts, ends = table.pending_arrays()
     lens = ends - starts
