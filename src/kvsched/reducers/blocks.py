@@ -18,10 +18,10 @@ only when no cached child remains. Holders of a cached block always hold its cac
 too, and releases drop a sequence's blocks leaf first, so the LRU queue (ordered by release)
 offers a child before its parent; ``find_prefix_len`` can binary-search a request's chain.
 
-Prefix paths: each cached block at depth d knows ``(path, d)`` where ``path.arr[: d + 1]`` are
-the canonical blocks of its prefix, root first. A chain that grows at its tip extends its path
-in place; a branch copies the shared part. A match of k blocks is one lookup of the deepest
-hash and a read-only view of its path.
+Prefix paths: each cached block at depth d knows its chain's path and d, where
+``path.arr[: d + 1]`` are the canonical blocks of its prefix, root first. A chain that grows
+at its tip extends its path in place; a branch copies the shared part. A match of k blocks is
+one lookup of the deepest hash and a read-only view of its path.
 """
 
 from __future__ import annotations
@@ -69,7 +69,10 @@ class BlockPool:
         self.ref = np.zeros(num_blocks, dtype=np.int32)
         self.hash_of: list[bytes | None] = [None] * num_blocks
         self.parent_of: list[bytes | None] = [None] * num_blocks  # namespace root at depth 0
-        self.path_of: list[tuple[_Path, int] | None] = [None] * num_blocks
+        # A cached block's chain path and its depth in it, in two parallel columns (no
+        # per-block tuple: a cache of many blocks would burden the garbage collector).
+        self.path_of: list[_Path | None] = [None] * num_blocks
+        self.depth_of = np.zeros(num_blocks, dtype=np.int64)
         self.children = np.zeros(num_blocks, dtype=np.int32)  # cached children per block
         # MoE: routed-expert ids recorded when a cached block was computed ([bs, K] int16).
         self.experts: dict[int, np.ndarray] = {}
@@ -128,9 +131,9 @@ class BlockPool:
 
     def path_to(self, block: int) -> np.ndarray:
         """The canonical blocks of a cached block's prefix, ending at it (read-only view)."""
-        entry = self.path_of[block]
-        assert entry is not None
-        view = entry[0].arr[: entry[1] + 1]
+        path = self.path_of[block]
+        assert path is not None
+        view = path.arr[: int(self.depth_of[block]) + 1]
         view.flags.writeable = False
         return view
 
@@ -241,9 +244,9 @@ class BlockPool:
             pb = self.index.get(parent)
             if pb is None:
                 raise ReplayMismatch(f"block {block}: parent not cached (prefix closure)")
-            entry = self.path_of[pb]
-            assert entry is not None
-            path, d = entry
+            parent_path = self.path_of[pb]
+            assert parent_path is not None
+            path, d = parent_path, int(self.depth_of[pb])
             if d != depth - 1:
                 raise ReplayMismatch(f"block {block}: depth {depth} under a parent at {d}")
             if path.n == depth:
@@ -261,7 +264,8 @@ class BlockPool:
         self.parent_of[block] = parent  # (the namespace root at depth 0)
         self.index[h] = block
         self.hash_of[block] = h
-        self.path_of[block] = (path, depth)
+        self.path_of[block] = path
+        self.depth_of[block] = depth
 
     def _on_cleared(self, e: ev.CacheCleared) -> None:
         if self.ref.any():
@@ -279,9 +283,8 @@ class BlockPool:
         h = self.hash_of[block]
         assert h is not None
         del self.index[h]
-        entry = self.path_of[block]
-        assert entry is not None
-        path, depth = entry
+        path, depth = self.path_of[block], int(self.depth_of[block])
+        assert path is not None
         if path.n == depth + 1:
             path.n = depth  # the tip of its chain: the slot can be reused
         if depth:
@@ -368,15 +371,15 @@ class BlockPool:
         for h, b in self.index.items():
             if self.hash_of[b] != h:
                 raise BlockPoolError(f"index entry for block {b} disagrees with its identity")
-            entry = self.path_of[b]
-            if entry is None or entry[1] >= entry[0].n or entry[0].arr[entry[1]] != b:
+            path, depth = self.path_of[b], int(self.depth_of[b])
+            if path is None or depth >= path.n or path.arr[depth] != b:
                 raise BlockPoolError(f"block {b}: its prefix path does not end at it")
             parent = self.parent_of[b]
-            if entry[1]:
+            if depth:
                 if parent is None or parent not in self.index:
                     raise BlockPoolError(f"block {b} is cached but its parent is not")
                 children[self.index[parent]] += 1
-                if self.index[parent] != entry[0].arr[entry[1] - 1]:
+                if self.index[parent] != path.arr[depth - 1]:
                     raise BlockPoolError(f"block {b}: its prefix path disagrees with its parent")
         if not np.array_equal(children, self.children):
             raise BlockPoolError("cached-children counts disagree with the index")

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import attrs
 import numpy as np
@@ -141,7 +141,7 @@ class CheckpointTable:
     def _fire(
         self, c: Checkpoint, e: ev.Event, trigger: CkptEvent, facts: frozenset[str] = frozenset()
     ) -> None:
-        c.state = CkptState(fire(CHECKPOINT, e, c.ckpt_id, c.state, trigger, facts))
+        c.state = cast(CkptState, fire(CHECKPOINT, e, c.ckpt_id, c.state, trigger, facts))
 
     def _on_step_started(self, e: ev.StepStarted) -> None:
         self.awaiting, self.reserved = self.reserved, []

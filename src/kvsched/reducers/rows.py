@@ -19,6 +19,7 @@ from __future__ import annotations
 import numpy as np
 
 from kvsched.events import types as ev
+from kvsched.reducers.errors import ReplayMismatch
 from kvsched.reducers.seq import FREE_ROW, Seq
 from kvsched.statemachines import SeqEvent
 
@@ -137,8 +138,8 @@ class RowTable:
         self.nblocks[row] = n
 
     def activate(self, seq: Seq, row: int, event: ev.Event, trigger: SeqEvent) -> None:
-        if self.row_seq[row] != FREE_ROW or not self.free_rows or self.free_rows[-1] != row:
-            raise ValueError(f"row {row} is not the next free row")
+        if not self.free_rows or self.free_rows[-1] != row:
+            raise ReplayMismatch(f"sequence {seq.seq_id}: row {row} is not the next free row")
         seq.fire(event, trigger)
         self.loading[row] = trigger == SeqEvent.begin_load
         self.row_state[row] = seq.state

@@ -3,6 +3,8 @@ session's finished turns."""
 
 from __future__ import annotations
 
+from typing import cast
+
 import attrs
 import numpy as np
 
@@ -71,7 +73,8 @@ class Seq:
         return self.tokens[: self.n_tokens]
 
     def fire(self, event: ev.Event, trigger: SeqEvent) -> None:
-        self.state = SeqState(fire(SEQUENCE, event, self.seq_id, self.state, trigger))
+        # The compiled table returns the destination member itself: no enum construction.
+        self.state = cast(SeqState, fire(SEQUENCE, event, self.seq_id, self.state, trigger))
 
 
 @attrs.frozen

@@ -224,10 +224,7 @@ class SequenceTable(RowTable):
         self.saved[e.row] = e.num_blocks  # the store has them
 
     def _activate(self, seq: Seq, row: int, e: ev.Event, trigger: SeqEvent) -> None:
-        try:
-            self.activate(seq, row, e, trigger)
-        except ValueError as exc:
-            raise ReplayMismatch(f"sequence {seq.seq_id}: {exc}") from exc
+        self.activate(seq, row, e, trigger)
         self.waiting.pop(seq.seq_id, None)
 
     def _on_load_settled(self, e: ev.KVLoadSettled) -> None:

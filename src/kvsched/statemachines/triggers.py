@@ -15,6 +15,7 @@ Checked when this module is imported (``check_triggers``):
 from __future__ import annotations
 
 from enum import IntEnum
+from typing import NoReturn
 
 import numpy as np
 
@@ -61,8 +62,8 @@ EVENT_TRIGGERS: dict[type[ev.Event], dict[CompiledMachine, tuple[IntEnum, ...]]]
     ev.CheckpointReleased: {CHECKPOINT: (_C.release,)},
 }
 
-_ALLOWED: frozenset[tuple[type[ev.Event], str, int]] = frozenset(
-    (kind, machine.name, int(trigger))
+_ALLOWED: frozenset[tuple[type[ev.Event], CompiledMachine, IntEnum]] = frozenset(
+    (kind, machine, trigger)
     for kind, per_machine in EVENT_TRIGGERS.items()
     for machine, triggers in per_machine.items()
     for trigger in triggers
@@ -73,9 +74,8 @@ def triggers_of(kind: type[ev.Event], machine: CompiledMachine) -> tuple[IntEnum
     return EVENT_TRIGGERS.get(kind, {}).get(machine, ())
 
 
-def _require(kind: type[ev.Event], machine: CompiledMachine, trigger: IntEnum) -> None:
-    if (kind, machine.name, int(trigger)) not in _ALLOWED:
-        raise MachineDefinitionError(
+def _refuse(kind: type[ev.Event], machine: CompiledMachine, trigger: IntEnum) -> NoReturn:
+    raise MachineDefinitionError(
             f"{kind.__name__} does not fire {machine.name}.{trigger.name} (statemachines/"
             "triggers.py declares which event fires which trigger)"
         )
@@ -90,7 +90,8 @@ def fire(
     facts: frozenset[str] = NO_FACTS,
 ) -> int:
     """The destination of ``trigger`` for an entity in ``state``, fired by ``event``."""
-    _require(type(event), machine, trigger)
+    if (type(event), machine, trigger) not in _ALLOWED:
+        _refuse(type(event), machine, trigger)
     return machine.next_state(entity_id, state, trigger, facts)
 
 
@@ -102,7 +103,8 @@ def fire_many(
     trigger: IntEnum,
 ) -> np.ndarray:
     """Vectorised ``fire`` for unguarded triggers (one table read per entity)."""
-    _require(type(event), machine, trigger)
+    if (type(event), machine, trigger) not in _ALLOWED:
+        _refuse(type(event), machine, trigger)
     return machine.next_states(entity_ids, states, int(trigger))
 
 
