@@ -70,8 +70,8 @@ class StepWork:
         self.extras.state_save.append((CheckpointTable.runtime_slot(row), e.slot))
 
     def _on_ckpt_pinned(self, e: ev.CheckpointPinned) -> None:
-        c = self._ckpts.get(e.ckpt_id)
-        row = self._seqs.seq(e.seq_id).row
+        c = self._ckpts.ckpts[e.ckpt_id]  # (both checked by the owners' folds before this one)
+        row = self._seqs.seqs[e.seq_id].row
         self.extras.state_restore.append((c.slot, CheckpointTable.runtime_slot(row)))
         if c.frozen_block:
             depth = c.step // self._seqs.block_size
