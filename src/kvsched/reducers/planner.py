@@ -26,6 +26,7 @@ def plan_step(state: EngineState) -> StepPlan:
     """Fold the step's scheduled work (``SequenceTable.pending_arrays``) and copies
     (``StepWork.extras``) into a frozen plan."""
     table, bs, x = state.seqs, state.block_size, state.work.extras
+    hit_tokens, query_tokens = state.work.step_hits()
     rows, starts, ends = table.pending_arrays()
     lens = ends - starts
     total = int(lens.sum())
@@ -72,6 +73,6 @@ def plan_step(state: EngineState) -> StepPlan:
         seeds=_frozen(table.seed[rows].copy()),
         num_prefill_tokens=int(lens[~decode].sum()),
         num_decode_tokens=int(decode.sum()),
-        num_hit_tokens=x.hit_tokens,
-        num_query_tokens=x.query_tokens,
+        num_hit_tokens=hit_tokens,
+        num_query_tokens=query_tokens,
     )

@@ -60,8 +60,8 @@ class EngineState:
         self.sessions = SessionTable()
         self.ckpts = CheckpointTable(config.max_batch, budget, bs, self.pool)
         self.transfers = TransferTable(self.seqs)
-        self.work = StepWork(self.seqs, self.ckpts, config.hybrid)
         self.stats = Stats(block_size=bs)
+        self.work = StepWork(self.seqs, self.ckpts, self.stats, config.hybrid)
         self._routes = self._build_routes()
 
     def _build_routes(self) -> dict[type[ev.Event], tuple[Handler, ...]]:

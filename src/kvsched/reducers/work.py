@@ -3,9 +3,9 @@ clock, sleep and drain.
 
 ``StepWork`` collects, in decision order, the state-slot and block copies the current step's
 plan needs (hybrid models: runtime slots to zero at admission, checkpoints to restore before
-the forward and to save after it, partial blocks to freeze) and the prefix-hit statistics of
-the step's admissions. It reads the sequence and checkpoint tables for rows and slots. Both
-are reset by ``StepStarted``.
+the forward and to save after it, partial blocks to freeze), and the engine's hit counters
+when the step started (the step's own hits are the difference). It reads the sequence and
+checkpoint tables for rows and slots, and the statistics. Reset by ``StepStarted``.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from kvsched.events import types as ev
 from kvsched.reducers.checkpoints import CheckpointTable
 from kvsched.reducers.errors import RefChange
 from kvsched.reducers.sequences import SequenceTable
+from kvsched.reducers.stats import Stats
 
 Folds = dict[type[ev.Event], Callable[[Any], RefChange | None]]
 
@@ -31,19 +32,27 @@ class StepExtras:
     copy_after: list[tuple[int, int]] = attrs.field(factory=list)
     # (row, block index, frozen block): copy the frozen block into the row's private block
     restore_blocks: list[tuple[int, int, int]] = attrs.field(factory=list)
-    hit_tokens: int = 0  # prefix-hit statistics of the step's first admissions
-    query_tokens: int = 0
+    hit_tokens_before: int = 0  # the engine's hit counters when the step started
+    query_tokens_before: int = 0
 
 
 class StepWork:
-    def __init__(self, seqs: SequenceTable, ckpts: CheckpointTable, hybrid: bool) -> None:
+    def __init__(
+        self, seqs: SequenceTable, ckpts: CheckpointTable, stats: Stats, hybrid: bool
+    ) -> None:
         self._seqs = seqs
         self._ckpts = ckpts
+        self._stats = stats
         self.hybrid = hybrid
         self.extras = StepExtras()
 
+    def step_hits(self) -> tuple[int, int]:
+        """(hit tokens, query tokens) of the current step's first admissions."""
+        x, s = self.extras, self._stats
+        return s.hit_tokens - x.hit_tokens_before, s.query_tokens - x.query_tokens_before
+
     def folds(self) -> Folds:
-        out: Folds = {ev.StepStarted: self._on_step_started, ev.PrefixMatched: self._on_matched}
+        out: Folds = {ev.StepStarted: self._on_step_started}
         if self.hybrid:
             out[ev.SequenceAdmitted] = self._on_admitted
             out[ev.KVLoadAdmitted] = self._on_admitted
@@ -52,12 +61,8 @@ class StepWork:
         return out
 
     def _on_step_started(self, e: ev.StepStarted) -> None:
-        self.extras = StepExtras()
-
-    def _on_matched(self, e: ev.PrefixMatched) -> None:
-        if e.num_query_tokens:  # re-admissions after preemption are not counted
-            self.extras.query_tokens += e.num_query_tokens
-            self.extras.hit_tokens += e.num_tokens
+        s = self._stats
+        self.extras = StepExtras(hit_tokens_before=s.hit_tokens, query_tokens_before=s.query_tokens)
 
     def _on_admitted(self, e: ev.SequenceAdmitted | ev.KVLoadAdmitted) -> None:
         self.extras.state_zero.append(CheckpointTable.runtime_slot(e.row))
