@@ -84,7 +84,12 @@ def run_match_bench(
     _prefill_producers(engine, [p.astype(np.int32) for p in prompts])
     build_s = time.perf_counter() - t0
     state, policy = engine.state, engine.policy
-    emit = state.apply  # fold each decision at once, as the engine's emit does (unrecorded)
+    decisions: list[ev.Event] = []
+
+    def emit(event: ev.Event) -> None:  # what the engine's emit does: fold it, record it
+        state.apply(event)
+        decisions.append(event)
+
     consumers = []
     for i, p in enumerate(prompts):
         arrived = ev.RequestArrived(
@@ -105,6 +110,7 @@ def run_match_bench(
             raise AssertionError("an ssm match did not restore a checkpoint")
         for seq in consumers:
             policy.preempt(state, seq, emit, "bench undo")
+        decisions.clear()
         state.check_invariants() if batch * context <= 1 << 22 else None
 
     times = time_samples(match_all, undo, warmup, samples)

@@ -127,7 +127,12 @@ class BlockPool:
         and a read-only view of its path (no walk over the prefix)."""
         if count == 0:
             return np.zeros(0, dtype=np.int32)
-        return self.path_to(self.index[hashes[count - 1]])
+        block = self.index[hashes[count - 1]]
+        path = self.path_of[block]
+        assert path is not None and self.depth_of[block] == count - 1
+        view = path.arr[:count]
+        view.flags.writeable = False
+        return view
 
     def path_to(self, block: int) -> np.ndarray:
         """The canonical blocks of a cached block's prefix, ending at it (read-only view)."""
@@ -307,8 +312,10 @@ class BlockPool:
     def attach(self, blocks: np.ndarray) -> None:
         """Add one reference to each block (distinct ids; cached ones leave the LRU)."""
         refs = self.ref[blocks]
-        self.num_evictable -= int(np.count_nonzero(refs == 0))  # only cached blocks are unheld
-        self.ref[blocks] = refs + 1
+        # Only cached blocks are unheld (reference 0): they leave the evictable count.
+        self.num_evictable -= len(refs) - int(np.count_nonzero(refs))
+        refs += 1
+        self.ref[blocks] = refs
 
     def release(self, blocks: np.ndarray) -> None:
         """Drop one reference from each block, given in block-table order (root first)."""

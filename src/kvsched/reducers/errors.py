@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-import attrs
+from typing import NamedTuple
+
 import numpy as np
 
 
@@ -14,16 +15,12 @@ class ReplayMismatch(RuntimeError):
     """An event that cannot be folded into the current state."""
 
 
-@attrs.frozen
-class RefChange:
+class RefChange(NamedTuple):
     """What a holder's fold did to its block references: ``attach`` arrays (one reference on
     each block) are applied first, then ``release`` arrays, in order (each in block-table
     order, root first). Holders (sequences, sessions, checkpoints, save leases) own *which*
     blocks they hold; the block pool owns the counts, and ``EngineState`` hands every change
-    to it."""
+    to it. (A named tuple: one is built per fold that touches references.)"""
 
     attach: tuple[np.ndarray, ...] = ()
     release: tuple[np.ndarray, ...] = ()
-
-
-NO_CHANGE = RefChange()

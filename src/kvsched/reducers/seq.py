@@ -3,8 +3,6 @@ session's finished turns."""
 
 from __future__ import annotations
 
-from typing import cast
-
 import attrs
 import numpy as np
 
@@ -74,7 +72,7 @@ class Seq:
 
     def fire(self, event: ev.Event, trigger: SeqEvent) -> None:
         # The compiled table returns the destination member itself: no enum construction.
-        self.state = cast(SeqState, fire(SEQUENCE, event, self.seq_id, self.state, trigger))
+        self.state = fire(SEQUENCE, event, self.seq_id, self.state, trigger)
 
 
 @attrs.frozen

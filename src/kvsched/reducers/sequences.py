@@ -33,6 +33,8 @@ from kvsched.statemachines import SEQUENCE, SeqEvent, SeqState, fire_many
 
 __all__ = ["FREE_ROW", "History", "Seq", "SequenceTable"]
 
+_ADMIT = SeqEvent.admit  # (read once: a member read through its enum class costs ~100 ns)
+
 
 class SequenceTable(RowTable):
     def __init__(
@@ -215,17 +217,13 @@ class SequenceTable(RowTable):
     # --------------------------------------------------------------- admission folds
 
     def _on_admitted(self, e: ev.SequenceAdmitted) -> None:
-        seq = self.seq(e.seq_id)
-        self._activate(seq, e.row, e, SeqEvent.admit)
+        self.activate(self.seq(e.seq_id), e.row, e, _ADMIT)
+        self.waiting.pop(e.seq_id, None)
 
     def _on_load_admitted(self, e: ev.KVLoadAdmitted) -> None:
-        seq = self.seq(e.seq_id)
-        self._activate(seq, e.row, e, SeqEvent.begin_load)
+        self.activate(self.seq(e.seq_id), e.row, e, SeqEvent.begin_load)
+        self.waiting.pop(e.seq_id, None)
         self.saved[e.row] = e.num_blocks  # the store has them
-
-    def _activate(self, seq: Seq, row: int, e: ev.Event, trigger: SeqEvent) -> None:
-        self.activate(seq, row, e, trigger)
-        self.waiting.pop(seq.seq_id, None)
 
     def _on_load_settled(self, e: ev.KVLoadSettled) -> None:
         seq = self.seq(e.seq_id)
@@ -244,7 +242,7 @@ class SequenceTable(RowTable):
         row, k = seq.row, len(e.blocks)
         if row == FREE_ROW or self.nblocks[row]:
             raise ReplayMismatch(f"sequence {e.seq_id}: prefix match outside admission")
-        if k and self._pool.hash_of[int(e.blocks[-1])] != seq.hashes[k - 1]:
+        if k and self._pool.hash_of[e.blocks.item(-1)] != seq.hashes[k - 1]:
             raise ReplayMismatch(f"sequence {e.seq_id}: matched blocks of another prefix")
         change = None
         if e.ckpt_id >= 0:

@@ -19,7 +19,7 @@ blocks, a lease's prefix); the references a lease takes or drops are returned.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, cast
+from typing import Any
 
 import attrs
 import numpy as np
@@ -57,7 +57,7 @@ class KVLoad:
     settled: bool = False  # the sequence runs (KVLoadSettled)
 
     def fire(self, event: ev.Event, trigger: LoadEvent) -> None:
-        self.state = cast(LoadState, fire(KVLOAD, event, self.seq_id, self.state, trigger))
+        self.state = fire(KVLOAD, event, self.seq_id, self.state, trigger)
 
     @property
     def in_flight(self) -> bool:
@@ -88,7 +88,7 @@ class Lease:
     state: SaveState = SaveState.PENDING
 
     def fire(self, event: ev.Event, trigger: SaveEvent) -> None:
-        self.state = cast(SaveState, fire(KVSAVE, event, self.save_id, self.state, trigger))
+        self.state = fire(KVSAVE, event, self.save_id, self.state, trigger)
 
 
 class TransferTable:

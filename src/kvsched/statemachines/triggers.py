@@ -15,7 +15,7 @@ Checked when this module is imported (``check_triggers``):
 from __future__ import annotations
 
 from enum import IntEnum
-from typing import NoReturn
+from typing import Any, NoReturn, TypeVar, cast
 
 import numpy as np
 
@@ -69,6 +69,15 @@ _ALLOWED: frozenset[tuple[type[ev.Event], CompiledMachine, IntEnum]] = frozenset
     for trigger in triggers
 )
 
+# (event type, machine, trigger, source state) -> destination of every unguarded edge that an
+# event may take (``fire`` reads one entry; guarded and illegal edges take the full path).
+_EDGES: dict[tuple[type[ev.Event], CompiledMachine, int, int], Any] = {
+    (kind, machine, int(t.event), int(t.source)): t.dest
+    for kind, machine, trigger in _ALLOWED
+    for t in machine.spec.transitions
+    if t.guard is None and t.event == trigger
+}
+
 
 def triggers_of(kind: type[ev.Event], machine: CompiledMachine) -> tuple[IntEnum, ...]:
     return EVENT_TRIGGERS.get(kind, {}).get(machine, ())
@@ -81,18 +90,25 @@ def _refuse(kind: type[ev.Event], machine: CompiledMachine, trigger: IntEnum) ->
         )
 
 
+_State = TypeVar("_State", bound=int)
+
+
 def fire(
     machine: CompiledMachine,
     event: ev.Event,
     entity_id: int,
-    state: int,
+    state: _State,
     trigger: IntEnum,
     facts: frozenset[str] = NO_FACTS,
-) -> int:
-    """The destination of ``trigger`` for an entity in ``state``, fired by ``event``."""
+) -> _State:
+    """The destination of ``trigger`` for an entity in ``state`` (a member of the machine's
+    state enum, and so is the answer), fired by ``event``."""
+    dest: _State | None = _EDGES.get((type(event), machine, trigger, state))
+    if dest is not None:  # an unguarded edge this event may take: the common case
+        return dest
     if (type(event), machine, trigger) not in _ALLOWED:
         _refuse(type(event), machine, trigger)
-    return machine.next_state(entity_id, state, trigger, facts)
+    return cast(_State, machine.next_state(entity_id, state, trigger, facts))
 
 
 def fire_many(
