@@ -51,6 +51,11 @@ class SchedulerConfig:
     turn_mode: TurnMode = "mixed"
     prefill_interval: int = 16
     enable_prefix_caching: bool = True
+    # A computed block whose hash is already cached on another block is swapped for the cached
+    # copy (its own block freed at once). Off where the executor cannot rewrite a block-table
+    # entry it was already given (vLLM's workers only ever append): the copy then stays the
+    # sequence's private block and is freed with it.
+    dedup_cached_blocks: bool = True
     max_step_retries: int = 2  # a sequence in more failed steps than this is aborted
     # Hybrid models (attention + gated DeltaNet / Mamba): one recurrent state per running
     # sequence, prefix hits usable only at published state checkpoints.
@@ -66,8 +71,7 @@ class SchedulerConfig:
     role: Role = "both"
 
     def __attrs_post_init__(self) -> None:
-        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
-            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        _in_range("block_size", self.block_size, 1, 1 << 16)
         _in_range("num_blocks", self.num_blocks, 2, MAX_BLOCKS)
         _in_range("max_batch", self.max_batch, 1, MAX_BATCH)
         _in_range("max_prefill_tokens", self.max_prefill_tokens, self.block_size, 1 << 24)

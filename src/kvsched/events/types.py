@@ -167,6 +167,9 @@ class BlocksFreed(Event, frozen=True, tag="free"):
     blocks: np.ndarray
 
 
+PRIVATE_COPY = -1  # BlocksCached.replaced: a duplicate the sequence keeps, not indexed
+
+
 class BlocksCached(Event, frozen=True, tag="cached"):
     """Computed full blocks of running sequences enter the prefix index.
 
@@ -175,6 +178,8 @@ class BlocksCached(Event, frozen=True, tag="cached"):
     parent hash is ``parents[j]`` (the namespace root for block 0 of a chain). An entry with
     ``replaced[j] != 0`` is a deduplication: the hash was already cached at ``blocks[j]``, which
     replaces the sequence's own copy ``replaced[j]`` in its block table (the copy is freed).
+    ``replaced[j] == PRIVATE_COPY`` (-1): the hash is already cached on another block and the
+    sequence keeps ``blocks[j]`` as a private copy, not indexed (``dedup_cached_blocks`` off).
     MoE: ``with_experts[j]`` marks entries whose routed-expert ids (``experts``, flat
     ``[block_size * K]`` per marked entry) the cache keeps from now on."""
 
@@ -182,7 +187,7 @@ class BlocksCached(Event, frozen=True, tag="cached"):
     counts: np.ndarray  # int32
     starts: np.ndarray  # int32
     blocks: np.ndarray  # int32
-    replaced: np.ndarray  # int32, 0: a new cache entry
+    replaced: np.ndarray  # int32, 0: a new cache entry; PRIVATE_COPY: not indexed
     hashes: bytes  # 16 bytes per entry
     parents: bytes  # 16 bytes per entry
     with_experts: np.ndarray = msgspec.field(default_factory=lambda: np.zeros(0, np.bool_))

@@ -3,7 +3,8 @@ session holds, preemption victims and making room.
 
 Every cache change is a decision of its own: an allocation that reuses cached blocks first
 emits ``BlocksEvicted`` for them; computed full blocks enter the prefix index through
-``BlocksCached`` (a block whose hash is already cached is deduplicated onto the cached copy).
+``BlocksCached`` (a block whose hash is already cached is deduplicated onto the cached copy,
+or, with ``dedup_cached_blocks`` off, kept as the sequence's private copy).
 """
 
 from __future__ import annotations
@@ -84,7 +85,7 @@ class Growth:
         replaced = np.zeros(len(blocks), dtype=np.int32)
         canonical = [index.get(h) for h in hashes]
         if any(c is not None for c in canonical) or len(set(hashes)) < len(hashes):
-            self._deduplicate(hashes, canonical, blocks, replaced)
+            self._deduplicate(hashes, canonical, blocks, replaced, self.config.dedup_cached_blocks)
         marks, experts = self._cached_experts(state, grown, firsts, lasts, blocks)
         emit(
             ev.BlocksCached(
@@ -95,16 +96,25 @@ class Growth:
 
     @staticmethod
     def _deduplicate(
-        hashes: list[bytes], canonical: list[int | None], blocks: np.ndarray, replaced: np.ndarray
+        hashes: list[bytes],
+        canonical: list[int | None],
+        blocks: np.ndarray,
+        replaced: np.ndarray,
+        swap: bool,
     ) -> None:
         """Entries whose hash is cached (or staged earlier in the same event) name the cached
-        block and the copy it replaces."""
+        block and the copy it replaces; without ``swap``, they keep their own block and are
+        marked ``PRIVATE_COPY`` (not indexed)."""
         staged: dict[bytes, int] = {}
         for j, h in enumerate(hashes):
             cached = canonical[j]
             target = cached if cached is not None else staged.setdefault(h, int(blocks[j]))
-            if target != blocks[j]:
+            if target == blocks[j]:
+                continue
+            if swap:
                 replaced[j], blocks[j] = blocks[j], target
+            else:
+                replaced[j] = ev.PRIVATE_COPY
 
     def _cached_experts(
         self,

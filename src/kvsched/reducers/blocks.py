@@ -228,9 +228,12 @@ class BlockPool:
         blocks = e.blocks.tolist()
         replaced = e.replaced.tolist() if e.replaced.any() else None
         for j, block in enumerate(blocks):
-            if replaced is not None and replaced[j]:
+            if replaced is not None and replaced[j] > 0:
                 if self.index.get(hashes[j]) != block:
                     raise ReplayMismatch(f"dedup onto block {block}, which lacks that hash")
+            elif replaced is not None and replaced[j] == ev.PRIVATE_COPY:
+                if self.index.get(hashes[j], block) == block:
+                    raise ReplayMismatch(f"private copy {block} of a hash not cached elsewhere")
             else:
                 self._register(block, hashes[j], parents[j], depths[j])
         marked = np.nonzero(e.with_experts)[0].tolist() if len(e.with_experts) else []

@@ -319,8 +319,8 @@ class SequenceTable(RowTable):
             bounds = np.concatenate(([0], np.cumsum(e.counts)))
             entry_rows = np.repeat(rows, e.counts)
             entry_index = np.repeat(starts - bounds[:-1], e.counts) + np.arange(len(e.blocks))
-        swapped = np.nonzero(e.replaced)[0]
-        own = e.blocks if not len(swapped) else np.where(e.replaced != 0, e.replaced, e.blocks)
+        swapped = np.nonzero(e.replaced > 0)[0]
+        own = e.blocks if not len(swapped) else np.where(e.replaced > 0, e.replaced, e.blocks)
         if not np.array_equal(self.table[entry_rows, entry_index], own):
             raise ReplayMismatch("blocks cached that their sequences do not hold")
         self.registered[rows] = ends

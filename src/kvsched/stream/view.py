@@ -173,9 +173,9 @@ class CacheView:
         for i, (lo, hi) in enumerate(_segments(e.counts)):
             table = self.seqs[int(e.seq_ids[i])].blocks
             for j in range(lo, hi):
-                if replaced[j]:  # deduplicated onto the cached copy
+                if replaced[j] > 0:  # deduplicated onto the cached copy
                     table[starts[i] + j - lo] = blocks[j]
-                else:
+                elif replaced[j] == 0:  # (a private copy is not indexed)
                     self.prefix[hashes[j]] = blocks[j]
                     self.parents[hashes[j]] = parents[j]
                     self.counters.blocks_cached += 1

@@ -1,0 +1,1 @@
+"""Adapters that let a serving engine run kvsched as its scheduler."""

@@ -1,0 +1,89 @@
+"""kvsched's configuration for a vLLM engine, derived from vLLM's own (no vLLM import here).
+
+vLLM decides the KV cache (``KVCacheConfig``: how many blocks, their size); kvsched schedules
+exactly those blocks. What vLLM's configuration asks for that kvsched does not do is refused
+here, with the reason, before the engine serves anything.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from kvsched.config import ModelSpec, SchedulerConfig
+
+LOG_ENV = "KVSCHED_VLLM_LOG"  # path of the event log to write (additional_config wins)
+CONFIG_KEY = "kvsched"  # vllm_config.additional_config["kvsched"] = {"log": PATH, ...}
+
+
+class UnsupportedConfig(ValueError):
+    """vLLM is configured for something the kvsched adapter does not do (yet)."""
+
+
+def options(vllm_config: Any) -> dict[str, Any]:
+    """The adapter's options: ``additional_config["kvsched"]``, else the environment."""
+    extra = getattr(vllm_config, "additional_config", None) or {}
+    mine = extra.get(CONFIG_KEY, {}) if isinstance(extra, dict) else {}
+    if not isinstance(mine, dict):
+        raise UnsupportedConfig(f"additional_config[{CONFIG_KEY!r}] must be a dict, got {mine!r}")
+    unknown = set(mine) - {"log", "check_invariants"}
+    if unknown:
+        raise UnsupportedConfig(f"unknown kvsched options {sorted(unknown)}")
+    out = dict(mine)
+    if "log" not in out and os.environ.get(LOG_ENV):
+        out["log"] = os.environ[LOG_ENV]
+    return out
+
+
+def _refuse_unsupported(vllm_config: Any, kv_cache_config: Any) -> None:
+    groups = kv_cache_config.kv_cache_groups
+    if len(groups) != 1 or type(groups[0].kv_cache_spec).__name__ != "FullAttentionSpec":
+        kinds = sorted({type(g.kv_cache_spec).__name__ for g in groups})
+        raise UnsupportedConfig(
+            f"kvsched schedules models with one full-attention KV cache group; this model has "
+            f"{len(groups)} ({', '.join(kinds)}). Hybrid (Mamba / gated DeltaNet) models are "
+            "not supported under vLLM yet: see docs/vllm.md"
+        )
+    if getattr(vllm_config, "speculative_config", None) is not None:
+        raise UnsupportedConfig("speculative decoding is not supported by the kvsched adapter")
+    if getattr(vllm_config, "lora_config", None) is not None:
+        raise UnsupportedConfig("LoRA is not supported by the kvsched adapter")
+    transfer = getattr(vllm_config, "kv_transfer_config", None)
+    if transfer is not None and getattr(transfer, "kv_connector", None):
+        raise UnsupportedConfig("KV connectors are not supported by the kvsched adapter")
+    if vllm_config.parallel_config.pipeline_parallel_size != 1:
+        raise UnsupportedConfig("pipeline parallelism is not supported by the kvsched adapter")
+
+
+def scheduler_config(vllm_config: Any, kv_cache_config: Any, block_size: int) -> SchedulerConfig:
+    """The kvsched config scheduling vLLM's KV cache. The per-step token budget of vLLM
+    (``max_num_batched_tokens``) covers decodes and prefills; kvsched's ``max_prefill_tokens``
+    covers prefills only, so it gets the budget less one token per possible decode."""
+    _refuse_unsupported(vllm_config, kv_cache_config)
+    sched, model, cache = vllm_config.scheduler_config, vllm_config.model_config, (
+        vllm_config.cache_config
+    )
+    max_seqs = int(sched.max_num_seqs)
+    budget = int(sched.max_num_batched_tokens) - max_seqs
+    if budget < block_size:
+        raise UnsupportedConfig(
+            f"max_num_batched_tokens {sched.max_num_batched_tokens} leaves {budget} prefill "
+            f"tokens per step after {max_seqs} decodes: kvsched needs at least one block "
+            f"({block_size}); raise max_num_batched_tokens or lower max_num_seqs"
+        )
+    return SchedulerConfig(
+        model=ModelSpec(
+            name=str(model.model),
+            vocab_size=int(model.get_vocab_size()),
+            kv_dtype=str(cache.cache_dtype),
+            kv_layout="vllm",
+            max_context=int(model.max_model_len),
+        ),
+        block_size=int(block_size),
+        num_blocks=int(kv_cache_config.num_blocks),
+        max_batch=max_seqs,
+        max_prefill_tokens=budget,
+        order="priority" if str(sched.policy) == "priority" else "fcfs",
+        enable_prefix_caching=bool(cache.enable_prefix_caching),
+        dedup_cached_blocks=False,  # vLLM's workers only ever append to a block table
+    )

@@ -1,0 +1,75 @@
+"""Tiny local models with seeded random weights for running vLLM here (no download).
+
+Shapes follow what vLLM's CPU build accepts: attention head size 64 (16 is refused), a
+block size that is a multiple of 32; Qwen3-Next in bfloat16 with linear key/value head
+dims 128 (the CPU gated-DeltaNet kernel's only size). A local WordLevel tokenizer is saved
+beside the weights so that vLLM's tokenizer-dependent paths work; prompts are token ids.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+VOCAB = 512
+
+
+def _save_tokenizer(path: Path) -> None:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {f"t{i}": i for i in range(VOCAB)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(
+        json.dumps({"tokenizer_class": "PreTrainedTokenizerFast", "unk_token": "t0",
+                    "eos_token": "t1", "model_max_length": 1 << 16})
+    )
+
+
+def _qwen3(**over: Any) -> Any:
+    from transformers import AutoConfig
+
+    return AutoConfig.for_model(
+        "qwen3", vocab_size=VOCAB, hidden_size=128, intermediate_size=256,
+        num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=64,
+        max_position_embeddings=4096, tie_word_embeddings=False, eos_token_id=1,
+        bos_token_id=2, torch_dtype="float32", **over,
+    )
+
+
+def _qwen3_next(**over: Any) -> Any:
+    from transformers import AutoConfig
+
+    return AutoConfig.for_model(
+        "qwen3_next", vocab_size=VOCAB, hidden_size=128, intermediate_size=256,
+        num_hidden_layers=4, layer_types=["linear_attention", "linear_attention",
+                                          "linear_attention", "full_attention"],
+        full_attention_interval=4, num_attention_heads=2, num_key_value_heads=1,
+        head_dim=64, linear_num_key_heads=1, linear_num_value_heads=2,
+        linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4,
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+        shared_expert_intermediate_size=64, decoder_sparse_step=1,
+        max_position_embeddings=4096, tie_word_embeddings=False, eos_token_id=1,
+        bos_token_id=2, torch_dtype="bfloat16", **over,
+    )
+
+
+def build(kind: str, path: str | Path, seed: int = 0) -> Path:
+    """Write a ``kind`` ("qwen3" or "qwen3-next") model with seeded random weights."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    path = Path(path)
+    if (path / "config.json").exists():
+        return path
+    config = {"qwen3": _qwen3, "qwen3-next": _qwen3_next}[kind]()
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():  # wide logits: greedy choices are not decided by rounding
+        model.lm_head.weight.normal_(0.0, 0.5)
+    dtype = torch.bfloat16 if kind == "qwen3-next" else torch.float32
+    model.to(dtype).save_pretrained(path)
+    _save_tokenizer(path)
+    return path

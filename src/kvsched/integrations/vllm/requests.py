@@ -1,0 +1,71 @@
+"""vLLM requests as kvsched inputs, and the stop rule both sides apply (no vLLM import here).
+
+Identity: kvsched hashes the prompt itself (its own namespace-rooted chain, the same as in
+every other kvsched run) and ignores ``Request.block_hashes``; those are used only to name
+blocks in vLLM's KV-events schema (``kv_events.py``), so a router that hashes prompts the vLLM
+way can follow the cache.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from kvsched.events import types as ev
+
+
+def refusal(request: Any) -> str | None:
+    """Why the adapter cannot serve this request (None: it can)."""
+    params = request.sampling_params
+    if params is None:
+        return "pooling requests are not supported by the kvsched adapter"
+    if request.prompt_token_ids is None:
+        return "prompt embeddings are not supported by the kvsched adapter"
+    if request.mm_features:
+        return "multimodal inputs are not supported by the kvsched adapter"
+    if request.lora_request is not None:
+        return "LoRA requests are not supported by the kvsched adapter"
+    if getattr(request, "structured_output_request", None) is not None:
+        return "structured outputs are not supported by the kvsched adapter"
+    if params.prompt_logprobs is not None:
+        return "prompt logprobs are not supported by the kvsched adapter"
+    if params.min_tokens:
+        return "min_tokens is not supported by the kvsched adapter"
+    if params.n != 1:
+        return "parallel sampling (n > 1) is not supported by the kvsched adapter"
+    if request.max_tokens is None or request.max_tokens < 1:
+        return f"max_tokens must be at least 1, got {request.max_tokens}"
+    return None
+
+
+def arrival(request: Any, seq_id: int, t0: float) -> ev.RequestArrived:
+    """The kvsched arrival of a vLLM request. vLLM's priority is "lower value first",
+    kvsched's "higher first": the sign flips. ``eos_token_id`` is -1 under ``ignore_eos``."""
+    params = request.sampling_params
+    eos = params.eos_token_id
+    return ev.RequestArrived(
+        seq_id=seq_id,
+        prompt=np.asarray(request.prompt_token_ids, dtype=np.int32),
+        max_tokens=int(request.max_tokens),
+        arrival_time=max(0.0, float(request.arrival_time) - t0),
+        priority=-int(request.priority),
+        cache_salt=request.cache_salt or "",
+        eos_token_id=-1 if eos is None else int(eos),
+        temperature=float(params.temperature),
+        seed=int(params.seed) if params.seed is not None else 0,
+    )
+
+
+def stop_reason(request: Any, token: int, max_model_len: int) -> tuple[str, int | None] | None:
+    """vLLM's stop check after ``token`` was appended: (kvsched-style reason, stop token) or
+    None. "stop" (eos) and "length" (max_tokens, context) are kvsched's own finish rules; a
+    ``stop_token_ids`` hit is vLLM's only, and the adapter turns it into an abort."""
+    params = request.sampling_params
+    if params.eos_token_id is not None and token == params.eos_token_id:
+        return "stop", None
+    if token in params.stop_token_ids:
+        return "stop_token", token
+    if request.num_tokens >= max_model_len or request.num_output_tokens >= request.max_tokens:
+        return "length", None
+    return None

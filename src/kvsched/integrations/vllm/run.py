@@ -1,0 +1,166 @@
+"""Run an offline workload on vLLM, under vLLM's own scheduler or kvsched's:
+
+    python -m kvsched.integrations.vllm.run --model DIR --scheduler kvsched --out out.json \\
+        [--workload mixed|preempt|decode] [--log run.kvlog] [--kv-events tcp://127.0.0.1:PORT]
+
+Workloads (token ids, greedy, ``ignore_eos``):
+* ``mixed``: prompts sharing a long prefix (one first, the rest after it is cached), a
+  three-turn conversation (each turn the previous prompt, its answer and new tokens), a prompt
+  longer than the per-step token budget (chunked prefill), and a request aborted mid-decode.
+* ``preempt``: more concurrent work than the KV cache holds (``--blocks``), forcing preemption.
+* ``decode``: ``--running`` requests decoding together (the scheduler benchmark's shape).
+The JSON has each request's tokens, its cached prompt tokens, the wall time and, for kvsched,
+its prefix-cache counters.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+SCHEDULER = "kvsched.integrations.vllm.Scheduler"
+
+
+def _env() -> None:
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+
+
+def make_llm(args: argparse.Namespace) -> Any:
+    from vllm import LLM
+
+    kw: dict[str, Any] = {
+        "model": args.model, "enforce_eager": True, "max_model_len": args.max_model_len,
+        "max_num_batched_tokens": args.batched_tokens, "max_num_seqs": args.max_seqs,
+        "enable_prefix_caching": True, "seed": 0, "skip_tokenizer_init": True,
+    }
+    if not args.hybrid:
+        kw["block_size"] = 32
+        kw["dtype"] = "float32"
+    if args.blocks:
+        kw["num_gpu_blocks_override"] = args.blocks
+    if args.scheduler == "kvsched":
+        kw["scheduler_cls"] = SCHEDULER
+        extra: dict[str, Any] = {"check_invariants": True}
+        if args.log:
+            extra["log"] = args.log
+        kw["additional_config"] = {"kvsched": extra}
+    if args.kv_events:
+        from vllm.config import KVEventsConfig
+
+        kw["kv_events_config"] = KVEventsConfig(
+            enable_kv_cache_events=True, publisher="zmq", endpoint=args.kv_events
+        )
+    return LLM(**kw)
+
+
+def _tokens(n: int, seed: int) -> list[int]:
+    return np.random.default_rng(seed).integers(3, 500, n).tolist()
+
+
+def _generate(llm: Any, prompts: dict[str, list[int]], max_tokens: int, out: dict) -> None:
+    from vllm import SamplingParams, TokensPrompt
+
+    params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=max_tokens)
+    results = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts.values()],
+                           params, use_tqdm=False)
+    for name, r in zip(prompts, results, strict=True):
+        out[name] = {"tokens": list(r.outputs[0].token_ids), "cached": r.num_cached_tokens or 0}
+
+
+def _aborted(llm: Any, out: dict) -> None:
+    """Two requests; one aborted once it has produced 4 tokens."""
+    from vllm import SamplingParams, TokensPrompt
+
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=48)
+    engine.add_request("abort-me", TokensPrompt(prompt_token_ids=_tokens(90, 7)), params)
+    engine.add_request("abort-peer", TokensPrompt(prompt_token_ids=_tokens(60, 8)), params)
+    got: dict[str, list[int]] = {"abort-me": [], "abort-peer": []}
+    aborted = False
+    while engine.has_unfinished_requests():
+        for r in engine.step():
+            got[r.request_id] = list(r.outputs[0].token_ids)
+        if not aborted and len(got["abort-me"]) >= 4:
+            engine.abort_request(["abort-me"])
+            aborted = True
+    out["abort-me"] = {"tokens": got["abort-me"], "cached": 0, "aborted": True}
+    out["abort-peer"] = {"tokens": got["abort-peer"], "cached": 0}
+
+
+def mixed(llm: Any, out: dict) -> None:
+    prefix = _tokens(320, 1)
+    _generate(llm, {"prefix-0": prefix + _tokens(16, 100)}, 16, out)
+    _generate(llm, {f"prefix-{i}": prefix + _tokens(16, 100 + i) for i in (1, 2, 3)}, 16, out)
+    history = _tokens(100, 2)
+    for turn in range(3):
+        name = f"turn-{turn}"
+        _generate(llm, {name: history}, 12, out)
+        history = history + out[name]["tokens"] + _tokens(40, 200 + turn)
+    _generate(llm, {"long": _tokens(900, 3)}, 8, out)
+    _aborted(llm, out)
+
+
+def preempt(llm: Any, out: dict) -> None:
+    _generate(llm, {f"p-{i}": _tokens(160, 300 + i) for i in range(6)}, 96, out)
+
+
+def decode(llm: Any, out: dict, running: int) -> None:
+    _generate(llm, {f"d-{i}": _tokens(32, 400 + i) for i in range(running)}, 32, out)
+
+
+def kvsched_scheduler(llm: Any) -> Any | None:
+    core = getattr(llm.llm_engine.engine_core, "engine_core", None)
+    sched = getattr(core, "scheduler", None)
+    return sched if type(sched).__module__.startswith("kvsched.") else None
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--model", required=True)
+    p.add_argument("--scheduler", choices=["vllm", "kvsched"], default="kvsched")
+    p.add_argument("--workload", choices=["mixed", "preempt", "decode"], default="mixed")
+    p.add_argument("--out", required=True)
+    p.add_argument("--log", default=None)
+    p.add_argument("--kv-events", default=None)
+    p.add_argument("--hybrid", action="store_true")
+    p.add_argument("--blocks", type=int, default=0, help="KV cache blocks (0: vLLM's sizing)")
+    p.add_argument("--batched-tokens", type=int, default=256)
+    p.add_argument("--max-seqs", type=int, default=8)
+    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--running", type=int, default=64)
+    args = p.parse_args(argv)
+    _env()
+    llm = make_llm(args)
+    out: dict[str, Any] = {}
+    t0 = time.perf_counter()
+    if args.workload == "mixed":
+        mixed(llm, out)
+    elif args.workload == "preempt":
+        preempt(llm, out)
+    else:
+        decode(llm, out, args.running)
+    wall = time.perf_counter() - t0
+    sched = kvsched_scheduler(llm)
+    info: dict[str, Any] = {"wall_s": wall, "requests": out}
+    if sched is not None:
+        stats = sched.engine.state.stats
+        info["kvsched"] = {"hit_tokens": stats.hit_tokens, "query_tokens": stats.query_tokens,
+                           "preemptions": stats.preemptions, "steps": stats.steps}
+        if args.kv_events:
+            info["kvsched"]["cached_names"] = sched.cached_block_names()
+        sched.shutdown()
+    Path(args.out).write_text(json.dumps(info))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,400 @@
+"""``kvsched.integrations.vllm.Scheduler``: kvsched as vLLM's scheduler (vLLM 0.32.0).
+
+    LLM(model, scheduler_cls="kvsched.integrations.vllm.Scheduler", ...)
+    vllm serve MODEL --scheduler-cls kvsched.integrations.vllm.Scheduler
+
+One vLLM engine step is one kvsched step:
+
+    add_request / finish_requests   -> RequestArrived / RequestAborted  (next step's inputs)
+    schedule()                      -> Engine.step(inputs) -> SchedulerOutput
+    update_from_output(so, output)  -> StepExecuted (next step's input) + EngineCoreOutputs
+
+kvsched's block pool owns every block id of vLLM's KV cache (``KVCacheConfig.num_blocks``,
+block 0 the null block); vLLM's ``KVCacheManager`` is never created. vLLM learns a finish in
+``update_from_output`` (its stop rule, ``requests.stop_reason``); kvsched folds the same token
+at the next step and must retire the same requests, which is checked.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import defaultdict
+from collections.abc import Iterable
+from typing import Any
+
+import numpy as np
+from vllm.distributed.kv_events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    EventPublisherFactory,
+    KVEventBatch,
+)
+from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+from vllm.v1.core.sched.interface import PauseState, SchedulerInterface
+from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, FinishReason
+from vllm.v1.metrics.stats import PrefixCacheStats, SchedulerStats
+from vllm.v1.request import Request, RequestStatus
+
+from kvsched.engine import Engine, StepResult, create_log
+from kvsched.events import types as ev
+from kvsched.integrations.vllm import config as cfg
+from kvsched.integrations.vllm.kv_events import KVEventTranslator
+from kvsched.integrations.vllm.requests import arrival, refusal, stop_reason
+
+logger = logging.getLogger(__name__)
+
+_STATUS = {"stop": RequestStatus.FINISHED_STOPPED, "stop_token": RequestStatus.FINISHED_STOPPED,
+           "length": RequestStatus.FINISHED_LENGTH_CAPPED}
+
+
+class AdapterMismatch(RuntimeError):
+    """kvsched and vLLM disagree about a request (a bug in the adapter or the engine)."""
+
+
+class Scheduler(SchedulerInterface):
+    def __init__(
+        self,
+        vllm_config: Any,
+        kv_cache_config: Any,
+        structured_output_manager: Any,
+        block_size: int,
+        hash_block_size: int | None = None,
+        mm_registry: Any = None,
+        include_finished_set: bool = False,
+        log_stats: bool = False,
+    ) -> None:
+        self.vllm_config = vllm_config
+        self.kv_cache_config = kv_cache_config
+        self.log_stats = log_stats
+        self.connector = None  # read directly by vLLM's engine core
+        self.ec_connector = None
+        self.config = cfg.scheduler_config(vllm_config, kv_cache_config, block_size)
+        opts = cfg.options(vllm_config)
+        self.log_path: str | None = opts.get("log")
+        log = create_log(self.log_path, self.config) if self.log_path else None
+        self.engine = Engine(self.config, log=log, check_invariants=bool(opts.get("check_invariants")))
+        self.max_model_len = self.config.model.max_context
+        self.t0 = time.time()
+        self.clock0 = time.monotonic()
+        self._pause = PauseState.UNPAUSED
+        # request bookkeeping (vLLM names are strings, kvsched ids integers)
+        self.requests: dict[str, Request] = {}  # unfinished, as vLLM sees them
+        self._seq_of: dict[str, int] = {}
+        self._req_of: dict[int, Request] = {}  # until kvsched retires the sequence
+        self._next_id = 0
+        self._inputs: list[ev.Event] = []  # the next step's inputs (outcome first)
+        self._sent: dict[int, int] = {}  # blocks the worker holds per sequence; absent: new
+        self._resumed: set[int] = set()  # preempted: the worker gets its whole table again
+        self._prev_scheduled: set[str] = set()
+        self._finished_ids: set[str] = set()  # for the next SchedulerOutput
+        self._expected: dict[int, str] = {}  # finishes vLLM reported, kvsched retires next
+        self._errors: list[tuple[Request, str]] = []  # refused: reported at the next update
+        self._last: StepResult | None = None
+        self._prefix_stats = PrefixCacheStats()
+        self._events: list = []
+        self._kv_events = KVEventTranslator(
+            block_size, maybe_convert_block_hash,
+            {"BlockStored": BlockStored, "BlockRemoved": BlockRemoved,
+             "AllBlocksCleared": AllBlocksCleared},
+        )
+        events_config = getattr(vllm_config, "kv_events_config", None)
+        self._publish = events_config is not None and events_config.enable_kv_cache_events
+        self.kv_event_publisher = EventPublisherFactory.create(
+            events_config, vllm_config.parallel_config.data_parallel_index
+        )
+        logger.info("kvsched scheduler: %s; event log: %s", self.config, self.log_path)
+
+    # ------------------------------------------------------------------ requests in
+
+    def add_request(self, request: Request) -> None:
+        name = request.request_id
+        if name in self.requests:
+            raise cfg.UnsupportedConfig(f"request {name}: resumable (streaming) requests")
+        reason = refusal(request)
+        if reason is not None:
+            logger.warning("kvsched refuses request %s: %s", name, reason)
+            request.status = RequestStatus.FINISHED_ERROR
+            self._errors.append((request, reason))
+            return
+        self._next_id += 1
+        seq_id = self._next_id
+        self.requests[name] = request
+        self._seq_of[name] = seq_id
+        self._req_of[seq_id] = request
+        self._inputs.append(arrival(request, seq_id, self.t0))
+
+    def finish_requests(self, request_ids: str | Iterable[str] | None, finished_status: Any) -> list:
+        assert RequestStatus.is_finished(finished_status)
+        if request_ids is None:
+            names = list(self.requests)
+        else:
+            names = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        done = []
+        for name in names:
+            request = self.requests.pop(name, None)
+            if request is None:
+                continue
+            request.status = finished_status
+            self._inputs.append(ev.RequestAborted(self._seq_of[name], "vllm finish_requests"))
+            done.append(request)
+        return done
+
+    # ------------------------------------------------------------------ one step
+
+    def schedule(self, throttle_prefills: bool = False) -> SchedulerOutput:
+        inputs, self._inputs = self._inputs, []
+        result = self.engine.step(inputs, time.monotonic() - self.clock0)
+        self._last = result
+        preempted = self._fold_decisions(result)
+        plan = result.plan
+        new_reqs, cached = [], CachedRequestData.make_empty()
+        num_scheduled: dict[str, int] = {}
+        tables = plan.block_tables
+        for i, (seq_id, start, end) in enumerate(
+            zip(plan.seq_ids.tolist(), plan.starts.tolist(), plan.ends.tolist(), strict=True)
+        ):
+            request = self._req_of[seq_id]
+            name = request.request_id
+            n = int(plan.num_blocks[i])
+            row = tables[i, :n].tolist()
+            sent = self._sent.get(seq_id)
+            request.status = RequestStatus.RUNNING
+            if sent is None:
+                request.num_computed_tokens = start
+                new_reqs.append(NewRequestData.from_request(request, (row,)))
+            else:
+                resumed = seq_id in self._resumed
+                self._add_cached(cached, request, start, row if resumed else row[sent:], resumed)
+            self._resumed.discard(seq_id)
+            self._sent[seq_id] = n
+            num_scheduled[name] = end - start
+            request.num_computed_tokens = end
+        out = SchedulerOutput(
+            scheduled_new_reqs=new_reqs,
+            scheduled_cached_reqs=cached,
+            num_scheduled_tokens=num_scheduled,
+            total_num_scheduled_tokens=plan.num_tokens,
+            scheduled_spec_decode_tokens={},
+            scheduled_encoder_inputs={},
+            finished_req_ids=self._finished_ids,
+            free_encoder_mm_hashes=[],
+            preempted_req_ids=preempted,
+        )
+        self._finished_ids = set()
+        self._prev_scheduled = set(num_scheduled)
+        return out
+
+    def _add_cached(
+        self, cached: Any, request: Request, start: int, blocks: list[int], resumed: bool
+    ) -> None:
+        name = request.request_id
+        cached.req_ids.append(name)
+        if resumed:
+            cached.resumed_req_ids.add(name)
+        if name not in self._prev_scheduled:
+            cached.all_token_ids[name] = list(request.all_token_ids)
+        cached.new_block_ids.append((blocks,) if blocks or resumed else None)
+        cached.num_computed_tokens.append(start)
+        cached.num_output_tokens.append(request.num_output_tokens)
+
+    def _fold_decisions(self, result: StepResult) -> set[str]:
+        """What this step's decisions mean for vLLM's side; returns the preempted names."""
+        preempted: set[str] = set()
+        if self._publish:
+            self._events += self._kv_events.translate(result.decisions, self._req_of.__getitem__)
+        for d in result.decisions:
+            if isinstance(d, ev.SequenceFinished):
+                for seq_id, reason in zip(d.seq_ids.tolist(), d.reasons, strict=True):
+                    self._retire(seq_id, reason)
+            elif isinstance(d, ev.SequenceAborted):
+                self._retire(d.seq_id, "aborted")
+            elif isinstance(d, ev.RequestRejected):
+                request = self._req_of.pop(d.seq_id)
+                self.requests.pop(request.request_id, None)
+                request.status = RequestStatus.FINISHED_ERROR
+                self._errors.append((request, d.reason))
+            elif isinstance(d, ev.SequencePreempted):
+                request = self._req_of[d.seq_id]
+                request.status = RequestStatus.PREEMPTED
+                request.num_computed_tokens = 0
+                request.num_preemptions += 1
+                if d.seq_id in self._sent:
+                    self._resumed.add(d.seq_id)
+                preempted.add(request.request_id)
+            elif isinstance(d, ev.PrefixMatched) and d.num_query_tokens:
+                request = self._req_of[d.seq_id]
+                self._prefix_stats.record(d.num_query_tokens, d.num_tokens, False)
+                if request.prefill_stats is not None:
+                    request.prefill_stats.set(request.num_prompt_tokens, d.num_tokens, 0)
+        if self._expected:
+            raise AdapterMismatch(
+                f"vLLM finished {sorted(self._expected.values())} but kvsched did not"
+            )
+        return preempted
+
+    def _retire(self, seq_id: int, reason: str) -> None:
+        request = self._req_of.pop(seq_id)
+        expected = self._expected.pop(seq_id, None)
+        if reason != "aborted" and expected is None:
+            raise AdapterMismatch(f"kvsched finished {request.request_id} ({reason}); vLLM did not")
+        self._sent.pop(seq_id, None)
+        self._resumed.discard(seq_id)
+        self._finished_ids.add(request.request_id)
+
+    # ------------------------------------------------------------------ outcome
+
+    def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> dict:
+        outputs: dict[int, list] = defaultdict(list)
+        self._record_outcome(scheduler_output, model_runner_output, outputs)
+        for request, reason in self._errors:
+            outputs[request.client_index].append(
+                EngineCoreOutput(
+                    request_id=request.request_id, new_token_ids=[],
+                    finish_reason=FinishReason.ERROR, stop_reason=reason,
+                )
+            )
+        self._errors = []
+        if self._events:
+            self.kv_event_publisher.publish(KVEventBatch(ts=time.time(), events=self._events))
+            self._events = []
+        result = {client: EngineCoreOutputs(outputs=outs) for client, outs in outputs.items()}
+        stats = self.make_stats()
+        if stats is not None:
+            result.setdefault(0, EngineCoreOutputs()).scheduler_stats = stats
+        return result
+
+    def _record_outcome(self, so: Any, mro: Any, outputs: dict[int, list]) -> None:
+        plan = self._last.plan if self._last is not None else None
+        if plan is None or plan.is_empty:
+            return
+        sampled = mro.sampled_token_ids
+        index = mro.req_id_to_index
+        seq_ids: list[int] = []
+        tokens: list[int] = []
+        for seq_id in plan.seq_ids[plan.sample].tolist():
+            request = self._req_of[seq_id]
+            name = request.request_id
+            got = sampled[index[name]] if sampled else []
+            if len(got) != 1:
+                raise AdapterMismatch(f"{name}: {len(got)} tokens sampled where kvsched expects 1")
+            token = int(got[0])
+            seq_ids.append(seq_id)
+            tokens.append(token)
+            if name not in self.requests:
+                continue  # aborted after it was scheduled: the token is folded, not returned
+            self._emit_token(request, seq_id, token, mro, index[name], outputs)
+        self._inputs.insert(
+            0,
+            ev.StepExecuted(
+                plan.step, np.asarray(seq_ids, dtype=np.int64), np.asarray(tokens, dtype=np.int32)
+            ),
+        )
+
+    def _emit_token(
+        self, request: Request, seq_id: int, token: int, mro: Any, idx: int, outputs: dict
+    ) -> None:
+        request.append_output_token_ids(token)
+        stop = stop_reason(request, token, self.max_model_len)
+        finish = None
+        if stop is not None:
+            kind, stop_token = stop
+            request.status = _STATUS[kind]
+            request.stop_reason = stop_token
+            finish = request.get_finished_reason()
+            del self.requests[request.request_id]
+            if kind == "stop_token":  # vLLM's rule only: kvsched learns it as an abort
+                self._inputs.append(ev.RequestAborted(seq_id, f"stop token {stop_token}"))
+            else:
+                self._expected[seq_id] = request.request_id
+        logprobs = None
+        if request.sampling_params.num_logprobs is not None and mro.logprobs is not None:
+            logprobs = mro.logprobs.slice_request(idx, 1)
+        outputs[request.client_index].append(
+            EngineCoreOutput(
+                request_id=request.request_id,
+                new_token_ids=[token],
+                finish_reason=finish,
+                new_logprobs=logprobs,
+                stop_reason=request.stop_reason,
+                events=request.take_events(),
+                prefill_stats=request.take_prefill_stats(),
+            )
+        )
+
+    # ------------------------------------------------------------------ queries
+
+    def get_num_unfinished_requests(self) -> int:
+        return 0 if self._pause == PauseState.PAUSED_ALL else len(self.requests)
+
+    def has_finished_requests(self) -> bool:
+        # Folds still owed to kvsched (an outcome, aborts) count: the engine keeps stepping
+        # until kvsched has retired what vLLM already finished.
+        return bool(self._finished_ids or self._inputs or self._errors or self._expected)
+
+    def get_request_counts(self) -> tuple[int, int]:
+        t = self.engine.state.seqs
+        return t.num_running, len(t.waiting)
+
+    def get_kv_cache_usage(self) -> float:
+        pool = self.engine.state.pool
+        return 1.0 - pool.num_available / max(1, self.config.num_blocks - 1)
+
+    def make_stats(self, *args: Any, **kwargs: Any) -> SchedulerStats | None:
+        if not self.log_stats:
+            return None
+        running, waiting = self.get_request_counts()
+        stats, self._prefix_stats = self._prefix_stats, PrefixCacheStats()
+        return SchedulerStats(
+            num_running_reqs=running,
+            num_waiting_reqs=waiting,
+            kv_cache_usage=self.get_kv_cache_usage(),
+            prefix_cache_stats=stats,
+        )
+
+    def cached_block_names(self) -> list[str]:
+        """The vLLM event names of every block in kvsched's prefix index (KeyError if one was
+        never announced), as strings: what a KV-events subscriber must hold."""
+        names = self._kv_events.names
+        return sorted(str(names[h]) for h in self.engine.state.pool.index)
+
+    def reset_prefix_cache(
+        self, reset_running_requests: bool = False, reset_connector: bool = False
+    ) -> bool:
+        """Clear the prefix cache at the next step (kvsched's drain, then wake). Without
+        ``reset_running_requests`` it fails, as vLLM's does, while a request holds blocks."""
+        if self.engine.state.seqs.num_running and not reset_running_requests:
+            return False
+        self._inputs += [ev.DrainRequested(), ev.WakeRequested()]
+        return True
+
+    # ------------------------------------------------------------------ unsupported / no-op
+
+    def get_grammar_bitmask(self, scheduler_output: Any) -> None:
+        return None
+
+    def update_draft_token_ids(self, draft_token_ids: Any) -> None:
+        return None
+
+    def update_draft_token_ids_in_output(self, draft_token_ids: Any, scheduler_output: Any) -> None:
+        return None
+
+    def reset_encoder_cache(self) -> None:
+        return None
+
+    @property
+    def pause_state(self) -> PauseState:
+        return self._pause
+
+    def set_pause_state(self, pause_state: PauseState) -> None:
+        self._pause = pause_state
+
+    def get_kv_event_publisher_config(self) -> Any:
+        return self.kv_event_publisher.get_publisher_config()
+
+    def shutdown(self) -> None:
+        self.kv_event_publisher.shutdown()
+        if self.engine.log is not None:
+            self.engine.log.close()

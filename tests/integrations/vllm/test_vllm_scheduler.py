@@ -1,0 +1,156 @@
+"""vLLM runs under kvsched: differential tests against vLLM's own scheduler on tiny local
+models (random weights), event logs that verify, KV events a router can follow.
+
+Each run is a subprocess (``python -m kvsched.integrations.vllm.run``): one vLLM engine per
+process. These need vLLM (``scripts/vllm_env.sh`` builds the environment; ``.ci/run`` runs
+them through ``scripts/test_vllm.sh``).
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip(
+    "vllm",
+    reason="vLLM is not installed in this environment (its transformers pin conflicts with the "
+    "oracle tests'): scripts/test_vllm.sh builds .venv-vllm and runs `pytest -k vllm` there",
+)
+
+from kvsched.integrations.vllm.models import build  # noqa: E402
+
+TIMEOUT = 300
+
+
+@pytest.fixture(scope="module")
+def qwen3(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build("qwen3", tmp_path_factory.mktemp("qwen3") / "model")
+
+
+def run(model: Path, out: Path, *args: str) -> dict[str, Any]:
+    cmd = [sys.executable, "-m", "kvsched.integrations.vllm.run", "--model", str(model),
+           "--out", str(out), *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result: dict[str, Any] = json.loads(out.read_text())
+    return result
+
+
+def both(model: Path, tmp: Path, *args: str) -> tuple[dict, dict, Path]:
+    log = tmp / "kvsched.kvlog"
+    ref = run(model, tmp / "vllm.json", "--scheduler", "vllm", *args)
+    mine = run(model, tmp / "kvsched.json", "--scheduler", "kvsched", "--log", str(log), *args)
+    return ref, mine, log
+
+
+@pytest.fixture(scope="module")
+def mixed(qwen3: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, dict, Path]:
+    return both(qwen3, tmp_path_factory.mktemp("mixed"), "--workload", "mixed")
+
+
+@pytest.fixture(scope="module")
+def preempt(qwen3: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, dict, Path]:
+    return both(qwen3, tmp_path_factory.mktemp("preempt"), "--workload", "preempt",
+                "--blocks", "40", "--max-model-len", "1024")
+
+
+def assert_token_identical(ref: dict, mine: dict) -> None:
+    assert ref["requests"].keys() == mine["requests"].keys()
+    for name, want in ref["requests"].items():
+        got = mine["requests"][name]
+        if want.get("aborted"):  # stopped after >= 4 tokens: how many more came is timing
+            n = min(len(want["tokens"]), len(got["tokens"]))
+            assert n >= 4 and got["tokens"][:n] == want["tokens"][:n], name
+        else:
+            assert got["tokens"] == want["tokens"], name
+
+
+def test_vllm_mixed_workload_is_token_identical_under_kvsched_and_hits_the_prefix_cache(mixed):
+    ref, mine, _ = mixed
+    assert_token_identical(ref, mine)
+    requests = mine["requests"]
+    for i in (1, 2, 3):  # the shared 320-token prefix: ten full 32-token blocks
+        assert requests[f"prefix-{i}"]["cached"] == ref["requests"][f"prefix-{i}"]["cached"] == 320
+    assert requests["turn-1"]["cached"] >= 96 and requests["turn-2"]["cached"] >= 160
+    assert mine["kvsched"]["hit_tokens"] >= 3 * 320 + 96 + 160
+
+
+def test_vllm_run_under_kvsched_writes_a_log_that_verifies_and_replays(mixed, tmp_path: Path):
+    _, mine, log = mixed
+    verify = subprocess.run([sys.executable, "-m", "kvsched.cli", "verify", str(log)],
+                            capture_output=True, text=True, timeout=TIMEOUT)
+    assert verify.returncode == 0, verify.stdout + verify.stderr
+    assert f"{mine['kvsched']['steps']} steps verified, 0 divergences" in verify.stdout
+    replay = subprocess.run([sys.executable, "-m", "kvsched.cli", "replay", str(log), "--json"],
+                            capture_output=True, text=True, timeout=TIMEOUT)
+    assert replay.returncode == 0, replay.stderr
+    metrics = json.loads(replay.stdout)
+    assert metrics["requests"] == len(mine["requests"])  # every vLLM request, replayed
+    # The simulator samples other tokens than the model did: hits on cached answers differ,
+    # hits on the shared prompts do not.
+    assert metrics["hit_tokens"] >= 3 * 320
+
+
+def test_vllm_preemption_workload_is_token_identical_under_kvsched(preempt):
+    ref, mine, log = preempt
+    assert_token_identical(ref, mine)
+    assert mine["kvsched"]["preemptions"] > 0
+    verify = subprocess.run([sys.executable, "-m", "kvsched.cli", "verify", str(log)],
+                            capture_output=True, text=True, timeout=TIMEOUT)
+    assert verify.returncode == 0 and "0 divergences" in verify.stdout
+
+
+def _subscribe(endpoint: str, stop: threading.Event, sink: list) -> None:
+    import msgspec
+    import zmq
+
+    ctx = zmq.Context.instance()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.bind(endpoint)
+    poller = zmq.Poller()
+    poller.register(sub, zmq.POLLIN)
+    while not stop.is_set() or poller.poll(200):
+        if poller.poll(100):
+            _topic, _seq, payload = sub.recv_multipart()
+            sink.append(msgspec.msgpack.decode(payload))
+    sub.close(0)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_vllm_kv_events_from_kvsched_rebuild_its_prefix_index(qwen3: Path, tmp_path: Path):
+    endpoint = f"tcp://127.0.0.1:{_free_port()}"
+    batches: list = []
+    stop = threading.Event()
+    thread = threading.Thread(target=_subscribe, args=(endpoint, stop, batches), daemon=True)
+    thread.start()
+    mine = run(qwen3, tmp_path / "kvsched.json", "--scheduler", "kvsched", "--workload",
+               "mixed", "--blocks", "48", "--max-model-len", "1024", "--kv-events", endpoint)
+    stop.set()
+    thread.join(timeout=30)
+
+    cached: set[str] = set()
+    kinds: set[str] = set()
+    for _ts, events, *_ in batches:
+        for e in events:
+            kinds.add(e["type"])
+            if e["type"] == "BlockStored":
+                cached |= {str(h) for h in e["block_hashes"]}
+            elif e["type"] == "BlockRemoved":
+                cached -= {str(h) for h in e["block_hashes"]}
+            elif e["type"] == "AllBlocksCleared":
+                cached.clear()
+    assert {"BlockStored", "BlockRemoved"} <= kinds  # 48 blocks: the run evicts
+    assert cached == set(mine["kvsched"]["cached_names"]) and cached

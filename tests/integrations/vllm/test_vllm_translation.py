@@ -1,0 +1,158 @@
+"""The vLLM adapter's translation rules, without vLLM (these run in every environment)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace as NS
+
+import numpy as np
+import pytest
+
+from kvsched.events import types as ev
+from kvsched.integrations.vllm import config as cfg
+from kvsched.integrations.vllm.kv_events import KVEventTranslator
+from kvsched.integrations.vllm.requests import arrival, refusal, stop_reason
+
+
+def _vllm_config(**sched: object) -> NS:
+    scheduler = {"max_num_seqs": 8, "max_num_batched_tokens": 256, "policy": "fcfs", **sched}
+    return NS(
+        scheduler_config=NS(**scheduler),
+        model_config=NS(model="tiny", get_vocab_size=lambda: 512, max_model_len=2048),
+        cache_config=NS(cache_dtype="auto", enable_prefix_caching=True),
+        parallel_config=NS(pipeline_parallel_size=1),
+        speculative_config=None, lora_config=None, kv_transfer_config=None,
+        additional_config={},
+    )
+
+
+FullAttentionSpec = type("FullAttentionSpec", (), {})
+MambaSpec = type("MambaSpec", (), {})
+
+
+def _kv_cache(*specs: type, num_blocks: int = 100) -> NS:
+    return NS(num_blocks=num_blocks, kv_cache_groups=[NS(kv_cache_spec=s()) for s in specs])
+
+
+def test_vllm_kv_cache_and_budgets_become_kvscheds_config():
+    config = cfg.scheduler_config(_vllm_config(), _kv_cache(FullAttentionSpec), 32)
+
+    assert (config.block_size, config.num_blocks, config.max_batch) == (32, 100, 8)
+    assert config.max_prefill_tokens == 256 - 8  # one token of the budget per decode
+    assert config.model.vocab_size == 512 and config.model.max_context == 2048
+    assert not config.dedup_cached_blocks  # vLLM's block tables are append-only
+
+
+def test_vllm_priority_policy_maps_to_kvscheds_priority_order():
+    config = cfg.scheduler_config(_vllm_config(policy="priority"), _kv_cache(FullAttentionSpec), 32)
+    assert config.order == "priority"
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"kv": (FullAttentionSpec, MambaSpec)}, "Hybrid"),
+        ({"speculative_config": object()}, "speculative decoding"),
+        ({"lora_config": object()}, "LoRA"),
+        ({"max_num_batched_tokens": 36}, "leaves 28 prefill tokens"),
+    ],
+)
+def test_vllm_configurations_the_adapter_cannot_serve_are_refused_with_the_reason(
+    change: dict, message: str
+):
+    vc = _vllm_config(**({"max_num_batched_tokens": change["max_num_batched_tokens"]}
+                         if "max_num_batched_tokens" in change else {}))
+    for key in ("speculative_config", "lora_config"):
+        if key in change:
+            setattr(vc, key, change[key])
+    kv = _kv_cache(*change.get("kv", (FullAttentionSpec,)))
+
+    with pytest.raises(cfg.UnsupportedConfig, match=message):
+        cfg.scheduler_config(vc, kv, 32)
+
+
+def test_vllm_adapter_options_come_from_additional_config_before_the_environment(monkeypatch):
+    monkeypatch.setenv(cfg.LOG_ENV, "/tmp/env.kvlog")
+    vc = _vllm_config()
+    assert cfg.options(vc) == {"log": "/tmp/env.kvlog"}
+    vc.additional_config = {"kvsched": {"log": "/tmp/mine.kvlog"}}
+    assert cfg.options(vc) == {"log": "/tmp/mine.kvlog"}
+    vc.additional_config = {"kvsched": {"lgo": "x"}}
+    with pytest.raises(cfg.UnsupportedConfig, match="unknown kvsched options"):
+        cfg.options(vc)
+
+
+def _params(**over: object) -> NS:
+    base = {"eos_token_id": None, "stop_token_ids": [], "temperature": 0.0, "seed": None,
+            "prompt_logprobs": None, "min_tokens": 0, "n": 1}
+    return NS(**{**base, **over})
+
+
+def _request(**over: object) -> NS:
+    base = {"request_id": "r", "prompt_token_ids": [5, 6, 7], "sampling_params": _params(),
+            "mm_features": [], "lora_request": None, "structured_output_request": None,
+            "max_tokens": 4, "arrival_time": 100.5, "priority": 3, "cache_salt": None,
+            "num_tokens": 3, "num_output_tokens": 0}
+    return NS(**{**base, **over})
+
+
+def test_a_vllm_request_becomes_an_arrival_with_its_priority_sign_flipped():
+    e = arrival(_request(), seq_id=7, t0=100.0)
+
+    assert e.seq_id == 7 and e.prompt.tolist() == [5, 6, 7] and e.prompt.dtype == np.int32
+    assert (e.max_tokens, e.arrival_time, e.priority, e.eos_token_id) == (4, 0.5, -3, -1)
+
+
+@pytest.mark.parametrize(
+    ("over", "reason"),
+    [
+        ({"lora_request": object()}, "LoRA"),
+        ({"mm_features": [object()]}, "multimodal"),
+        ({"sampling_params": None}, "pooling"),
+        ({"sampling_params": _params(min_tokens=2)}, "min_tokens"),
+        ({"structured_output_request": object()}, "structured outputs"),
+    ],
+)
+def test_vllm_requests_with_unsupported_features_are_refused_with_the_reason(over, reason):
+    assert reason in (refusal(_request(**over)) or "")
+    assert refusal(_request()) is None
+
+
+def test_vllm_stop_rule_eos_then_stop_tokens_then_length():
+    eos = _request(sampling_params=_params(eos_token_id=9, stop_token_ids=[9, 11]))
+    assert stop_reason(eos, 9, 2048) == ("stop", None)
+    assert stop_reason(eos, 11, 2048) == ("stop_token", 11)
+    assert stop_reason(eos, 12, 2048) is None
+    assert stop_reason(_request(num_output_tokens=4), 12, 2048) == ("length", None)
+    assert stop_reason(_request(num_tokens=2048), 12, 2048) == ("length", None)
+
+
+def _h(i: int) -> bytes:
+    return i.to_bytes(16, "big")
+
+
+def _factories() -> dict[str, type]:
+    def make(kind: str) -> type:
+        return lambda **kw: (kind, kw)  # type: ignore[return-value]
+
+    return {k: make(k) for k in ("BlockStored", "BlockRemoved", "AllBlocksCleared")}
+
+
+def test_vllm_kv_events_name_blocks_by_the_requests_hashes_and_skip_private_copies():
+    tr = KVEventTranslator(2, lambda b: int.from_bytes(b, "big"), _factories())
+    req = NS(block_hashes=[bytes([10]), bytes([11]), bytes([12])], all_token_ids=list(range(7)))
+    cached = ev.BlocksCached(
+        np.array([1], np.int64), np.array([3], np.int32), np.array([0], np.int32),
+        np.array([4, 5, 6], np.int32), np.array([0, ev.PRIVATE_COPY, 0], np.int32),
+        _h(1) + _h(2) + _h(3), b"\0" * 16 + _h(1) + _h(2),
+    )
+    events = tr.translate([cached], {1: req}.__getitem__)
+
+    assert [(k, kw["block_hashes"], kw["parent_block_hash"], kw["token_ids"]) for k, kw in events] == [
+        ("BlockStored", [10], None, [0, 1]),
+        ("BlockStored", [12], 11, [4, 5]),
+    ]
+    evicted = ev.BlocksEvicted(np.array([6], np.int32), _h(3))
+    assert tr.translate([evicted], {}.__getitem__) == [("BlockRemoved", {"block_hashes": [12],
+                                                                           "medium": "GPU"})]
+    assert tr.translate([ev.CacheCleared()], {}.__getitem__) == [("AllBlocksCleared", {})]
+    assert tr.names == {}
