@@ -281,6 +281,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
             )
         except ValueError as exc:
             return _fail(str(exc))
+    elif args.bench == "vllm":
+        return _bench_vllm(args)
     else:
         from kvsched.bench.step import run_step_bench
 
@@ -290,6 +292,19 @@ def cmd_bench(args: argparse.Namespace) -> int:
     else:
         for key, value in out.items():
             print(f"  {key:<12}{value}")
+    return 0
+
+
+def _bench_vllm(args: argparse.Namespace) -> int:
+    try:
+        from kvsched.integrations.vllm.bench import run_vllm_bench
+    except ImportError as exc:
+        return _fail(f"kvsched bench vllm needs vLLM (scripts/vllm_env.sh): {exc}")
+    rows = []
+    for running in args.running:
+        rows += run_vllm_bench(running=running, samples=args.samples, rounds=args.rounds)
+    for row in rows:
+        print(json.dumps(row) if args.json else "  ".join(f"{k}={v}" for k, v in row.items()))
     return 0
 
 
@@ -309,6 +324,13 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     step.add_argument("--warmup", type=int, default=5)
     step.add_argument("--samples", type=int, default=200)
     step.add_argument("--json", action="store_true")
+    vllm = kinds.add_parser(
+        "vllm", help="schedule + update_from_output per step: vLLM's scheduler vs kvsched's"
+    )
+    vllm.add_argument("--running", type=int, nargs="+", default=[256, 1024])
+    vllm.add_argument("--samples", type=int, default=100)
+    vllm.add_argument("--rounds", type=int, default=3)
+    vllm.add_argument("--json", action="store_true")
     bench.set_defaults(func=cmd_bench)
 
 

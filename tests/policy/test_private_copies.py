@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from tests.policy.helpers import Harness, of_type, request, tokens
 
 from kvsched.events import types as ev
 from kvsched.stream.view import CacheView
-from tests.policy.helpers import Harness, of_type, request, tokens
 
 
 def _twins(h: Harness) -> list:

@@ -24,7 +24,7 @@ pytest.importorskip(
     "oracle tests'): scripts/test_vllm.sh builds .venv-vllm and runs `pytest -k vllm` there",
 )
 
-from kvsched.integrations.vllm.models import build  # noqa: E402
+from kvsched.integrations.vllm.models import build
 
 TIMEOUT = 300
 
@@ -35,8 +35,16 @@ def qwen3(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def run(model: Path, out: Path, *args: str) -> dict[str, Any]:
-    cmd = [sys.executable, "-m", "kvsched.integrations.vllm.run", "--model", str(model),
-           "--out", str(out), *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "kvsched.integrations.vllm.run",
+        "--model",
+        str(model),
+        "--out",
+        str(out),
+        *args,
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT)
     assert proc.returncode == 0, proc.stderr[-4000:]
     result: dict[str, Any] = json.loads(out.read_text())
@@ -57,8 +65,16 @@ def mixed(qwen3: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, 
 
 @pytest.fixture(scope="module")
 def preempt(qwen3: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, dict, Path]:
-    return both(qwen3, tmp_path_factory.mktemp("preempt"), "--workload", "preempt",
-                "--blocks", "40", "--max-model-len", "1024")
+    return both(
+        qwen3,
+        tmp_path_factory.mktemp("preempt"),
+        "--workload",
+        "preempt",
+        "--blocks",
+        "40",
+        "--max-model-len",
+        "1024",
+    )
 
 
 def assert_token_identical(ref: dict, mine: dict) -> None:
@@ -84,12 +100,20 @@ def test_vllm_mixed_workload_is_token_identical_under_kvsched_and_hits_the_prefi
 
 def test_vllm_run_under_kvsched_writes_a_log_that_verifies_and_replays(mixed, tmp_path: Path):
     _, mine, log = mixed
-    verify = subprocess.run([sys.executable, "-m", "kvsched.cli", "verify", str(log)],
-                            capture_output=True, text=True, timeout=TIMEOUT)
+    verify = subprocess.run(
+        [sys.executable, "-m", "kvsched.cli", "verify", str(log)],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+    )
     assert verify.returncode == 0, verify.stdout + verify.stderr
     assert f"{mine['kvsched']['steps']} steps verified, 0 divergences" in verify.stdout
-    replay = subprocess.run([sys.executable, "-m", "kvsched.cli", "replay", str(log), "--json"],
-                            capture_output=True, text=True, timeout=TIMEOUT)
+    replay = subprocess.run(
+        [sys.executable, "-m", "kvsched.cli", "replay", str(log), "--json"],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+    )
     assert replay.returncode == 0, replay.stderr
     metrics = json.loads(replay.stdout)
     assert metrics["requests"] == len(mine["requests"])  # every vLLM request, replayed
@@ -102,8 +126,12 @@ def test_vllm_preemption_workload_is_token_identical_under_kvsched(preempt):
     ref, mine, log = preempt
     assert_token_identical(ref, mine)
     assert mine["kvsched"]["preemptions"] > 0
-    verify = subprocess.run([sys.executable, "-m", "kvsched.cli", "verify", str(log)],
-                            capture_output=True, text=True, timeout=TIMEOUT)
+    verify = subprocess.run(
+        [sys.executable, "-m", "kvsched.cli", "verify", str(log)],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+    )
     assert verify.returncode == 0 and "0 divergences" in verify.stdout
 
 
@@ -136,8 +164,20 @@ def test_vllm_kv_events_from_kvsched_rebuild_its_prefix_index(qwen3: Path, tmp_p
     stop = threading.Event()
     thread = threading.Thread(target=_subscribe, args=(endpoint, stop, batches), daemon=True)
     thread.start()
-    mine = run(qwen3, tmp_path / "kvsched.json", "--scheduler", "kvsched", "--workload",
-               "mixed", "--blocks", "48", "--max-model-len", "1024", "--kv-events", endpoint)
+    mine = run(
+        qwen3,
+        tmp_path / "kvsched.json",
+        "--scheduler",
+        "kvsched",
+        "--workload",
+        "mixed",
+        "--blocks",
+        "48",
+        "--max-model-len",
+        "1024",
+        "--kv-events",
+        endpoint,
+    )
     stop.set()
     thread.join(timeout=30)
 

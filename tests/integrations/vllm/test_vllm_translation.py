@@ -20,7 +20,9 @@ def _vllm_config(**sched: object) -> NS:
         model_config=NS(model="tiny", get_vocab_size=lambda: 512, max_model_len=2048),
         cache_config=NS(cache_dtype="auto", enable_prefix_caching=True),
         parallel_config=NS(pipeline_parallel_size=1),
-        speculative_config=None, lora_config=None, kv_transfer_config=None,
+        speculative_config=None,
+        lora_config=None,
+        kv_transfer_config=None,
         additional_config={},
     )
 
@@ -59,8 +61,13 @@ def test_vllm_priority_policy_maps_to_kvscheds_priority_order():
 def test_vllm_configurations_the_adapter_cannot_serve_are_refused_with_the_reason(
     change: dict, message: str
 ):
-    vc = _vllm_config(**({"max_num_batched_tokens": change["max_num_batched_tokens"]}
-                         if "max_num_batched_tokens" in change else {}))
+    vc = _vllm_config(
+        **(
+            {"max_num_batched_tokens": change["max_num_batched_tokens"]}
+            if "max_num_batched_tokens" in change
+            else {}
+        )
+    )
     for key in ("speculative_config", "lora_config"):
         if key in change:
             setattr(vc, key, change[key])
@@ -82,16 +89,33 @@ def test_vllm_adapter_options_come_from_additional_config_before_the_environment
 
 
 def _params(**over: object) -> NS:
-    base = {"eos_token_id": None, "stop_token_ids": [], "temperature": 0.0, "seed": None,
-            "prompt_logprobs": None, "min_tokens": 0, "n": 1}
+    base = {
+        "eos_token_id": None,
+        "stop_token_ids": [],
+        "temperature": 0.0,
+        "seed": None,
+        "prompt_logprobs": None,
+        "min_tokens": 0,
+        "n": 1,
+    }
     return NS(**{**base, **over})
 
 
 def _request(**over: object) -> NS:
-    base = {"request_id": "r", "prompt_token_ids": [5, 6, 7], "sampling_params": _params(),
-            "mm_features": [], "lora_request": None, "structured_output_request": None,
-            "max_tokens": 4, "arrival_time": 100.5, "priority": 3, "cache_salt": None,
-            "num_tokens": 3, "num_output_tokens": 0}
+    base = {
+        "request_id": "r",
+        "prompt_token_ids": [5, 6, 7],
+        "sampling_params": _params(),
+        "mm_features": [],
+        "lora_request": None,
+        "structured_output_request": None,
+        "max_tokens": 4,
+        "arrival_time": 100.5,
+        "priority": 3,
+        "cache_salt": None,
+        "num_tokens": 3,
+        "num_output_tokens": 0,
+    }
     return NS(**{**base, **over})
 
 
@@ -141,18 +165,25 @@ def test_vllm_kv_events_name_blocks_by_the_requests_hashes_and_skip_private_copi
     tr = KVEventTranslator(2, lambda b: int.from_bytes(b, "big"), _factories())
     req = NS(block_hashes=[bytes([10]), bytes([11]), bytes([12])], all_token_ids=list(range(7)))
     cached = ev.BlocksCached(
-        np.array([1], np.int64), np.array([3], np.int32), np.array([0], np.int32),
-        np.array([4, 5, 6], np.int32), np.array([0, ev.PRIVATE_COPY, 0], np.int32),
-        _h(1) + _h(2) + _h(3), b"\0" * 16 + _h(1) + _h(2),
+        np.array([1], np.int64),
+        np.array([3], np.int32),
+        np.array([0], np.int32),
+        np.array([4, 5, 6], np.int32),
+        np.array([0, ev.PRIVATE_COPY, 0], np.int32),
+        _h(1) + _h(2) + _h(3),
+        b"\0" * 16 + _h(1) + _h(2),
     )
     events = tr.translate([cached], {1: req}.__getitem__)
 
-    assert [(k, kw["block_hashes"], kw["parent_block_hash"], kw["token_ids"]) for k, kw in events] == [
+    assert [
+        (k, kw["block_hashes"], kw["parent_block_hash"], kw["token_ids"]) for k, kw in events
+    ] == [
         ("BlockStored", [10], None, [0, 1]),
         ("BlockStored", [12], 11, [4, 5]),
     ]
     evicted = ev.BlocksEvicted(np.array([6], np.int32), _h(3))
-    assert tr.translate([evicted], {}.__getitem__) == [("BlockRemoved", {"block_hashes": [12],
-                                                                           "medium": "GPU"})]
+    assert tr.translate([evicted], {}.__getitem__) == [
+        ("BlockRemoved", {"block_hashes": [12], "medium": "GPU"})
+    ]
     assert tr.translate([ev.CacheCleared()], {}.__getitem__) == [("AllBlocksCleared", {})]
     assert tr.names == {}

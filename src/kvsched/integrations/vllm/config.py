@@ -60,8 +60,10 @@ def scheduler_config(vllm_config: Any, kv_cache_config: Any, block_size: int) ->
     (``max_num_batched_tokens``) covers decodes and prefills; kvsched's ``max_prefill_tokens``
     covers prefills only, so it gets the budget less one token per possible decode."""
     _refuse_unsupported(vllm_config, kv_cache_config)
-    sched, model, cache = vllm_config.scheduler_config, vllm_config.model_config, (
-        vllm_config.cache_config
+    sched, model, cache = (
+        vllm_config.scheduler_config,
+        vllm_config.model_config,
+        (vllm_config.cache_config),
     )
     max_seqs = int(sched.max_num_seqs)
     budget = int(sched.max_num_batched_tokens) - max_seqs

@@ -25,12 +25,16 @@ class KVEventTranslator:
         self.block_size = block_size
         self.convert = convert
         self.stored, self.removed, self.cleared = (
-            factories["BlockStored"], factories["BlockRemoved"], factories["AllBlocksCleared"]
+            factories["BlockStored"],
+            factories["BlockRemoved"],
+            factories["AllBlocksCleared"],
         )
         self.names: dict[bytes, Any] = {}  # kvsched block hash -> vLLM event hash
 
-    def translate(self, decisions: Sequence[ev.Event], request_of: Callable[[int], Any]) -> list:
-        out: list = []
+    def translate(
+        self, decisions: Sequence[ev.Event], request_of: Callable[[int], Any]
+    ) -> list[Any]:
+        out: list[Any] = []
         for d in decisions:
             if isinstance(d, ev.BlocksCached):
                 out += self._stored(d, request_of)
@@ -42,8 +46,8 @@ class KVEventTranslator:
                 out.append(self.cleared())
         return out
 
-    def _stored(self, e: ev.BlocksCached, request_of: Callable[[int], Any]) -> list:
-        bs, out = self.block_size, []
+    def _stored(self, e: ev.BlocksCached, request_of: Callable[[int], Any]) -> list[Any]:
+        out: list[Any] = []
         hashes = ev.split_hashes(e.hashes)
         replaced = e.replaced.tolist()
         j = 0
@@ -52,7 +56,8 @@ class KVEventTranslator:
         ):
             request = request_of(seq_id)
             tokens = request.all_token_ids
-            names, first = [], -1
+            names: list[Any] = []
+            first = -1
             for depth in range(start, start + count):
                 if replaced[j] == 0:
                     name = self.convert(request.block_hashes[depth])
@@ -67,7 +72,7 @@ class KVEventTranslator:
                 out.append(self._event(names, first, request, tokens))
         return out
 
-    def _event(self, names: list, first: int, request: Any, tokens: Sequence[int]) -> Any:
+    def _event(self, names: list[Any], first: int, request: Any, tokens: Sequence[int]) -> Any:
         bs = self.block_size
         parent = self.convert(request.block_hashes[first - 1]) if first else None
         return self.stored(

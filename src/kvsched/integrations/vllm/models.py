@@ -23,8 +23,14 @@ def _save_tokenizer(path: Path) -> None:
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.save(str(path / "tokenizer.json"))
     (path / "tokenizer_config.json").write_text(
-        json.dumps({"tokenizer_class": "PreTrainedTokenizerFast", "unk_token": "t0",
-                    "eos_token": "t1", "model_max_length": 1 << 16})
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "unk_token": "t0",
+                "eos_token": "t1",
+                "model_max_length": 1 << 16,
+            }
+        )
     )
 
 
@@ -32,10 +38,20 @@ def _qwen3(**over: Any) -> Any:
     from transformers import AutoConfig
 
     return AutoConfig.for_model(
-        "qwen3", vocab_size=VOCAB, hidden_size=128, intermediate_size=256,
-        num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=64,
-        max_position_embeddings=4096, tie_word_embeddings=False, eos_token_id=1,
-        bos_token_id=2, torch_dtype="float32", **over,
+        "qwen3",
+        vocab_size=VOCAB,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=64,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+        eos_token_id=1,
+        bos_token_id=2,
+        torch_dtype="float32",
+        **over,
     )
 
 
@@ -43,16 +59,32 @@ def _qwen3_next(**over: Any) -> Any:
     from transformers import AutoConfig
 
     return AutoConfig.for_model(
-        "qwen3_next", vocab_size=VOCAB, hidden_size=128, intermediate_size=256,
-        num_hidden_layers=4, layer_types=["linear_attention", "linear_attention",
-                                          "linear_attention", "full_attention"],
-        full_attention_interval=4, num_attention_heads=2, num_key_value_heads=1,
-        head_dim=64, linear_num_key_heads=1, linear_num_value_heads=2,
-        linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4,
-        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
-        shared_expert_intermediate_size=64, decoder_sparse_step=1,
-        max_position_embeddings=4096, tie_word_embeddings=False, eos_token_id=1,
-        bos_token_id=2, torch_dtype="bfloat16", **over,
+        "qwen3_next",
+        vocab_size=VOCAB,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=4,
+        layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"],
+        full_attention_interval=4,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=64,
+        linear_num_key_heads=1,
+        linear_num_value_heads=2,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        linear_conv_kernel_dim=4,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=64,
+        shared_expert_intermediate_size=64,
+        decoder_sparse_step=1,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+        eos_token_id=1,
+        bos_token_id=2,
+        torch_dtype="bfloat16",
+        **over,
     )
 
 
@@ -66,7 +98,7 @@ def build(kind: str, path: str | Path, seed: int = 0) -> Path:
         return path
     config = {"qwen3": _qwen3, "qwen3-next": _qwen3_next}[kind]()
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config)
+    model = AutoModelForCausalLM.from_config(config)  # type: ignore[no-untyped-call]
     with torch.no_grad():  # wide logits: greedy choices are not decided by rounding
         model.lm_head.weight.normal_(0.0, 0.5)
     dtype = torch.bfloat16 if kind == "qwen3-next" else torch.float32

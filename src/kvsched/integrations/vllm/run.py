@@ -38,9 +38,14 @@ def make_llm(args: argparse.Namespace) -> Any:
     from vllm import LLM
 
     kw: dict[str, Any] = {
-        "model": args.model, "enforce_eager": True, "max_model_len": args.max_model_len,
-        "max_num_batched_tokens": args.batched_tokens, "max_num_seqs": args.max_seqs,
-        "enable_prefix_caching": True, "seed": 0, "skip_tokenizer_init": True,
+        "model": args.model,
+        "enforce_eager": True,
+        "max_model_len": args.max_model_len,
+        "max_num_batched_tokens": args.batched_tokens,
+        "max_num_seqs": args.max_seqs,
+        "enable_prefix_caching": True,
+        "seed": 0,
+        "skip_tokenizer_init": True,
     }
     if not args.hybrid:
         kw["block_size"] = 32
@@ -49,7 +54,7 @@ def make_llm(args: argparse.Namespace) -> Any:
         kw["num_gpu_blocks_override"] = args.blocks
     if args.scheduler == "kvsched":
         kw["scheduler_cls"] = SCHEDULER
-        extra: dict[str, Any] = {"check_invariants": True}
+        extra: dict[str, Any] = {"check_invariants": not args.no_check}
         if args.log:
             extra["log"] = args.log
         kw["additional_config"] = {"kvsched": extra}
@@ -63,20 +68,23 @@ def make_llm(args: argparse.Namespace) -> Any:
 
 
 def _tokens(n: int, seed: int) -> list[int]:
-    return np.random.default_rng(seed).integers(3, 500, n).tolist()
+    return [int(t) for t in np.random.default_rng(seed).integers(3, 500, n)]
 
 
-def _generate(llm: Any, prompts: dict[str, list[int]], max_tokens: int, out: dict) -> None:
+def _generate(
+    llm: Any, prompts: dict[str, list[int]], max_tokens: int, out: dict[str, Any]
+) -> None:
     from vllm import SamplingParams, TokensPrompt
 
     params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=max_tokens)
-    results = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts.values()],
-                           params, use_tqdm=False)
+    results = llm.generate(
+        [TokensPrompt(prompt_token_ids=p) for p in prompts.values()], params, use_tqdm=False
+    )
     for name, r in zip(prompts, results, strict=True):
         out[name] = {"tokens": list(r.outputs[0].token_ids), "cached": r.num_cached_tokens or 0}
 
 
-def _aborted(llm: Any, out: dict) -> None:
+def _aborted(llm: Any, out: dict[str, Any]) -> None:
     """Two requests; one aborted once it has produced 4 tokens."""
     from vllm import SamplingParams, TokensPrompt
 
@@ -96,7 +104,7 @@ def _aborted(llm: Any, out: dict) -> None:
     out["abort-peer"] = {"tokens": got["abort-peer"], "cached": 0}
 
 
-def mixed(llm: Any, out: dict) -> None:
+def mixed(llm: Any, out: dict[str, Any]) -> None:
     prefix = _tokens(320, 1)
     _generate(llm, {"prefix-0": prefix + _tokens(16, 100)}, 16, out)
     _generate(llm, {f"prefix-{i}": prefix + _tokens(16, 100 + i) for i in (1, 2, 3)}, 16, out)
@@ -109,11 +117,11 @@ def mixed(llm: Any, out: dict) -> None:
     _aborted(llm, out)
 
 
-def preempt(llm: Any, out: dict) -> None:
+def preempt(llm: Any, out: dict[str, Any]) -> None:
     _generate(llm, {f"p-{i}": _tokens(160, 300 + i) for i in range(6)}, 96, out)
 
 
-def decode(llm: Any, out: dict, running: int) -> None:
+def decode(llm: Any, out: dict[str, Any], running: int) -> None:
     _generate(llm, {f"d-{i}": _tokens(32, 400 + i) for i in range(running)}, 32, out)
 
 
@@ -137,6 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-seqs", type=int, default=8)
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--running", type=int, default=64)
+    p.add_argument("--no-check", action="store_true", help="skip kvsched's invariant checks")
     args = p.parse_args(argv)
     _env()
     llm = make_llm(args)
@@ -153,8 +162,12 @@ def main(argv: list[str] | None = None) -> int:
     info: dict[str, Any] = {"wall_s": wall, "requests": out}
     if sched is not None:
         stats = sched.engine.state.stats
-        info["kvsched"] = {"hit_tokens": stats.hit_tokens, "query_tokens": stats.query_tokens,
-                           "preemptions": stats.preemptions, "steps": stats.steps}
+        info["kvsched"] = {
+            "hit_tokens": stats.hit_tokens,
+            "query_tokens": stats.query_tokens,
+            "preemptions": stats.preemptions,
+            "steps": stats.steps,
+        }
         if args.kv_events:
             info["kvsched"]["cached_names"] = sched.cached_block_names()
         sched.shutdown()

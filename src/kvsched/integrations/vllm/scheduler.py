@@ -46,15 +46,18 @@ from kvsched.integrations.vllm.requests import arrival, refusal, stop_reason
 
 logger = logging.getLogger(__name__)
 
-_STATUS = {"stop": RequestStatus.FINISHED_STOPPED, "stop_token": RequestStatus.FINISHED_STOPPED,
-           "length": RequestStatus.FINISHED_LENGTH_CAPPED}
+_STATUS = {
+    "stop": RequestStatus.FINISHED_STOPPED,
+    "stop_token": RequestStatus.FINISHED_STOPPED,
+    "length": RequestStatus.FINISHED_LENGTH_CAPPED,
+}
 
 
 class AdapterMismatch(RuntimeError):
     """kvsched and vLLM disagree about a request (a bug in the adapter or the engine)."""
 
 
-class Scheduler(SchedulerInterface):
+class Scheduler(SchedulerInterface):  # type: ignore[misc]  # (vLLM is untyped here)
     def __init__(
         self,
         vllm_config: Any,
@@ -75,7 +78,9 @@ class Scheduler(SchedulerInterface):
         opts = cfg.options(vllm_config)
         self.log_path: str | None = opts.get("log")
         log = create_log(self.log_path, self.config) if self.log_path else None
-        self.engine = Engine(self.config, log=log, check_invariants=bool(opts.get("check_invariants")))
+        self.engine = Engine(
+            self.config, log=log, check_invariants=bool(opts.get("check_invariants"))
+        )
         self.max_model_len = self.config.model.max_context
         self.t0 = time.time()
         self.clock0 = time.monotonic()
@@ -88,17 +93,21 @@ class Scheduler(SchedulerInterface):
         self._inputs: list[ev.Event] = []  # the next step's inputs (outcome first)
         self._sent: dict[int, int] = {}  # blocks the worker holds per sequence; absent: new
         self._resumed: set[int] = set()  # preempted: the worker gets its whole table again
-        self._prev_scheduled: set[str] = set()
+        self._prev_scheduled: Any = set()  # names scheduled in the last step
         self._finished_ids: set[str] = set()  # for the next SchedulerOutput
         self._expected: dict[int, str] = {}  # finishes vLLM reported, kvsched retires next
         self._errors: list[tuple[Request, str]] = []  # refused: reported at the next update
         self._last: StepResult | None = None
         self._prefix_stats = PrefixCacheStats()
-        self._events: list = []
+        self._events: list[Any] = []
         self._kv_events = KVEventTranslator(
-            block_size, maybe_convert_block_hash,
-            {"BlockStored": BlockStored, "BlockRemoved": BlockRemoved,
-             "AllBlocksCleared": AllBlocksCleared},
+            block_size,
+            maybe_convert_block_hash,
+            {
+                "BlockStored": BlockStored,
+                "BlockRemoved": BlockRemoved,
+                "AllBlocksCleared": AllBlocksCleared,
+            },
         )
         events_config = getattr(vllm_config, "kv_events_config", None)
         self._publish = events_config is not None and events_config.enable_kv_cache_events
@@ -126,7 +135,9 @@ class Scheduler(SchedulerInterface):
         self._req_of[seq_id] = request
         self._inputs.append(arrival(request, seq_id, self.t0))
 
-    def finish_requests(self, request_ids: str | Iterable[str] | None, finished_status: Any) -> list:
+    def finish_requests(
+        self, request_ids: str | Iterable[str] | None, finished_status: Any
+    ) -> list[Any]:
         assert RequestStatus.is_finished(finished_status)
         if request_ids is None:
             names = list(self.requests)
@@ -152,24 +163,38 @@ class Scheduler(SchedulerInterface):
         plan = result.plan
         new_reqs, cached = [], CachedRequestData.make_empty()
         num_scheduled: dict[str, int] = {}
-        tables = plan.block_tables
-        for i, (seq_id, start, end) in enumerate(
-            zip(plan.seq_ids.tolist(), plan.starts.tolist(), plan.ends.tolist(), strict=True)
+        tables, req_of, sent_of, prev = (
+            plan.block_tables,
+            self._req_of,
+            self._sent,
+            (self._prev_scheduled),
+        )
+        running = RequestStatus.RUNNING
+        for i, (seq_id, start, end, n) in enumerate(
+            zip(
+                plan.seq_ids.tolist(),
+                plan.starts.tolist(),
+                plan.ends.tolist(),
+                plan.num_blocks.tolist(),
+                strict=True,
+            )
         ):
-            request = self._req_of[seq_id]
+            request = req_of[seq_id]
             name = request.request_id
-            n = int(plan.num_blocks[i])
-            row = tables[i, :n].tolist()
-            sent = self._sent.get(seq_id)
-            request.status = RequestStatus.RUNNING
-            if sent is None:
+            sent = sent_of.get(seq_id)
+            if sent is None:  # new to the worker: its whole table, the hit as computed
+                request.status = running
                 request.num_computed_tokens = start
-                new_reqs.append(NewRequestData.from_request(request, (row,)))
-            else:
-                resumed = seq_id in self._resumed
-                self._add_cached(cached, request, start, row if resumed else row[sent:], resumed)
-            self._resumed.discard(seq_id)
-            self._sent[seq_id] = n
+                new_reqs.append(NewRequestData.from_request(request, (tables[i, :n].tolist(),)))
+            elif seq_id in self._resumed:  # after a preemption: the whole table again
+                request.status = running
+                self._resumed.discard(seq_id)
+                cached.resumed_req_ids.add(name)
+                self._add_cached(cached, request, start, (tables[i, :n].tolist(),), name in prev)
+            else:  # running: only the blocks appended since the worker's last table
+                new = (tables[i, sent:n].tolist(),) if n > sent else None
+                self._add_cached(cached, request, start, new, name in prev)
+            sent_of[seq_id] = n
             num_scheduled[name] = end - start
             request.num_computed_tokens = end
         out = SchedulerOutput(
@@ -184,19 +209,22 @@ class Scheduler(SchedulerInterface):
             preempted_req_ids=preempted,
         )
         self._finished_ids = set()
-        self._prev_scheduled = set(num_scheduled)
+        self._prev_scheduled = num_scheduled.keys()
         return out
 
+    @staticmethod
     def _add_cached(
-        self, cached: Any, request: Request, start: int, blocks: list[int], resumed: bool
+        cached: Any,
+        request: Request,
+        start: int,
+        blocks: tuple[list[int]] | None,
+        was_scheduled: bool,
     ) -> None:
         name = request.request_id
         cached.req_ids.append(name)
-        if resumed:
-            cached.resumed_req_ids.add(name)
-        if name not in self._prev_scheduled:
+        if not was_scheduled:  # (vLLM sends these for requests absent from the last step)
             cached.all_token_ids[name] = list(request.all_token_ids)
-        cached.new_block_ids.append((blocks,) if blocks or resumed else None)
+        cached.new_block_ids.append(blocks)
         cached.num_computed_tokens.append(start)
         cached.num_output_tokens.append(request.num_output_tokens)
 
@@ -246,14 +274,16 @@ class Scheduler(SchedulerInterface):
 
     # ------------------------------------------------------------------ outcome
 
-    def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> dict:
-        outputs: dict[int, list] = defaultdict(list)
+    def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> dict[Any, Any]:
+        outputs: dict[int, list[Any]] = defaultdict(list)
         self._record_outcome(scheduler_output, model_runner_output, outputs)
         for request, reason in self._errors:
             outputs[request.client_index].append(
                 EngineCoreOutput(
-                    request_id=request.request_id, new_token_ids=[],
-                    finish_reason=FinishReason.ERROR, stop_reason=reason,
+                    request_id=request.request_id,
+                    new_token_ids=[],
+                    finish_reason=FinishReason.ERROR,
+                    stop_reason=reason,
                 )
             )
         self._errors = []
@@ -266,63 +296,58 @@ class Scheduler(SchedulerInterface):
             result.setdefault(0, EngineCoreOutputs()).scheduler_stats = stats
         return result
 
-    def _record_outcome(self, so: Any, mro: Any, outputs: dict[int, list]) -> None:
+    def _record_outcome(self, so: Any, mro: Any, outputs: dict[int, list[Any]]) -> None:
+        """Each sampled token: into the next step's ``StepExecuted`` and, unless its request
+        was aborted meanwhile, onto the vLLM request with an output (and vLLM's stop rule)."""
         plan = self._last.plan if self._last is not None else None
         if plan is None or plan.is_empty:
             return
-        sampled = mro.sampled_token_ids
-        index = mro.req_id_to_index
-        seq_ids: list[int] = []
+        sampled, index = mro.sampled_token_ids, mro.req_id_to_index
+        req_of, requests, max_len = self._req_of, self.requests, self.max_model_len
+        seq_ids = plan.seq_ids[plan.sample]
         tokens: list[int] = []
-        for seq_id in plan.seq_ids[plan.sample].tolist():
-            request = self._req_of[seq_id]
+        for seq_id in seq_ids.tolist():
+            request = req_of[seq_id]
             name = request.request_id
-            got = sampled[index[name]] if sampled else []
+            got: Any = sampled[index[name]] if sampled else ()
             if len(got) != 1:
                 raise AdapterMismatch(f"{name}: {len(got)} tokens sampled where kvsched expects 1")
-            token = int(got[0])
-            seq_ids.append(seq_id)
+            token = got[0]
             tokens.append(token)
-            if name not in self.requests:
+            if name not in requests:
                 continue  # aborted after it was scheduled: the token is folded, not returned
-            self._emit_token(request, seq_id, token, mro, index[name], outputs)
-        self._inputs.insert(
-            0,
-            ev.StepExecuted(
-                plan.step, np.asarray(seq_ids, dtype=np.int64), np.asarray(tokens, dtype=np.int32)
-            ),
-        )
-
-    def _emit_token(
-        self, request: Request, seq_id: int, token: int, mro: Any, idx: int, outputs: dict
-    ) -> None:
-        request.append_output_token_ids(token)
-        stop = stop_reason(request, token, self.max_model_len)
-        finish = None
-        if stop is not None:
-            kind, stop_token = stop
-            request.status = _STATUS[kind]
-            request.stop_reason = stop_token
-            finish = request.get_finished_reason()
-            del self.requests[request.request_id]
-            if kind == "stop_token":  # vLLM's rule only: kvsched learns it as an abort
-                self._inputs.append(ev.RequestAborted(seq_id, f"stop token {stop_token}"))
-            else:
-                self._expected[seq_id] = request.request_id
-        logprobs = None
-        if request.sampling_params.num_logprobs is not None and mro.logprobs is not None:
-            logprobs = mro.logprobs.slice_request(idx, 1)
-        outputs[request.client_index].append(
-            EngineCoreOutput(
-                request_id=request.request_id,
-                new_token_ids=[token],
-                finish_reason=finish,
-                new_logprobs=logprobs,
-                stop_reason=request.stop_reason,
-                events=request.take_events(),
-                prefill_stats=request.take_prefill_stats(),
+            request.append_output_token_ids(token)
+            stop = stop_reason(request, token, max_len)
+            finish = None if stop is None else self._finish(request, seq_id, *stop)
+            logprobs = None
+            if request.sampling_params.logprobs is not None and mro.logprobs is not None:
+                logprobs = mro.logprobs.slice_request(index[name], 1)
+            outputs[request.client_index].append(
+                EngineCoreOutput(
+                    request_id=name,
+                    new_token_ids=[token],
+                    finish_reason=finish,
+                    new_logprobs=logprobs,
+                    stop_reason=request.stop_reason,
+                    events=request.take_events(),
+                    prefill_stats=request.take_prefill_stats(),
+                )
             )
-        )
+        executed = ev.StepExecuted(plan.step, seq_ids.copy(), np.asarray(tokens, dtype=np.int32))
+        self._inputs.insert(0, executed)
+
+    def _finish(self, request: Request, seq_id: int, kind: str, stop_token: int | None) -> Any:
+        """vLLM learns the finish now; kvsched folds the same token at the next step and
+        retires the request itself ("stop", "length": checked), or by an abort (a
+        ``stop_token_ids`` hit, a rule kvsched does not have)."""
+        request.status = _STATUS[kind]
+        request.stop_reason = stop_token
+        del self.requests[request.request_id]
+        if kind == "stop_token":
+            self._inputs.append(ev.RequestAborted(seq_id, f"stop token {stop_token}"))
+        else:
+            self._expected[seq_id] = request.request_id
+        return request.get_finished_reason()
 
     # ------------------------------------------------------------------ queries
 
