@@ -37,8 +37,9 @@ class EngineMachine(RuleBasedStateMachine):
         decode_interval=st.sampled_from([0, 4, 8]),
         budget=st.integers(1, 4),
         turn_mode=st.sampled_from(["mixed", "alternate"]),
+        dedup=st.booleans(),
     )
-    def start(self, hybrid, num_blocks, max_batch, chunk_blocks, decode_interval, budget, turn_mode):  # type: ignore[no-untyped-def]  # noqa: E501
+    def start(self, hybrid, num_blocks, max_batch, chunk_blocks, decode_interval, budget, turn_mode, dedup):  # type: ignore[no-untyped-def]  # noqa: E501
         bs = 4
         self.config = SchedulerConfig(
             model=ModelSpec(vocab_size=VOCAB, max_context=128),
@@ -50,6 +51,7 @@ class EngineMachine(RuleBasedStateMachine):
             checkpoint_budget=budget,
             decode_checkpoint_interval=decode_interval,
             turn_mode=turn_mode,
+            dedup_cached_blocks=dedup,
         )
         self.engine = Engine(self.config, check_invariants=True)
         self.executor = SimulatedExecutor(VOCAB)

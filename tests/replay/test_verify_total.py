@@ -789,7 +789,7 @@ def test_a_log_of_the_old_positional_schema_is_refused_naming_both_versions(
 @pytest.mark.parametrize(
     "change",
     [
-        {"block_size": 3},
+        {"block_size": 0},
         {"block_size": "8"},
         {"num_blocks": 1},
         {"order": "random"},

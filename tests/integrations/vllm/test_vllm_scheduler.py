@@ -194,3 +194,15 @@ def test_vllm_kv_events_from_kvsched_rebuild_its_prefix_index(qwen3: Path, tmp_p
                 cached.clear()
     assert {"BlockStored", "BlockRemoved"} <= kinds  # 48 blocks: the run evicts
     assert cached == set(mine["kvsched"]["cached_names"]) and cached
+
+
+def test_vllm_hybrid_model_is_refused_at_start_up_with_the_reason(tmp_path_factory):
+    """Until kvsched's state checkpoints map onto vLLM's mamba blocks (docs/vllm.md), a
+    hybrid model must not be served at all rather than served hits without states."""
+    model = build("qwen3-next", tmp_path_factory.mktemp("qwen3next") / "model")
+    out = tmp_path_factory.mktemp("hybrid") / "out.json"
+    cmd = [sys.executable, "-m", "kvsched.integrations.vllm.run", "--model", str(model),
+           "--out", str(out), "--scheduler", "kvsched", "--hybrid"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT)
+    assert proc.returncode != 0 and not out.exists()
+    assert "Hybrid (Mamba / gated DeltaNet) models are not supported under vLLM yet" in proc.stderr
