@@ -13,14 +13,16 @@ def assert_machine_catches(
     target: object,
     name: str,
     broken: object,
+    max_examples: int = 150,
 ) -> None:
-    """Replace ``target.name`` with ``broken``; ``machine`` must then fail."""
+    """Replace ``target.name`` with ``broken``; ``machine`` must then fail within
+    ``max_examples`` derandomised examples."""
     monkeypatch.setattr(target, name, broken)
     with pytest.raises(Exception):  # noqa: B017 - any detected violation will do
         run_state_machine_as_test(
             machine,
             settings=settings(
-                max_examples=150,
+                max_examples=max_examples,
                 stateful_step_count=30,
                 deadline=None,
                 database=None,
