@@ -62,6 +62,10 @@ class SchedulerConfig:
     hybrid: bool = False
     checkpoint_budget: int = 256  # checkpoint state slots (besides one runtime slot per row)
     decode_checkpoint_interval: int = 0  # tokens between decode checkpoints (0: none)
+    # Save states only at block boundaries (no partial-block checkpoints at prompt ends), and
+    # end a prompt's last chunk at the deepest boundary a later hit can use: for executors that
+    # keep states in whole KV-cache blocks (vLLM's mamba "align" mode).
+    aligned_checkpoints_only: bool = False
     num_speculative_tokens: int = 0  # MTP: the last k cached blocks of a hit are recomputed
     # External KV store: look up prefixes beyond the local cache and load them; save computed
     # blocks (and aligned state checkpoints) to it (roles both and prefill).

@@ -67,3 +67,17 @@ def test_with_dedup_on_the_twin_is_swapped_onto_the_cached_copy():
     _twins(h)
     marks = _cached(h.results)[0].replaced
     assert (marks > 0).sum() == 4 and not (marks == ev.PRIVATE_COPY).any()
+
+
+def test_aligned_checkpoints_only_saves_states_at_block_boundaries_and_splits_the_tail():
+    h = Harness(hybrid=True, aligned_checkpoints_only=True, max_prefill_tokens=256)
+    first = h.step([request(1, tokens(70, seed=5))])  # 4 full 16-token blocks and 6 tokens
+    (prefill,) = of_type(first.decisions, ev.PrefillScheduled)
+    assert (prefill.starts.tolist(), prefill.ends.tolist()) == ([0], [64])  # the tail split
+    results = [first, *h.run_until_idle()]
+    steps = [d.num_tokens for r in results for d in of_type(r.decisions, ev.CheckpointReserved)]
+    assert steps == [64]  # no partial-block checkpoint at the prompt end (70)
+    hit = h.step([request(2, tokens(70, seed=5))])
+    (match,) = of_type(hit.decisions, ev.PrefixMatched)
+    assert match.num_tokens == 64 and match.ckpt_id >= 0
+    assert not len(hit.plan.copy_blocks) and not len(hit.plan.copy_blocks_after)

@@ -41,7 +41,8 @@ class Admission:
         self.growth = growth
         self.checkpoints = checkpoints
         self.transfers = transfers
-        self._split_tail = config.hybrid and config.external_save
+        aligned = config.external_save or config.aligned_checkpoints_only
+        self._split_tail = config.hybrid and aligned
 
     # ---------------------------------------------------------------------- chunks
 
@@ -51,9 +52,9 @@ class Admission:
         size = self.config.chunk_tokens
         end = min(seq.n_tokens, (start // size + 1) * size)
         if self._split_tail and end == seq.n_tokens:
-            # Hybrid models saving to the store: end a chunk at the deepest block boundary a
-            # lookup of this prompt (or of it plus its first token) can use, so an aligned
-            # state checkpoint exists there to be saved.
+            # Hybrid models saving to the store or saving aligned states only: end a chunk at
+            # the deepest block boundary a lookup of this prompt (or of it plus its first
+            # token) can use, so an aligned state checkpoint exists there to be saved.
             cut = (seq.n_tokens - 1) // self.bs * self.bs
             if start < cut < end:
                 end = cut

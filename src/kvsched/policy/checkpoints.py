@@ -30,6 +30,8 @@ class Checkpoints:
     def reserve(self, state: EngineState, seq: Seq, step: int, emit: Emit) -> None:
         """Save the state after ``step`` tokens, if that identity is new and a slot (and, for a
         non-aligned step, a frozen block) can be had."""
+        if step % self.bs and self.config.aligned_checkpoints_only:
+            return  # (an executor that keeps states in whole blocks only: vLLM's align mode)
         ckpts = state.ckpts
         key, anchor = state.seqs.identity_at(seq, step)
         if ckpts.find(key) is not None:

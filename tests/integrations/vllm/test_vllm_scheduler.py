@@ -59,6 +59,32 @@ def both(model: Path, tmp: Path, *args: str) -> tuple[dict, dict, Path]:
 
 
 @pytest.fixture(scope="module")
+def qwen3_next(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build("qwen3-next", tmp_path_factory.mktemp("qwen3next") / "model")
+
+
+HYBRID = ("--hybrid", "--batched-tokens", "2048", "--max-model-len", "4096")
+
+
+@pytest.fixture(scope="module")
+def hybrid_mixed(qwen3_next: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple:
+    return both(qwen3_next, tmp_path_factory.mktemp("hmixed"), "--workload", "mixed", *HYBRID)
+
+
+@pytest.fixture(scope="module")
+def hybrid_preempt(qwen3_next: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple:
+    return both(
+        qwen3_next,
+        tmp_path_factory.mktemp("hpreempt"),
+        "--workload",
+        "preempt",
+        "--blocks",
+        "45",
+        *HYBRID,
+    )
+
+
+@pytest.fixture(scope="module")
 def mixed(qwen3: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, dict, Path]:
     return both(qwen3, tmp_path_factory.mktemp("mixed"), "--workload", "mixed")
 
@@ -196,13 +222,35 @@ def test_vllm_kv_events_from_kvsched_rebuild_its_prefix_index(qwen3: Path, tmp_p
     assert cached == set(mine["kvsched"]["cached_names"]) and cached
 
 
-def test_vllm_hybrid_model_is_refused_at_start_up_with_the_reason(tmp_path_factory):
-    """Until kvsched's state checkpoints map onto vLLM's mamba blocks (docs/vllm.md), a
-    hybrid model must not be served at all rather than served hits without states."""
-    model = build("qwen3-next", tmp_path_factory.mktemp("qwen3next") / "model")
-    out = tmp_path_factory.mktemp("hybrid") / "out.json"
-    cmd = [sys.executable, "-m", "kvsched.integrations.vllm.run", "--model", str(model),
-           "--out", str(out), "--scheduler", "kvsched", "--hybrid"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT)
-    assert proc.returncode != 0 and not out.exists()
-    assert "Hybrid (Mamba / gated DeltaNet) models are not supported under vLLM yet" in proc.stderr
+def _verifies(log: Path, steps: int) -> None:
+    verify = subprocess.run(
+        [sys.executable, "-m", "kvsched.cli", "verify", str(log)],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+    )
+    assert verify.returncode == 0, verify.stdout + verify.stderr
+    assert f"{steps} steps verified, 0 divergences" in verify.stdout
+
+
+def test_vllm_hybrid_qwen3_next_is_token_identical_and_hits_only_at_state_checkpoints(
+    hybrid_mixed,
+):
+    ref, mine, log = hybrid_mixed
+    assert_token_identical(ref, mine)
+    requests = mine["requests"]
+    for name, want in ref["requests"].items():  # the same hits as vLLM's align mode
+        assert requests[name]["cached"] == want["cached"], name
+    block = 640  # vLLM raised the block to the tiny model's state page
+    for i in (1, 2, 3):  # a 1,200-token shared prefix: one whole block with its state
+        assert requests[f"prefix-{i}"]["cached"] == block
+    assert all(r["cached"] % block == 0 for r in requests.values())
+    assert mine["kvsched"]["hit_tokens"] > 0
+    _verifies(log, mine["kvsched"]["steps"])
+
+
+def test_vllm_hybrid_preemption_workload_is_token_identical_under_kvsched(hybrid_preempt):
+    ref, mine, log = hybrid_preempt
+    assert_token_identical(ref, mine)
+    assert mine["kvsched"]["preemptions"] > 0
+    _verifies(log, mine["kvsched"]["steps"])

@@ -18,7 +18,7 @@ def _vllm_config(**sched: object) -> NS:
     return NS(
         scheduler_config=NS(**scheduler),
         model_config=NS(model="tiny", get_vocab_size=lambda: 512, max_model_len=2048),
-        cache_config=NS(cache_dtype="auto", enable_prefix_caching=True),
+        cache_config=NS(cache_dtype="auto", enable_prefix_caching=True, mamba_cache_mode="align"),
         parallel_config=NS(pipeline_parallel_size=1),
         speculative_config=None,
         lora_config=None,
@@ -29,6 +29,7 @@ def _vllm_config(**sched: object) -> NS:
 
 FullAttentionSpec = type("FullAttentionSpec", (), {})
 MambaSpec = type("MambaSpec", (), {})
+SlidingWindowSpec = type("SlidingWindowSpec", (), {})
 
 
 def _kv_cache(*specs: type, num_blocks: int = 100) -> NS:
@@ -52,7 +53,9 @@ def test_vllm_priority_policy_maps_to_kvscheds_priority_order():
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        ({"kv": (FullAttentionSpec, MambaSpec)}, "Hybrid"),
+        ({"kv": (FullAttentionSpec, FullAttentionSpec)}, "one full-attention KV cache group"),
+        ({"kv": (SlidingWindowSpec,)}, "SlidingWindowSpec"),
+        ({"mamba_cache_mode": "none"}, "mamba_cache_mode 'align'"),
         ({"speculative_config": object()}, "speculative decoding"),
         ({"lora_config": object()}, "LoRA"),
         ({"max_num_batched_tokens": 36}, "leaves 28 prefill tokens"),
@@ -72,6 +75,9 @@ def test_vllm_configurations_the_adapter_cannot_serve_are_refused_with_the_reaso
         if key in change:
             setattr(vc, key, change[key])
     kv = _kv_cache(*change.get("kv", (FullAttentionSpec,)))
+    if "mamba_cache_mode" in change:
+        vc.cache_config.mamba_cache_mode = change["mamba_cache_mode"]
+        kv = _kv_cache(FullAttentionSpec, MambaSpec)
 
     with pytest.raises(cfg.UnsupportedConfig, match=message):
         cfg.scheduler_config(vc, kv, 32)
@@ -187,3 +193,22 @@ def test_vllm_kv_events_name_blocks_by_the_requests_hashes_and_skip_private_copi
     ]
     assert tr.translate([ev.CacheCleared()], {}.__getitem__) == [("AllBlocksCleared", {})]
     assert tr.names == {}
+
+
+def test_a_hybrid_vllm_cache_is_split_into_kv_blocks_and_state_blocks_per_mamba_group():
+    kv = _kv_cache(MambaSpec, FullAttentionSpec, MambaSpec, num_blocks=1001)
+    config = cfg.scheduler_config(_vllm_config(max_num_batched_tokens=2048), kv, 544)
+
+    assert config.hybrid and config.aligned_checkpoints_only
+    states = 2 * (config.max_batch + config.checkpoint_budget)
+    assert config.num_blocks - 1 + states == 1000  # every vLLM id but the null block
+    assert cfg.groups(kv) == (1, [0, 2])
+
+
+def test_a_hybrid_cache_too_small_for_the_states_is_refused():
+    with pytest.raises(cfg.UnsupportedConfig, match="give vLLM more KV cache memory"):
+        cfg.scheduler_config(
+            _vllm_config(max_num_batched_tokens=2048),
+            _kv_cache(FullAttentionSpec, MambaSpec, num_blocks=10),
+            544,
+        )

@@ -35,14 +35,28 @@ def options(vllm_config: Any) -> dict[str, Any]:
     return out
 
 
-def _refuse_unsupported(vllm_config: Any, kv_cache_config: Any) -> None:
-    groups = kv_cache_config.kv_cache_groups
-    if len(groups) != 1 or type(groups[0].kv_cache_spec).__name__ != "FullAttentionSpec":
-        kinds = sorted({type(g.kv_cache_spec).__name__ for g in groups})
+def groups(kv_cache_config: Any) -> tuple[int, list[int]]:
+    """(the full-attention group's index, the mamba groups' indices) of vLLM's KV cache;
+    refuses any other layout."""
+    kinds = [type(g.kv_cache_spec).__name__ for g in kv_cache_config.kv_cache_groups]
+    attention = [i for i, k in enumerate(kinds) if k == "FullAttentionSpec"]
+    mamba = [i for i, k in enumerate(kinds) if k == "MambaSpec"]
+    if len(attention) != 1 or len(attention) + len(mamba) != len(kinds):
         raise UnsupportedConfig(
-            f"kvsched schedules models with one full-attention KV cache group; this model has "
-            f"{len(groups)} ({', '.join(kinds)}). Hybrid (Mamba / gated DeltaNet) models are "
-            "not supported under vLLM yet: see docs/vllm.md"
+            "kvsched schedules models with one full-attention KV cache group, plus mamba "
+            f"groups for hybrid models; this model has {', '.join(kinds)}"
+        )
+    return attention[0], mamba
+
+
+def _refuse_unsupported(vllm_config: Any, kv_cache_config: Any) -> None:
+    _, mamba = groups(kv_cache_config)
+    cache = vllm_config.cache_config
+    if mamba and (not cache.enable_prefix_caching or cache.mamba_cache_mode != "align"):
+        raise UnsupportedConfig(
+            "hybrid models run under kvsched with prefix caching in mamba_cache_mode 'align'"
+            f" only (got enable_prefix_caching={cache.enable_prefix_caching}, "
+            f"mamba_cache_mode={cache.mamba_cache_mode!r})"
         )
     if getattr(vllm_config, "speculative_config", None) is not None:
         raise UnsupportedConfig("speculative decoding is not supported by the kvsched adapter")
@@ -73,6 +87,7 @@ def scheduler_config(vllm_config: Any, kv_cache_config: Any, block_size: int) ->
             f"tokens per step after {max_seqs} decodes: kvsched needs at least one block "
             f"({block_size}); raise max_num_batched_tokens or lower max_num_seqs"
         )
+    hybrid = _hybrid_sizes(kv_cache_config, max_seqs)
     return SchedulerConfig(
         model=ModelSpec(
             name=str(model.model),
@@ -82,10 +97,35 @@ def scheduler_config(vllm_config: Any, kv_cache_config: Any, block_size: int) ->
             max_context=int(model.max_model_len),
         ),
         block_size=int(block_size),
-        num_blocks=int(kv_cache_config.num_blocks),
+        num_blocks=hybrid["num_blocks"],
         max_batch=max_seqs,
         max_prefill_tokens=budget,
         order="priority" if str(sched.policy) == "priority" else "fcfs",
         enable_prefix_caching=bool(cache.enable_prefix_caching),
         dedup_cached_blocks=False,  # vLLM's workers only ever append to a block table
+        hybrid=hybrid["hybrid"],
+        checkpoint_budget=hybrid["checkpoint_budget"],
+        aligned_checkpoints_only=hybrid["hybrid"],  # states live in whole blocks (mamba.py)
     )
+
+
+MAX_CHECKPOINTS = 256
+
+
+def _hybrid_sizes(kv_cache_config: Any, max_seqs: int) -> dict[str, Any]:
+    """kvsched's KV blocks and checkpoint slots in vLLM's block-id space: for a hybrid model,
+    each mamba group takes one block per state slot (a runtime slot per row and the
+    checkpoints); the rest are KV blocks (``mamba.MambaLayout``)."""
+    total = int(kv_cache_config.num_blocks)
+    _, mamba = groups(kv_cache_config)
+    if not mamba:
+        return {"hybrid": False, "num_blocks": total, "checkpoint_budget": 0}
+    g = len(mamba)
+    budget = min(MAX_CHECKPOINTS, max(1, (total - 1) // (4 * g) - max_seqs))
+    kv_blocks = total - 1 - g * (max_seqs + budget)
+    if kv_blocks < 2:
+        raise UnsupportedConfig(
+            f"{total} KV cache blocks cannot hold {g} mamba group(s) x ({max_seqs} running + "
+            f"{budget} checkpoint) states and KV blocks: give vLLM more KV cache memory"
+        )
+    return {"hybrid": True, "num_blocks": kv_blocks + 1, "checkpoint_budget": budget}

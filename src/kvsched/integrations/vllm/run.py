@@ -104,21 +104,27 @@ def _aborted(llm: Any, out: dict[str, Any]) -> None:
     out["abort-peer"] = {"tokens": got["abort-peer"], "cached": 0}
 
 
-def mixed(llm: Any, out: dict[str, Any]) -> None:
-    prefix = _tokens(320, 1)
+# Prompt sizes of the mixed workload: attention models (block 32), hybrid (block 544, the
+# state page): shared prefix, first turn, new tokens per turn, the long prompt.
+SIZES = {"attention": (320, 100, 40, 900), "hybrid": (1200, 600, 500, 2500)}
+
+
+def mixed(llm: Any, out: dict[str, Any], sizes: tuple[int, int, int, int]) -> None:
+    shared, first, more, long = sizes
+    prefix = _tokens(shared, 1)
     _generate(llm, {"prefix-0": prefix + _tokens(16, 100)}, 16, out)
     _generate(llm, {f"prefix-{i}": prefix + _tokens(16, 100 + i) for i in (1, 2, 3)}, 16, out)
-    history = _tokens(100, 2)
+    history = _tokens(first, 2)
     for turn in range(3):
         name = f"turn-{turn}"
         _generate(llm, {name: history}, 12, out)
-        history = history + out[name]["tokens"] + _tokens(40, 200 + turn)
-    _generate(llm, {"long": _tokens(900, 3)}, 8, out)
+        history = history + out[name]["tokens"] + _tokens(more, 200 + turn)
+    _generate(llm, {"long": _tokens(long, 3)}, 8, out)
     _aborted(llm, out)
 
 
-def preempt(llm: Any, out: dict[str, Any]) -> None:
-    _generate(llm, {f"p-{i}": _tokens(160, 300 + i) for i in range(6)}, 96, out)
+def preempt(llm: Any, out: dict[str, Any], prompt: int) -> None:
+    _generate(llm, {f"p-{i}": _tokens(prompt, 300 + i) for i in range(6)}, 96, out)
 
 
 def decode(llm: Any, out: dict[str, Any], running: int) -> None:
@@ -152,9 +158,9 @@ def main(argv: list[str] | None = None) -> int:
     out: dict[str, Any] = {}
     t0 = time.perf_counter()
     if args.workload == "mixed":
-        mixed(llm, out)
+        mixed(llm, out, SIZES["hybrid" if args.hybrid else "attention"])
     elif args.workload == "preempt":
-        preempt(llm, out)
+        preempt(llm, out, 1240 if args.hybrid else 160)  # (decode grows a block)
     else:
         decode(llm, out, args.running)
     wall = time.perf_counter() - t0

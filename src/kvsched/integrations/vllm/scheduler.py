@@ -42,6 +42,7 @@ from kvsched.engine import Engine, StepResult, create_log
 from kvsched.events import types as ev
 from kvsched.integrations.vllm import config as cfg
 from kvsched.integrations.vllm.kv_events import KVEventTranslator
+from kvsched.integrations.vllm.mamba import MambaLayout
 from kvsched.integrations.vllm.requests import arrival, refusal, stop_reason
 
 logger = logging.getLogger(__name__)
@@ -82,6 +83,18 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # (vLLM is untyped h
             self.config, log=log, check_invariants=bool(opts.get("check_invariants"))
         )
         self.max_model_len = self.config.model.max_context
+        self._attn_group, mamba_groups = cfg.groups(kv_cache_config)
+        self._num_groups = len(kv_cache_config.kv_cache_groups)
+        self.mamba: MambaLayout | None = None
+        if mamba_groups:
+            self._mamba_groups = mamba_groups
+            self.mamba = MambaLayout(
+                self.config.num_blocks - 1, self.config.num_state_slots, len(mamba_groups),
+                block_size,
+            )
+            assert self.mamba.num_ids <= kv_cache_config.num_blocks
+        self._zeroing = bool(getattr(kv_cache_config, "needs_kv_cache_zeroing", False))
+        self._fresh_blocks: list[int] = []
         self.t0 = time.time()
         self.clock0 = time.monotonic()
         self._pause = PauseState.UNPAUSED
@@ -170,29 +183,30 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # (vLLM is untyped h
             (self._prev_scheduled),
         )
         running = RequestStatus.RUNNING
+        self._check_plan(plan)
+        restore = dict(plan.state_restore[:, ::-1].tolist()) if len(plan.state_restore) else {}
+        runtime = plan.state_slots.tolist()
         for i, (seq_id, start, end, n) in enumerate(
-            zip(
-                plan.seq_ids.tolist(),
-                plan.starts.tolist(),
-                plan.ends.tolist(),
-                plan.num_blocks.tolist(),
-                strict=True,
-            )
+            zip(plan.seq_ids.tolist(), plan.starts.tolist(), plan.ends.tolist(),
+                plan.num_blocks.tolist(), strict=True)
         ):
             request = req_of[seq_id]
             name = request.request_id
             sent = sent_of.get(seq_id)
-            if sent is None:  # new to the worker: its whole table, the hit as computed
+            if sent is None or seq_id in self._resumed:  # the whole table, the hit computed
+                ids = self._ids(tables[i, :n].tolist(), start, end, 0, runtime[i], restore)
                 request.status = running
-                request.num_computed_tokens = start
-                new_reqs.append(NewRequestData.from_request(request, (tables[i, :n].tolist(),)))
-            elif seq_id in self._resumed:  # after a preemption: the whole table again
-                request.status = running
-                self._resumed.discard(seq_id)
-                cached.resumed_req_ids.add(name)
-                self._add_cached(cached, request, start, (tables[i, :n].tolist(),), name in prev)
+                if sent is None:
+                    request.num_computed_tokens = start
+                    new_reqs.append(NewRequestData.from_request(request, ids))
+                else:  # after a preemption
+                    self._resumed.discard(seq_id)
+                    cached.resumed_req_ids.add(name)
+                    self._add_cached(cached, request, start, ids, name in prev)
             else:  # running: only the blocks appended since the worker's last table
-                new = (tables[i, sent:n].tolist(),) if n > sent else None
+                new = None
+                if n > sent:
+                    new = self._ids(tables[i, sent:n].tolist(), start, end, sent, runtime[i], {})
                 self._add_cached(cached, request, start, new, name in prev)
             sent_of[seq_id] = n
             num_scheduled[name] = end - start
@@ -207,17 +221,38 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # (vLLM is untyped h
             finished_req_ids=self._finished_ids,
             free_encoder_mm_hashes=[],
             preempted_req_ids=preempted,
+            new_block_ids_to_zero=self._fresh_blocks if self._zeroing else None,
         )
+        self._fresh_blocks = []
         self._finished_ids = set()
         self._prev_scheduled = num_scheduled.keys()
         return out
+
+    def _ids(
+        self, attn: list[int], start: int, end: int, sent: int, slot: int, restore: dict[int, int]
+    ) -> tuple[list[int], ...]:
+        """One block-id list per KV cache group: kvsched's table for the attention group,
+        the state blocks of ``mamba.MambaLayout`` for each mamba group."""
+        if self.mamba is None:
+            return (attn,)
+        out: list[list[int]] = [[] for _ in range(self._num_groups)]
+        out[self._attn_group] = attn
+        rows = self.mamba.entries(start, end, sent, slot, restore.get(slot, 0))
+        for g, row in zip(self._mamba_groups, rows, strict=True):
+            out[g] = row
+        return tuple(out)
+
+    @staticmethod
+    def _check_plan(plan: Any) -> None:
+        if len(plan.copy_blocks) or len(plan.copy_blocks_after) or len(plan.zero_blocks):
+            raise AdapterMismatch("the plan copies or zeroes KV blocks: vLLM cannot do that")
 
     @staticmethod
     def _add_cached(
         cached: Any,
         request: Request,
         start: int,
-        blocks: tuple[list[int]] | None,
+        blocks: tuple[list[int], ...] | None,
         was_scheduled: bool,
     ) -> None:
         name = request.request_id
@@ -252,6 +287,8 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # (vLLM is untyped h
                 if d.seq_id in self._sent:
                     self._resumed.add(d.seq_id)
                 preempted.add(request.request_id)
+            elif isinstance(d, ev.BlocksAllocated):
+                self._fresh_blocks += d.blocks.tolist()
             elif isinstance(d, ev.PrefixMatched) and d.num_query_tokens:
                 request = self._req_of[d.seq_id]
                 self._prefix_stats.record(d.num_query_tokens, d.num_tokens, False)
@@ -333,6 +370,9 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # (vLLM is untyped h
                     prefill_stats=request.take_prefill_stats(),
                 )
             )
+        if self.mamba is not None:  # the forward ran: saved states now sit in their blocks
+            for slot, ckpt in plan.state_save.tolist():
+                self.mamba.saved(slot, ckpt)
         executed = ev.StepExecuted(plan.step, seq_ids.copy(), np.asarray(tokens, dtype=np.int32))
         self._inputs.insert(0, executed)
 
