@@ -103,6 +103,22 @@ def preempt(qwen3: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[dict
     )
 
 
+def kvsched_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "kvsched.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+    )
+
+
+def _verifies(log: Path, steps: int | None = None) -> None:
+    verify = kvsched_cli("verify", str(log))
+    assert verify.returncode == 0, verify.stdout + verify.stderr
+    expected = "0 divergences" if steps is None else f"{steps} steps verified, 0 divergences"
+    assert expected in verify.stdout
+
+
 def assert_token_identical(ref: dict, mine: dict) -> None:
     assert ref["requests"].keys() == mine["requests"].keys()
     for name, want in ref["requests"].items():
@@ -131,20 +147,8 @@ def test_vllm_mixed_workload_is_token_identical_under_kvsched_and_hits_the_prefi
 
 def test_vllm_run_under_kvsched_writes_a_log_that_verifies_and_replays(mixed, tmp_path: Path):
     _, mine, log = mixed
-    verify = subprocess.run(
-        [sys.executable, "-m", "kvsched.cli", "verify", str(log)],
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT,
-    )
-    assert verify.returncode == 0, verify.stdout + verify.stderr
-    assert f"{mine['kvsched']['steps']} steps verified, 0 divergences" in verify.stdout
-    replay = subprocess.run(
-        [sys.executable, "-m", "kvsched.cli", "replay", str(log), "--json"],
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT,
-    )
+    _verifies(log, mine["kvsched"]["steps"])
+    replay = kvsched_cli("replay", str(log), "--json")
     assert replay.returncode == 0, replay.stderr
     metrics = json.loads(replay.stdout)
     assert metrics["requests"] == len(mine["requests"])  # every vLLM request, replayed
@@ -157,13 +161,7 @@ def test_vllm_preemption_workload_is_token_identical_under_kvsched(preempt):
     ref, mine, log = preempt
     assert_token_identical(ref, mine)
     assert mine["kvsched"]["preemptions"] > 0
-    verify = subprocess.run(
-        [sys.executable, "-m", "kvsched.cli", "verify", str(log)],
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT,
-    )
-    assert verify.returncode == 0 and "0 divergences" in verify.stdout
+    _verifies(log)
 
 
 def _subscribe(endpoint: str, stop: threading.Event, sink: list) -> None:
@@ -225,17 +223,6 @@ def test_vllm_kv_events_from_kvsched_rebuild_its_prefix_index(qwen3: Path, tmp_p
                 cached.clear()
     assert {"BlockStored", "BlockRemoved"} <= kinds  # 48 blocks: the run evicts
     assert cached == set(mine["kvsched"]["cached_names"]) and cached
-
-
-def _verifies(log: Path, steps: int) -> None:
-    verify = subprocess.run(
-        [sys.executable, "-m", "kvsched.cli", "verify", str(log)],
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT,
-    )
-    assert verify.returncode == 0, verify.stdout + verify.stderr
-    assert f"{steps} steps verified, 0 divergences" in verify.stdout
 
 
 def test_vllm_hybrid_qwen3_next_is_token_identical_and_hits_only_at_state_checkpoints(
@@ -335,18 +322,30 @@ def test_vllm_openai_server_runs_under_kvsched_and_its_log_verifies(qwen3: Path,
     finally:
         server.terminate()
         server.wait(timeout=60)
-    verify = subprocess.run(
-        [sys.executable, "-m", "kvsched.cli", "verify", str(log)],
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT,
-    )
-    assert verify.returncode == 0 and "0 divergences" in verify.stdout, verify.stdout
-    replay = subprocess.run(
-        [sys.executable, "-m", "kvsched.cli", "replay", str(log), "--json"],
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT,
-    )
+    _verifies(log)
+    replay = kvsched_cli("replay", str(log), "--json")
     metrics = json.loads(replay.stdout)
     assert metrics["requests"] == 2 and metrics["hit_tokens"] == 64  # the second hit 2 blocks
+
+
+def test_vllm_make_stats_reports_kvscheds_prefix_hits_per_interval(qwen3: Path):
+    from kvsched.integrations.vllm import bench
+
+    vllm_config, kv = bench._configs(4, str(qwen3))
+    sched = bench._make("kvsched", vllm_config, kv)
+    sched.log_stats = True
+    first, *rest = bench._requests(4)
+    for r in rest:  # the same 512-token prompt as ``first``: 7 of its 8 blocks can hit
+        r.prompt_token_ids[:] = first.prompt_token_ids
+        r._all_token_ids[:] = first.prompt_token_ids
+    sched.add_request(first)
+    while not first.num_output_tokens:
+        bench._step(sched)
+    assert sched.make_stats().prefix_cache_stats.requests == 1
+    for r in rest:
+        sched.add_request(r)
+    bench._step(sched)
+    stats = sched.make_stats().prefix_cache_stats
+    assert (stats.requests, stats.queries, stats.hits) == (3, 3 * 512, 3 * 448)
+    assert sched.make_stats().prefix_cache_stats.requests == 0  # a new interval
+    sched.shutdown()

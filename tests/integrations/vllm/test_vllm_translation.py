@@ -10,7 +10,7 @@ import pytest
 from kvsched.events import types as ev
 from kvsched.integrations.vllm import config as cfg
 from kvsched.integrations.vllm.kv_events import KVEventTranslator
-from kvsched.integrations.vllm.requests import arrival, refusal, stop_reason
+from kvsched.integrations.vllm.requests import arrival, refusal, stop_reason, stop_rule
 
 
 def _vllm_config(**sched: object) -> NS:
@@ -148,12 +148,14 @@ def test_vllm_requests_with_unsupported_features_are_refused_with_the_reason(ove
 
 
 def test_vllm_stop_rule_eos_then_stop_tokens_then_length():
-    eos = _request(sampling_params=_params(eos_token_id=9, stop_token_ids=[9, 11]))
-    assert stop_reason(eos, 9, 2048) == ("stop", None)
-    assert stop_reason(eos, 11, 2048) == ("stop_token", 11)
-    assert stop_reason(eos, 12, 2048) is None
-    assert stop_reason(_request(num_output_tokens=4), 12, 2048) == ("length", None)
-    assert stop_reason(_request(num_tokens=2048), 12, 2048) == ("length", None)
+    eos = stop_rule(_request(sampling_params=_params(eos_token_id=9, stop_token_ids=[9, 11])), 2048)
+    assert stop_reason(eos, 9, 1) == ("stop", None)  # eos first, though it is a stop token too
+    assert stop_reason(eos, 11, 1) == ("stop_token", 11)
+    assert stop_reason(eos, 12, 1) is None
+    assert stop_reason(eos, 12, 4) == ("length", None)  # max_tokens 4
+    assert stop_reason(stop_rule(_request(), 2048), 12, 1) is None
+    near_end = stop_rule(_request(max_tokens=100), 5)  # a 3-token prompt, context of 5
+    assert stop_reason(near_end, 12, 1) is None and stop_reason(near_end, 12, 2) == ("length", None)
 
 
 def _h(i: int) -> bytes:

@@ -8,7 +8,7 @@ way can follow the cache.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -57,15 +57,34 @@ def arrival(request: Any, seq_id: int, t0: float) -> ev.RequestArrived:
     )
 
 
-def stop_reason(request: Any, token: int, max_model_len: int) -> tuple[str, int | None] | None:
-    """vLLM's stop check after ``token`` was appended: (kvsched-style reason, stop token) or
-    None. "stop" (eos) and "length" (max_tokens, context) are kvsched's own finish rules; a
-    ``stop_token_ids`` hit is vLLM's only, and the adapter turns it into an abort."""
+class StopRule(NamedTuple):
+    """vLLM's stop check for one request, read once at arrival."""
+
+    eos: int  # -1: none (``ignore_eos``)
+    stop_tokens: frozenset[int]
+    max_output: int  # output tokens at which it ends: max_tokens, or the context's end
+
+
+def stop_rule(request: Any, max_model_len: int) -> StopRule:
     params = request.sampling_params
-    if params.eos_token_id is not None and token == params.eos_token_id:
+    eos = params.eos_token_id
+    room = max_model_len - len(request.prompt_token_ids)
+    return StopRule(
+        -1 if eos is None else int(eos),
+        frozenset(params.stop_token_ids or ()),
+        min(int(request.max_tokens), room),
+    )
+
+
+def stop_reason(rule: StopRule, token: int, num_output: int) -> tuple[str, int | None] | None:
+    """vLLM's stop check after ``token`` became output token ``num_output``: (kvsched-style
+    reason, stop token) or None, in vLLM's order (eos, stop tokens, length). "stop" (eos) and
+    "length" (max_tokens, context) are kvsched's own finish rules; a ``stop_token_ids`` hit is
+    vLLM's only, and the adapter turns it into an abort."""
+    if token == rule.eos:
         return "stop", None
-    if token in params.stop_token_ids:
+    if rule.stop_tokens and token in rule.stop_tokens:
         return "stop_token", token
-    if request.num_tokens >= max_model_len or request.num_output_tokens >= request.max_tokens:
+    if num_output >= rule.max_output:
         return "length", None
     return None

@@ -43,7 +43,7 @@ from kvsched.events import types as ev
 from kvsched.integrations.vllm import config as cfg
 from kvsched.integrations.vllm.kv_events import KVEventTranslator
 from kvsched.integrations.vllm.mamba import MambaLayout
-from kvsched.integrations.vllm.requests import arrival, refusal, stop_reason
+from kvsched.integrations.vllm.requests import StopRule, arrival, refusal, stop_reason, stop_rule
 
 logger = logging.getLogger(__name__)
 
@@ -102,6 +102,7 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # (vLLM is untyped h
         self.requests: dict[str, Request] = {}  # unfinished, as vLLM sees them
         self._seq_of: dict[str, int] = {}
         self._req_of: dict[int, Request] = {}  # until kvsched retires the sequence
+        self._stops: dict[int, StopRule] = {}
         self._next_id = 0
         self._inputs: list[ev.Event] = []  # the next step's inputs (outcome first)
         self._sent: dict[int, int] = {}  # blocks the worker holds per sequence; absent: new
@@ -145,6 +146,7 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # (vLLM is untyped h
         seq_id = self._next_id
         self.requests[name] = request
         self._seq_of[name] = seq_id
+        self._stops[seq_id] = stop_rule(request, self.max_model_len)
         self._req_of[seq_id] = request
         self._inputs.append(arrival(request, seq_id, self.t0))
 
@@ -183,6 +185,8 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # (vLLM is untyped h
             (self._prev_scheduled),
         )
         running = RequestStatus.RUNNING
+        req_ids, new_block_ids = cached.req_ids, cached.new_block_ids
+        computed, num_output = cached.num_computed_tokens, cached.num_output_tokens
         self._check_plan(plan)
         restore = dict(plan.state_restore[:, ::-1].tolist()) if len(plan.state_restore) else {}
         runtime = plan.state_slots.tolist()
@@ -207,7 +211,12 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # (vLLM is untyped h
                 new = None
                 if n > sent:
                     new = self._ids(tables[i, sent:n].tolist(), start, end, sent, runtime[i], {})
-                self._add_cached(cached, request, start, new, name in prev)
+                if name not in prev:
+                    cached.all_token_ids[name] = list(request.all_token_ids)
+                req_ids.append(name)  # (``_add_cached``, inlined on the decode path)
+                new_block_ids.append(new)
+                computed.append(start)
+                num_output.append(request.num_output_tokens)
             sent_of[seq_id] = n
             num_scheduled[name] = end - start
             request.num_computed_tokens = end
@@ -275,7 +284,7 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # (vLLM is untyped h
             elif isinstance(d, ev.SequenceAborted):
                 self._retire(d.seq_id, "aborted")
             elif isinstance(d, ev.RequestRejected):
-                request = self._req_of.pop(d.seq_id)
+                request = self._forget(d.seq_id)
                 self.requests.pop(request.request_id, None)
                 request.status = RequestStatus.FINISHED_ERROR
                 self._errors.append((request, d.reason))
@@ -301,13 +310,20 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # (vLLM is untyped h
         return preempted
 
     def _retire(self, seq_id: int, reason: str) -> None:
-        request = self._req_of.pop(seq_id)
+        request = self._forget(seq_id)
         expected = self._expected.pop(seq_id, None)
         if reason != "aborted" and expected is None:
             raise AdapterMismatch(f"kvsched finished {request.request_id} ({reason}); vLLM did not")
         self._sent.pop(seq_id, None)
         self._resumed.discard(seq_id)
         self._finished_ids.add(request.request_id)
+
+    def _forget(self, seq_id: int) -> Request:
+        request = self._req_of.pop(seq_id)
+        self._stops.pop(seq_id, None)
+        if self._seq_of.get(request.request_id) == seq_id:  # (a name may be reused later)
+            del self._seq_of[request.request_id]
+        return request
 
     # ------------------------------------------------------------------ outcome
 
@@ -340,7 +356,8 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # (vLLM is untyped h
         if plan is None or plan.is_empty:
             return
         sampled, index = mro.sampled_token_ids, mro.req_id_to_index
-        req_of, requests, max_len = self._req_of, self.requests, self.max_model_len
+        req_of, requests, stops = self._req_of, self.requests, self._stops
+        with_logprobs = mro.logprobs is not None
         seq_ids = plan.seq_ids[plan.sample]
         tokens: list[int] = []
         for seq_id in seq_ids.tolist():
@@ -354,22 +371,25 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # (vLLM is untyped h
             if name not in requests:
                 continue  # aborted after it was scheduled: the token is folded, not returned
             request.append_output_token_ids(token)
-            stop = stop_reason(request, token, max_len)
+            stop = stop_reason(stops[seq_id], token, request.num_output_tokens)
             finish = None if stop is None else self._finish(request, seq_id, *stop)
             logprobs = None
-            if request.sampling_params.logprobs is not None and mro.logprobs is not None:
+            if with_logprobs and request.sampling_params.logprobs is not None:
                 logprobs = mro.logprobs.slice_request(index[name], 1)
-            outputs[request.client_index].append(
-                EngineCoreOutput(
+            events, prefill = request.take_events(), request.take_prefill_stats()
+            if finish is None and logprobs is None and events is None and prefill is None:
+                out = EngineCoreOutput(name, [token])  # the common decode token
+            else:
+                out = EngineCoreOutput(
                     request_id=name,
                     new_token_ids=[token],
                     finish_reason=finish,
                     new_logprobs=logprobs,
                     stop_reason=request.stop_reason,
-                    events=request.take_events(),
-                    prefill_stats=request.take_prefill_stats(),
+                    events=events,
+                    prefill_stats=prefill,
                 )
-            )
+            outputs[request.client_index].append(out)
         if self.mamba is not None:  # the forward ran: saved states now sit in their blocks
             for slot, ckpt in plan.state_save.tolist():
                 self.mamba.saved(slot, ckpt)
