@@ -328,7 +328,9 @@ def test_vllm_openai_server_runs_under_kvsched_and_its_log_verifies(qwen3: Path,
     assert metrics["requests"] == 2 and metrics["hit_tokens"] == 64  # the second hit 2 blocks
 
 
-def test_vllm_make_stats_reports_kvscheds_prefix_hits_per_interval(qwen3: Path):
+def test_vllm_make_stats_reports_kvscheds_prefix_hits_with_each_output(qwen3: Path):
+    """With ``log_stats``, each ``update_from_output`` carries the interval's prefix-cache
+    counters (kvsched's ``PrefixMatched`` of first admissions) to vLLM's stat loggers."""
     from kvsched.integrations.vllm import bench
 
     vllm_config, kv = bench._configs(4, str(qwen3))
@@ -338,14 +340,17 @@ def test_vllm_make_stats_reports_kvscheds_prefix_hits_per_interval(qwen3: Path):
     for r in rest:  # the same 512-token prompt as ``first``: 7 of its 8 blocks can hit
         r.prompt_token_ids[:] = first.prompt_token_ids
         r._all_token_ids[:] = first.prompt_token_ids
+
+    def step() -> Any:
+        so = sched.schedule()
+        return sched.update_from_output(so, bench._output(so, sched))[0].scheduler_stats
+
     sched.add_request(first)
-    while not first.num_output_tokens:
-        bench._step(sched)
-    assert sched.make_stats().prefix_cache_stats.requests == 1
+    stats = [step() for _ in range(2)]
+    assert [s.prefix_cache_stats.requests for s in stats] == [1, 0]
     for r in rest:
         sched.add_request(r)
-    bench._step(sched)
-    stats = sched.make_stats().prefix_cache_stats
-    assert (stats.requests, stats.queries, stats.hits) == (3, 3 * 512, 3 * 448)
-    assert sched.make_stats().prefix_cache_stats.requests == 0  # a new interval
+    got = step().prefix_cache_stats
+    assert (got.requests, got.queries, got.hits) == (3, 3 * 512, 3 * 448)
+    assert step().prefix_cache_stats.requests == 0  # the next interval
     sched.shutdown()
