@@ -34,24 +34,26 @@ def _save_tokenizer(path: Path) -> None:
     )
 
 
+# Shapes both models share: the vocabulary, widths, attention heads and special tokens.
+_COMMON: dict[str, Any] = {
+    "vocab_size": VOCAB,
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "head_dim": 64,
+    "max_position_embeddings": 4096,
+    "tie_word_embeddings": False,
+    "eos_token_id": 1,
+    "bos_token_id": 2,
+}
+
+
 def _qwen3(**over: Any) -> Any:
     from transformers import AutoConfig
 
     return AutoConfig.for_model(
-        "qwen3",
-        vocab_size=VOCAB,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=64,
-        max_position_embeddings=4096,
-        tie_word_embeddings=False,
-        eos_token_id=1,
-        bos_token_id=2,
-        torch_dtype="float32",
-        **over,
+        "qwen3", **_COMMON, num_hidden_layers=2, torch_dtype="float32", **over
     )
 
 
@@ -60,15 +62,10 @@ def _qwen3_next(**over: Any) -> Any:
 
     return AutoConfig.for_model(
         "qwen3_next",
-        vocab_size=VOCAB,
-        hidden_size=128,
-        intermediate_size=256,
+        **_COMMON,
         num_hidden_layers=4,
         layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"],
         full_attention_interval=4,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=64,
         linear_num_key_heads=1,
         linear_num_value_heads=2,
         linear_key_head_dim=128,
@@ -79,10 +76,6 @@ def _qwen3_next(**over: Any) -> Any:
         moe_intermediate_size=64,
         shared_expert_intermediate_size=64,
         decoder_sparse_step=1,
-        max_position_embeddings=4096,
-        tie_word_embeddings=False,
-        eos_token_id=1,
-        bos_token_id=2,
         torch_dtype="bfloat16",
         **over,
     )

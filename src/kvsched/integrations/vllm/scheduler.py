@@ -178,12 +178,8 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # (vLLM is untyped h
         plan = result.plan
         new_reqs, cached = [], CachedRequestData.make_empty()
         num_scheduled: dict[str, int] = {}
-        tables, req_of, sent_of, prev = (
-            plan.block_tables,
-            self._req_of,
-            self._sent,
-            (self._prev_scheduled),
-        )
+        tables, req_of, sent_of = plan.block_tables, self._req_of, self._sent
+        prev, resumed = self._prev_scheduled, self._resumed
         running = RequestStatus.RUNNING
         req_ids, new_block_ids = cached.req_ids, cached.new_block_ids
         computed, num_output = cached.num_computed_tokens, cached.num_output_tokens
@@ -197,23 +193,23 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # (vLLM is untyped h
             request = req_of[seq_id]
             name = request.request_id
             sent = sent_of.get(seq_id)
-            if sent is None or seq_id in self._resumed:  # the whole table, the hit computed
-                ids = self._ids(tables[i, :n].tolist(), start, end, 0, runtime[i], restore)
+            if sent is None:  # new to the worker: its whole table, the hit as computed
                 request.status = running
-                if sent is None:
-                    request.num_computed_tokens = start
-                    new_reqs.append(NewRequestData.from_request(request, ids))
-                else:  # after a preemption
-                    self._resumed.discard(seq_id)
+                request.num_computed_tokens = start
+                ids = self._ids(tables[i, :n].tolist(), start, end, 0, runtime[i], restore)
+                new_reqs.append(NewRequestData.from_request(request, ids))
+            else:
+                new: tuple[list[int], ...] | None = None
+                if seq_id in resumed:  # after a preemption: the whole table again
+                    request.status = running
+                    resumed.discard(seq_id)
                     cached.resumed_req_ids.add(name)
-                    self._add_cached(cached, request, start, ids, name in prev)
-            else:  # running: only the blocks appended since the worker's last table
-                new = None
-                if n > sent:
+                    new = self._ids(tables[i, :n].tolist(), start, end, 0, runtime[i], restore)
+                elif n > sent:  # running: only the blocks appended since its last table
                     new = self._ids(tables[i, sent:n].tolist(), start, end, sent, runtime[i], {})
-                if name not in prev:
+                if name not in prev:  # (vLLM sends these for requests absent from the last step)
                     cached.all_token_ids[name] = list(request.all_token_ids)
-                req_ids.append(name)  # (``_add_cached``, inlined on the decode path)
+                req_ids.append(name)
                 new_block_ids.append(new)
                 computed.append(start)
                 num_output.append(request.num_output_tokens)
@@ -256,22 +252,6 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # (vLLM is untyped h
         if len(plan.copy_blocks) or len(plan.copy_blocks_after) or len(plan.zero_blocks):
             raise AdapterMismatch("the plan copies or zeroes KV blocks: vLLM cannot do that")
 
-    @staticmethod
-    def _add_cached(
-        cached: Any,
-        request: Request,
-        start: int,
-        blocks: tuple[list[int], ...] | None,
-        was_scheduled: bool,
-    ) -> None:
-        name = request.request_id
-        cached.req_ids.append(name)
-        if not was_scheduled:  # (vLLM sends these for requests absent from the last step)
-            cached.all_token_ids[name] = list(request.all_token_ids)
-        cached.new_block_ids.append(blocks)
-        cached.num_computed_tokens.append(start)
-        cached.num_output_tokens.append(request.num_output_tokens)
-
     def _fold_decisions(self, result: StepResult) -> set[str]:
         """What this step's decisions mean for vLLM's side; returns the preempted names."""
         preempted: set[str] = set()
@@ -296,7 +276,7 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # (vLLM is untyped h
                 if d.seq_id in self._sent:
                     self._resumed.add(d.seq_id)
                 preempted.add(request.request_id)
-            elif isinstance(d, ev.BlocksAllocated):
+            elif isinstance(d, ev.BlocksAllocated) and self._zeroing:
                 self._fresh_blocks += d.blocks.tolist()
             elif isinstance(d, ev.PrefixMatched) and d.num_query_tokens:
                 request = self._req_of[d.seq_id]
@@ -393,6 +373,8 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # (vLLM is untyped h
         if self.mamba is not None:  # the forward ran: saved states now sit in their blocks
             for slot, ckpt in plan.state_save.tolist():
                 self.mamba.saved(slot, ckpt)
+            if self.engine.check:
+                self.mamba.check()
         executed = ev.StepExecuted(plan.step, seq_ids.copy(), np.asarray(tokens, dtype=np.int32))
         self._inputs.insert(0, executed)
 
