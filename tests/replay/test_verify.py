@@ -14,13 +14,14 @@ import numpy as np
 import pytest
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
+from tests.replay.log_helpers import write_log
 
 import kvsched.cli
 from kvsched.config import ModelSpec, SchedulerConfig
 from kvsched.engine import Engine, create_log
 from kvsched.events import types as ev
 from kvsched.events.codec import StepRecord, decode_record, encode
-from kvsched.events.log import EventLog, read_log
+from kvsched.events.log import read_log
 from kvsched.gpu.sim import SimulatedExecutor
 from kvsched.policy import Policy
 from kvsched.policy.scheduler import Chunk
@@ -308,15 +309,7 @@ def test_a_priority_ordering_diverges_at_the_first_admission_where_priority_and_
 
 
 def rewrite_log(src: str, dst: str, records: list[StepRecord]) -> None:
-    header = read_log(src).header
-    with EventLog.create(
-        dst,
-        schema_version=header["schema_version"],
-        kvsched_version=header["kvsched_version"],
-        config=header["config"],
-    ) as log:
-        for record in records:
-            log.append(encode(record))
+    write_log(src, dst, [encode(record) for record in records])
 
 
 def short_run(tmp_path: Path) -> tuple[str, list[StepRecord]]:

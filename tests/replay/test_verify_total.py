@@ -24,6 +24,7 @@ import numpy as np
 import pytest
 from hypothesis import assume, event, given, settings
 from hypothesis import strategies as st
+from tests.replay.log_helpers import write_log
 
 import kvsched.cli
 import kvsched.engine
@@ -101,18 +102,6 @@ def record(
 
 def payloads_of(path: str) -> list[bytes]:
     return read_log(path).records
-
-
-def write_log(src: str, dst: str, payloads: Sequence[bytes]) -> list[int]:
-    """A log with ``src``'s header and these record payloads; returns their byte offsets."""
-    header = read_log(src).header
-    with EventLog.create(
-        dst,
-        schema_version=header["schema_version"],
-        kvsched_version=header["kvsched_version"],
-        config=header["config"],
-    ) as log:
-        return [log.append(p) for p in payloads]
 
 
 def arrive(seq_id: int, prompt: Sequence[int], max_tokens: int, **kw: Any) -> ev.RequestArrived:
