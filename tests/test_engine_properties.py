@@ -1,7 +1,9 @@
-"""Whole-engine property test: a hypothesis state machine drives the engine (simulated
-executor) through arrivals with shared prefixes, adapters and salts, steps, executor failures,
-aborts, session ends, memory and checkpoint pressure, and sleep/wake; every owner's invariants
-are checked after every step. Deliberately broken owners must be caught."""
+"""Whole-engine property test: a hypothesis state machine drives the engine (fingerprint
+executor: its KV and state slots hold prefix hashes, so a hit without its state is seen)
+through arrivals with shared prefixes, adapters and salts, steps, executor failures, aborts,
+session ends, memory and checkpoint pressure (counted or in bytes), every checkpoint policy,
+and sleep/wake; every owner's invariants are checked after every step. Deliberately broken
+owners must be caught."""
 
 from __future__ import annotations
 
@@ -12,12 +14,11 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 from tests.planted import assert_machine_catches
 
-from kvsched.config import ModelSpec, SchedulerConfig
+from kvsched.config import CHECKPOINT_POLICIES, PLACEMENTS, ModelSpec, SchedulerConfig
 from kvsched.engine import Engine
 from kvsched.events import types as ev
-from kvsched.gpu.sim import SimulatedExecutor
+from kvsched.gpu.fingerprint import FingerprintExecutor
 from kvsched.reducers.blocks import BlockPool
-from kvsched.reducers.checkpoints import CheckpointTable
 from kvsched.statemachines import CkptState
 
 VOCAB = 97
@@ -39,11 +40,22 @@ class EngineMachine(RuleBasedStateMachine):
         decode_interval=st.sampled_from([0, 4, 8]),
         budget=st.integers(1, 4),
         turn_mode=st.sampled_from(["mixed", "alternate"]),
+        policy=st.sampled_from([*CHECKPOINT_POLICIES, "every rule"]),
+        mid_chunk=st.booleans(),
+        by_bytes=st.booleans(),
     )
-    def start(self, hybrid, num_blocks, max_batch, chunk_blocks, decode_interval, budget, turn_mode):  # type: ignore[no-untyped-def]  # noqa: E501
+    def start(self, hybrid, num_blocks, max_batch, chunk_blocks, decode_interval, budget, turn_mode, policy, mid_chunk, by_bytes):  # type: ignore[no-untyped-def]  # noqa: E501
         bs = 4
+        rules = (
+            {"checkpoint_placement": PLACEMENTS, "checkpoint_eviction": "value"}
+            if policy == "every rule" else CHECKPOINT_POLICIES[policy]
+        )
+        # by_bytes: a state costs 100 bytes, a frozen block 40 more (10 per token)
+        memory = {"checkpoint_memory": 100 * budget + 40} if by_bytes else {}
         self.config = SchedulerConfig(
-            model=ModelSpec(vocab_size=VOCAB, max_context=128),
+            model=ModelSpec(
+                vocab_size=VOCAB, max_context=128, state_bytes=100, kv_bytes_per_token=10
+            ),
             block_size=bs,
             num_blocks=num_blocks,
             max_batch=max_batch,
@@ -53,9 +65,17 @@ class EngineMachine(RuleBasedStateMachine):
             decode_checkpoint_interval=decode_interval,
             turn_mode=turn_mode,
             dedup_cached_blocks=self.DEDUP,
+            checkpoint_interval=2 * bs,
+            mid_chunk_saves=mid_chunk,
+            **memory,
+            **rules,
         )
         self.engine = Engine(self.config, check_invariants=True)
-        self.executor = SimulatedExecutor(VOCAB)
+        # The fingerprint executor's state slots hold the prefix hash of what they computed:
+        # a hit restored without its state (or from the wrong one) is a recorded mismatch.
+        self.executor = FingerprintExecutor(
+            VOCAB, num_blocks, bs, self.config.num_state_slots if hybrid else 0
+        )
         self.outcome: list[ev.Event] = []
         self.inputs: list[ev.Event] = []
         self.next_id = 0
@@ -127,6 +147,10 @@ class EngineMachine(RuleBasedStateMachine):
         self.engine.state.check_invariants()
 
     @invariant()
+    def no_hit_is_ever_taken_without_its_state_or_kv(self) -> None:
+        assert not self.executor.mismatches, self.executor.mismatches[:3]
+
+    @invariant()
     def after_drain_nothing_is_held(self) -> None:
         state = self.engine.state
         if self.drained:
@@ -190,12 +214,15 @@ def test_a_missing_reference_decrement_is_caught(monkeypatch: pytest.MonkeyPatch
 
 
 def test_a_checkpoint_evicted_while_pinned_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
-    def eviction_order_with_pinned(self: CheckpointTable) -> list:  # type: ignore[type-arg]
-        live = [c for c in self.ckpts.values() if c.state != CkptState.RESERVED]
-        return sorted(live, key=lambda c: (c.frozen_block == 0, c.stamp))
+    from kvsched.policy.checkpoints import Checkpoints
+
+    def victims_with_pinned(self, state, keep=-1):  # type: ignore[no-untyped-def]
+        live = [c for c in state.ckpts.ckpts.values() if c.state != CkptState.RESERVED]
+        order = sorted(live, key=lambda c: (c.frozen_block == 0, c.stamp))
+        return [(0.0 if self.by_value else None, c) for c in order if c.ckpt_id != keep]
 
     # Needs checkpoint pressure with a pin in flight: rarer than the other planted bugs.
-    _run_broken(monkeypatch, CheckpointTable, "eviction_order", eviction_order_with_pinned, 600)
+    _run_broken(monkeypatch, Checkpoints, "ranked_victims", victims_with_pinned, 600)
 
 
 def test_a_preemption_that_keeps_its_blocks_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -12,10 +12,57 @@ MAX_TABLE_ENTRIES = 1 << 28  # block-table entries (max_batch x blocks per seque
 
 OrderPolicy = Literal["fcfs", "priority", "ttft"]
 
+# Where a hybrid model saves state checkpoints (each a declared, named rule; policy/README.md):
+PLACEMENTS: tuple[str, ...] = (
+    "chunk_end",  # block-aligned ends of prefill chunks (lmdeploy)
+    "prompt_end",  # the prompt end, its partial block frozen (lmdeploy)
+    "interval",  # every checkpoint_interval tokens inside prefill chunks (vLLM "all" mode)
+    "branch",  # where a request's cached KV runs past its deepest state (Marconi, SGLang)
+    "sequence_end",  # the end of every finished sequence, prompt plus output (SGLang)
+    "session_end",  # the end of a finished sequence of a session (its next turn resumes there)
+    "decode",  # every decode_checkpoint_interval decode tokens, all kept (lmdeploy)
+    "decode_blocks",  # every block boundary a decode step reaches, all kept (vLLM "align")
+    "decode_latest",  # at block boundaries in decode, each replacing the sequence's previous
+)
+# Which checkpoint an eviction drops: least recently used; frozen partial tails first, then
+# least recently used (lmdeploy); or the lowest value (prefill compute a hit saves per byte of
+# state, times its hits squared, aged: greedy-dual-size-frequency), declining a new checkpoint
+# worth less than every one it would replace.
+EVICTIONS: tuple[str, ...] = ("lru", "frozen_first", "value")
+# Named checkpoint policies: kvsched's own, and baselines that behave like its peers.
+CHECKPOINT_POLICIES: dict[str, dict[str, Any]] = {
+    "kvsched": {
+        "checkpoint_placement": (
+            "chunk_end", "prompt_end", "interval", "branch", "session_end"
+        ),
+        "checkpoint_eviction": "value",
+        "aligned_checkpoints_only": False,
+    },
+    "lmdeploy": {
+        "checkpoint_placement": ("chunk_end", "prompt_end", "decode"),
+        "checkpoint_eviction": "frozen_first",
+        "aligned_checkpoints_only": False,
+    },
+    "vllm-align": {
+        "checkpoint_placement": ("chunk_end", "decode_blocks"),
+        "checkpoint_eviction": "lru",
+        "aligned_checkpoints_only": True,
+    },
+    "sglang": {
+        "checkpoint_placement": ("chunk_end", "sequence_end"),
+        "checkpoint_eviction": "lru",
+        "aligned_checkpoints_only": False,
+    },
+}
+
 
 def _in_range(name: str, value: int, lo: int, hi: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
         raise ValueError(f"{name} must be an integer in [{lo}, {hi}], got {value!r}")
+def _rules(value: Any) -> tuple[str, ...]:
+    return tuple(value)
+
+
 TurnMode = Literal["mixed", "alternate"]
 Role = Literal["both", "prefill", "decode"]
 
@@ -31,11 +78,19 @@ class ModelSpec:
     max_context: int = 262144
     # MoE: routed-expert ids recorded per token (layers x top-k); 0 when none are recorded.
     routed_experts_per_token: int = 0
+    # Memory, from the model's layer shapes (not part of the KV namespace). Defaults: the
+    # shapes of Qwen3-Next-80B-A3B (36 gated-DeltaNet layers of 32 value heads x 128 x 128
+    # float32 states plus bfloat16 conv states of 8,192 x 3; 12 attention layers of 2 KV
+    # heads x 256 in bfloat16); ``gpu.HybridConfig.state_bytes`` computes them for a model.
+    state_bytes: int = 36 * (32 * 128 * 128 * 4 + 8192 * 3 * 2)  # one sequence's state
+    kv_bytes_per_token: int = 12 * 2 * 2 * 256 * 2
 
     def __attrs_post_init__(self) -> None:
         _in_range("vocab_size", self.vocab_size, 1, 1 << 31)
         _in_range("max_context", self.max_context, 2, 1 << 31)
         _in_range("routed_experts_per_token", self.routed_experts_per_token, 0, 1 << 12)
+        _in_range("state_bytes", self.state_bytes, 1, 1 << 40)
+        _in_range("kv_bytes_per_token", self.kv_bytes_per_token, 1, 1 << 30)
 
 
 @attrs.frozen(kw_only=True)
@@ -61,7 +116,23 @@ class SchedulerConfig:
     # sequence, prefix hits usable only at published state checkpoints.
     hybrid: bool = False
     checkpoint_budget: int = 256  # checkpoint state slots (besides one runtime slot per row)
-    decode_checkpoint_interval: int = 0  # tokens between decode checkpoints (0: none)
+    # Bytes for checkpoints (0: count them against checkpoint_budget instead): a checkpoint
+    # costs the model's state_bytes, plus one KV block when it owns a frozen partial block;
+    # the state pool then has checkpoint_memory // state_bytes checkpoint slots.
+    checkpoint_memory: int = 0
+    decode_checkpoint_interval: int = 0  # tokens between "decode" checkpoints (0: none)
+    checkpoint_placement: tuple[str, ...] = attrs.field(
+        default=CHECKPOINT_POLICIES["kvsched"]["checkpoint_placement"], converter=_rules
+    )
+    checkpoint_eviction: str = "value"
+    checkpoint_interval: int = 4096  # tokens between "interval" checkpoints (whole blocks)
+    # The executor can save a state in the middle of a chunk (plan.state_save_within); when it
+    # cannot, "branch" ends a chunk at the branch point instead and "interval" is not used.
+    mid_chunk_saves: bool = True
+    # The value of a hit, in seconds of prefill it saves (eviction "value"): tokens x
+    # value_token_s + causal attention pairs (tokens^2 / 2) x value_pair_s.
+    value_token_s: float = 1.0e-5
+    value_pair_s: float = 1.3e-9
     # Save states only at block boundaries (no partial-block checkpoints at prompt ends), and
     # end a prompt's last chunk at the deepest boundary a later hit can use: for executors that
     # keep states in whole KV-cache blocks (vLLM's mamba "align" mode).
@@ -85,6 +156,25 @@ class SchedulerConfig:
         _in_range("max_step_retries", self.max_step_retries, 0, 1 << 20)
         _in_range("num_speculative_tokens", self.num_speculative_tokens, 0, 64)
         _in_range("decode_checkpoint_interval", self.decode_checkpoint_interval, 0, 1 << 31)
+        _in_range("checkpoint_memory", self.checkpoint_memory, 0, 1 << 50)
+        _in_range("checkpoint_interval", self.checkpoint_interval, 1, 1 << 31)
+        unknown = sorted(set(self.checkpoint_placement) - set(PLACEMENTS))
+        if unknown or len(set(self.checkpoint_placement)) != len(self.checkpoint_placement):
+            raise ValueError(
+                f"checkpoint_placement: unknown or repeated rules {unknown or 'repeated'}; "
+                f"known: {', '.join(PLACEMENTS)}"
+            )
+        if self.checkpoint_eviction not in EVICTIONS:
+            raise ValueError(
+                f"unknown checkpoint_eviction {self.checkpoint_eviction!r}; "
+                f"known: {', '.join(EVICTIONS)}"
+            )
+        for name in ("value_token_s", "value_pair_s"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and 0 <= value < float("inf")):
+                raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+        if self.hybrid and self.checkpoint_memory and self.num_checkpoint_slots > 1 << 20:
+            raise ValueError("checkpoint_memory holds more than 2**20 checkpoints")
         if not self.aging_s > 0:
             raise ValueError(f"aging_s must be positive, got {self.aging_s}")
         entries = self.max_batch * (self.model.max_context // self.block_size + 1)
@@ -114,9 +204,37 @@ class SchedulerConfig:
         return self.external_kv and self.role != "decode"
 
     @property
+    def num_checkpoint_slots(self) -> int:
+        """State pool rows for checkpoints: the count budget, or what the memory holds."""
+        if self.checkpoint_memory:
+            return self.checkpoint_memory // self.model.state_bytes
+        return self.checkpoint_budget
+
+    @property
+    def checkpoint_capacity(self) -> int:
+        """What checkpoints may use together: bytes, or a count (one per checkpoint)."""
+        return self.checkpoint_memory or self.checkpoint_budget
+
+    def checkpoint_cost(self, frozen: bool) -> int:
+        """What one checkpoint uses of the capacity (a frozen partial block costs its KV)."""
+        if not self.checkpoint_memory:
+            return 1
+        kv = self.model.kv_bytes_per_token * self.block_size
+        return self.model.state_bytes + (kv if frozen else 0)
+
+    @property
+    def interval_tokens(self) -> int:
+        """The "interval" rule's spacing: checkpoint_interval in whole blocks (at least one)."""
+        return max(1, self.checkpoint_interval // self.block_size) * self.block_size
+
+    def places(self, rule: str) -> bool:
+        """Whether checkpoints are saved by placement rule ``rule`` (PLACEMENTS)."""
+        return rule in self.checkpoint_placement
+
+    @property
     def num_state_slots(self) -> int:
         """State pool rows: the null slot 0, one runtime slot per batch row, the checkpoints."""
-        return 1 + self.max_batch + self.checkpoint_budget if self.hybrid else 1
+        return 1 + self.max_batch + self.num_checkpoint_slots if self.hybrid else 1
 
     @property
     def chunk_tokens(self) -> int:
@@ -131,3 +249,21 @@ class SchedulerConfig:
         data = dict(data)
         model = ModelSpec(**data.pop("model", {}))
         return cls(model=model, **data)
+
+    @classmethod
+    def from_log_header(cls, data: dict[str, Any], schema_version: int) -> SchedulerConfig:
+        """The config a log header records. Logs of schema 2 predate the checkpoint policies:
+        they ran today's "lmdeploy" rules."""
+        data = dict(data)
+        if schema_version < 3:
+            for key, value in CHECKPOINT_POLICIES["lmdeploy"].items():
+                data.setdefault(key, value)
+            data.setdefault("mid_chunk_saves", False)
+        return cls.from_dict(data)
+
+    def with_checkpoint_policy(self, name: str) -> SchedulerConfig:
+        """This config under the named checkpoint policy (CHECKPOINT_POLICIES)."""
+        if name not in CHECKPOINT_POLICIES:
+            known = ", ".join(CHECKPOINT_POLICIES)
+            raise ValueError(f"unknown checkpoint policy {name!r}; known: {known}")
+        return attrs.evolve(self, **CHECKPOINT_POLICIES[name])

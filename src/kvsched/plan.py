@@ -20,6 +20,12 @@ import numpy as np
 FIELD_DIGEST_SIZE = 8
 
 
+def _empty(width: int) -> np.ndarray:
+    arr = np.zeros((0, width), dtype=np.int32)
+    arr.setflags(write=False)
+    return arr
+
+
 @attrs.frozen(kw_only=True)
 class StepPlan:
     step: int
@@ -48,6 +54,15 @@ class StepPlan:
     num_decode_tokens: int
     num_hit_tokens: int  # prompt tokens served from the prefix cache by this step's admissions
     num_query_tokens: int  # prompt tokens of this step's first admissions
+    # Hybrid state saves besides ``state_save`` (appended last, so older logs' plan digests
+    # stay a prefix of today's). ``state_save_before``: (runtime slot -> checkpoint slot)
+    # copied first of all, before ``copy_blocks``: the state a sequence that finished in the
+    # previous step left in its runtime slot. ``state_save_within``: (plan row i, tokens p,
+    # checkpoint slot): the state of row i after its first p tokens, starts[i] < p < ends[i],
+    # p a multiple of block_size (an executor whose kernels write mid-chunk states, as the
+    # chunked gated-delta scan does every 64 tokens).
+    state_save_before: np.ndarray = attrs.field(factory=lambda: _empty(2))  # int32 [k, 2]
+    state_save_within: np.ndarray = attrs.field(factory=lambda: _empty(3))  # int32 [k, 3]
 
     @property
     def num_seqs(self) -> int:
@@ -59,7 +74,8 @@ class StepPlan:
 
     @property
     def is_empty(self) -> bool:
-        return len(self.seq_ids) == 0
+        """Nothing for the executor to do (no forward, no state to save)."""
+        return len(self.seq_ids) == 0 and len(self.state_save_before) == 0
 
     @property
     def kv_tokens_read(self) -> int:
@@ -84,13 +100,25 @@ def plan_digest(plan: StepPlan) -> bytes:
     return b"".join(_field_digest(name, getattr(plan, name)) for name in PLAN_FIELDS)
 
 
-def first_plan_difference(logged: bytes, new: bytes) -> str | None:
-    """The name of the first field whose digest differs (None when equal); a digest of
-    another length (another plan layout) names the first field past the common part."""
+def first_plan_difference(logged: bytes, new: bytes, empty_tail: bool = False) -> str | None:
+    """The name of the first field whose digest differs (None when equal). A shorter logged
+    digest (an older layout: fields are only ever appended) is compared on the fields it
+    has when ``empty_tail`` says the newer fields are empty; otherwise another length names
+    the first field past the common part."""
     if logged == new:
         return None
     n = FIELD_DIGEST_SIZE
     for i, name in enumerate(PLAN_FIELDS):
         if logged[i * n : (i + 1) * n] != new[i * n : (i + 1) * n]:
+            if i * n >= len(logged) and empty_tail and len(logged) % n == 0:
+                return None  # an older layout, and the fields it lacks are empty
             return name
     return "<plan layout>"
+
+
+def tail_is_empty(plan: StepPlan, logged_fields: int) -> bool:
+    """Whether every field past the first ``logged_fields`` is an empty array."""
+    return all(
+        isinstance(v := getattr(plan, name), np.ndarray) and v.size == 0
+        for name in PLAN_FIELDS[logged_fields:]
+    )

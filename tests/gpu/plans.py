@@ -42,8 +42,11 @@ def make_plan(
     state_restore: Sequence[tuple[int, int]] = (),
     state_save: Sequence[tuple[int, int]] = (),
     copy_blocks_after: Sequence[tuple[int, int]] = (),
+    state_save_before: Sequence[tuple[int, int]] = (),
+    state_save_within: Sequence[tuple[int, int, int]] = (),
 ) -> StepPlan:
-    """A valid StepPlan for ``specs`` (in plan order)."""
+    """A valid StepPlan for ``specs`` (in plan order). ``state_save_within`` triples are
+    (plan row, tokens p, checkpoint slot)."""
     bs = block_size
     starts = np.array([s.start for s in specs], dtype=np.int64)
     ends = np.array([s.end for s in specs], dtype=np.int64)
@@ -105,4 +108,6 @@ def make_plan(
         num_decode_tokens=int(decode.sum()),
         num_hit_tokens=0,
         num_query_tokens=0,
+        state_save_before=pairs(state_save_before),
+        state_save_within=_ro(np.asarray(state_save_within, dtype=np.int32).reshape(-1, 3)),
     )

@@ -353,15 +353,20 @@ def test_publishing_a_second_checkpoint_of_one_identity_is_a_replay_mismatch():
     executor = SimulatedExecutor(1000)
     p = prompt(40)
     first = engine.step([ev.RequestArrived(0, p, 3), ev.RequestArrived(1, p, 3)], 0.0)
-    ids = [d.ckpt_id for d in first.decisions if isinstance(d, ev.CheckpointReserved)]
-    assert len(ids) == 2  # neither is published yet: both save the same identity
+    (a,) = [d for d in first.decisions if isinstance(d, ev.CheckpointReserved)]
     state = engine.state
+    # a second reservation of the same identity, as a faulty policy would emit it
+    frozen = int(engine.policy.growth.take_blocks(state, 1, state.apply)[0])
+    twin = ev.CheckpointReserved(
+        state.ckpts.next_id, 1, state.ckpts.peek_slot(), 40, a.key, a.anchor, frozen, a.kind
+    )
+    state.apply(twin)
     state.apply(ev.StepStarted(2, 0.1))
     state.apply(executor.execute(first.plan))
     engine.policy.growth.cache_computed(state, state.apply)
-    engine.state.apply(ev.CheckpointPublished(ids[0]))
+    engine.state.apply(ev.CheckpointPublished(a.ckpt_id))
     with pytest.raises(ReplayMismatch):
-        engine.state.apply(ev.CheckpointPublished(ids[1]))
+        engine.state.apply(ev.CheckpointPublished(twin.ckpt_id))
 
 
 def test_an_unpin_fold_refuses_a_sequence_that_still_holds_its_own_blocks():

@@ -7,7 +7,10 @@ a ``type`` tag (fields at their default value omitted) and numpy arrays as msgpa
 (``kvsched.plan.plan_digest``). Logs and published streams carry the version in their header:
 ``check_schema`` refuses a newer one, naming both versions, and reads an older one only
 through an upcaster registered in ``UPCASTERS`` (none yet: version 1, positional arrays
-without field names, is refused).
+without field names, is refused). Version 3 only added fields with defaults (a checkpoint's
+placement rule and save phase, an eviction's priority) and two plan fields appended last, so
+version 2 records decode as they are; a version-2 header's config ran the "lmdeploy"
+checkpoint rules (``SchedulerConfig.from_log_header``).
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import numpy as np
 
 from kvsched.events.types import DECISION_TYPES, INPUT_TYPES, Event
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 OLDEST_READABLE = 2  # the oldest version this codec reads (directly or by upcasting)
 _EXT_NDARRAY = 1
 

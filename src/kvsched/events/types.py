@@ -168,6 +168,7 @@ class BlocksFreed(Event, frozen=True, tag="free"):
 
 
 PRIVATE_COPY = -1  # BlocksCached.replaced: a duplicate the sequence keeps, not indexed
+UNINDEXED = -2  # BlocksCached.replaced: a block after a private copy: kept, not indexed
 
 
 class BlocksCached(Event, frozen=True, tag="cached"):
@@ -180,14 +181,17 @@ class BlocksCached(Event, frozen=True, tag="cached"):
     replaces the sequence's own copy ``replaced[j]`` in its block table (the copy is freed).
     ``replaced[j] == PRIVATE_COPY`` (-1): the hash is already cached on another block and the
     sequence keeps ``blocks[j]`` as a private copy, not indexed (``dedup_cached_blocks`` off).
-    MoE: ``with_experts[j]`` marks entries whose routed-expert ids (``experts``, flat
+    ``replaced[j] == UNINDEXED`` (-2): a later block of a sequence whose chain runs through a
+    private copy; it is kept and not indexed either (indexed, it would hang under a cached
+    block the sequence does not hold, which could be evicted from under it). MoE:
+    ``with_experts[j]`` marks entries whose routed-expert ids (``experts``, flat
     ``[block_size * K]`` per marked entry) the cache keeps from now on."""
 
     seq_ids: np.ndarray  # int64
     counts: np.ndarray  # int32
     starts: np.ndarray  # int32
     blocks: np.ndarray  # int32
-    replaced: np.ndarray  # int32, 0: a new cache entry; PRIVATE_COPY: not indexed
+    replaced: np.ndarray  # int32, 0: a new cache entry; PRIVATE_COPY, UNINDEXED: not indexed
     hashes: bytes  # 16 bytes per entry
     parents: bytes  # 16 bytes per entry
     with_experts: np.ndarray = msgspec.field(default_factory=lambda: np.zeros(0, np.bool_))
@@ -254,10 +258,14 @@ class Woken(Event, frozen=True, tag="woken"):
 
 
 class CheckpointReserved(Event, frozen=True, tag="ckpt_reserved"):
-    """Save the state of ``seq_id`` after ``num_tokens`` tokens into ``slot`` after this
-    step's forward (and, for a non-aligned step, its partial block into ``frozen_block``).
-    ``key`` is the checkpoint's identity (the index key once published); ``anchor`` the hash
-    of its last full block (the namespace root below one block)."""
+    """Save the state of ``seq_id`` after ``num_tokens`` tokens into ``slot`` (and, for a
+    non-aligned step, its partial block into ``frozen_block``). ``key`` is the checkpoint's
+    identity (the index key once published); ``anchor`` the hash of its last full block (the
+    namespace root below one block); ``kind`` the placement rule that chose it
+    (``config.PLACEMENTS``). ``phase``: when this step's executor saves it: "after" the
+    forward (the state at the end of the sequence's work of this step), "within" the forward
+    (mid-chunk, at a block boundary), or "before" it (a sequence that finished in the step
+    just executed: its runtime slot still holds its final state)."""
 
     ckpt_id: int
     seq_id: int
@@ -266,6 +274,8 @@ class CheckpointReserved(Event, frozen=True, tag="ckpt_reserved"):
     key: bytes
     anchor: bytes
     frozen_block: int = 0
+    kind: str = ""
+    phase: str = "after"
 
 
 class CheckpointPublished(Event, frozen=True, tag="ckpt_published"):
@@ -298,7 +308,11 @@ class CheckpointReleased(Event, frozen=True, tag="ckpt_released"):
 
 
 class CheckpointEvicted(Event, frozen=True, tag="ckpt_evicted"):
+    """An unpinned checkpoint is evicted for room; ``priority``: its eviction priority under
+    the "value" eviction (the table's aging floor rises to it), else None."""
+
     ckpt_id: int
+    priority: float | None = None
 
 
 class KVLookupStarted(Event, frozen=True, tag="kv_lookup_started"):

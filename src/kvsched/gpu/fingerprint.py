@@ -14,6 +14,11 @@ and any wrong cache content changes them. Inconsistencies the executor can see d
 hybrid state that disagrees with the KV, a write into the null block) are recorded in
 ``mismatches`` rather than raised, so a test can assert that the list stays empty.
 
+The cache ops run in the torch executor's order: ``state_save_before``, ``copy_blocks``,
+``zero_blocks``, ``state_zero``, ``state_restore``, the forward, ``state_save``,
+``copy_blocks_after``. A ``state_save_within`` triple (row i, tokens p, slot) stores the
+hash after the chunk's first ``p - start`` tokens, ``h[p - 1]``, in the checkpoint slot.
+
 Prefix hash: ``h[-1] = EMPTY_PREFIX``; ``h[p] = h[p-1] + g(token_p, p) mod 2**64`` with
 ``g(t, p) = splitmix64(t * 0x9E3779B97F4A7C15 ^ splitmix64(p + 0x1234567))``.
 
@@ -104,10 +109,12 @@ class FingerprintExecutor:
         return StepExecuted(plan.step, seq_ids, tokens, self.cost.step_time(plan))
 
     def _check(self, plan: StepPlan) -> None:
-        """Plan bugs that would index outside the cache raise (as the torch executor's do)."""
+        """Plan bugs that would index outside the cache raise (as the torch executor's do),
+        and so does a ``state_save_within`` p that is not a block boundary inside its chunk."""
         if plan.block_size != self.block_size:
             raise ValueError(f"plan block_size {plan.block_size} != {self.block_size}")
         nb, ns = self.num_blocks, len(self.state)
+        within = np.asarray(plan.state_save_within, dtype=np.int64).reshape(-1, 3)
         for what, ids, limit in (
             ("copy_blocks", plan.copy_blocks, nb),
             ("zero_blocks", plan.zero_blocks, nb),
@@ -118,10 +125,23 @@ class FingerprintExecutor:
             ("state_zero", plan.state_zero, ns),
             ("state_restore", plan.state_restore, ns),
             ("state_save", plan.state_save, ns),
+            ("state_save_before", plan.state_save_before, ns),
+            ("state_save_within slot", within[:, 2], ns),
         ):
             _check_ids(np.asarray(ids), limit, what)
+        for row, p, _ in within.tolist():
+            if not 0 <= row < plan.num_seqs:
+                raise ValueError(f"state_save_within: row {row} out of range [0, {plan.num_seqs})")
+            start, end = int(plan.starts[row]), int(plan.ends[row])
+            if not start < p < end or p % self.block_size:
+                raise ValueError(
+                    f"state_save_within: p {p} of row {row} must be a multiple of "
+                    f"{self.block_size} strictly inside ({start}, {end})"
+                )
 
     def _before(self, plan: StepPlan) -> None:
+        before = self._pairs(plan, plan.state_save_before, "state_save_before")
+        self.state[before[:, 1]] = self.state[before[:, 0]]  # first: zero/restore may overwrite
         copies = self._pairs(plan, plan.copy_blocks, "copy_blocks")
         self.kv[copies[:, 1]] = self.kv[copies[:, 0]]  # simultaneous: sources read first
         self.kv[self._ids(plan, plan.zero_blocks, "zero_blocks")] = 0
@@ -146,6 +166,20 @@ class FingerprintExecutor:
         kept: np.ndarray = arr[keep]
         return kept
 
+    def _within(self, plan: StepPlan) -> np.ndarray:
+        """``state_save_within`` (row, p, slot) triples, less those writing slot 0 or a
+        runtime slot of this plan (each one is a mismatch)."""
+        arr = np.asarray(plan.state_save_within, dtype=np.int64).reshape(-1, 3)
+        runtime = np.asarray(plan.state_slots) if self.num_state_slots > 0 else np.zeros(0)
+        bad = (arr[:, 2] == 0) | np.isin(arr[:, 2], runtime)
+        if bad.any():
+            self.mismatches.append(
+                f"step {plan.step}: state_save_within writes the null slot or a runtime "
+                f"slot: {arr[bad].tolist()}"
+            )
+        kept: np.ndarray = arr[~bad]
+        return kept
+
     def _ids(self, plan: StepPlan, ids: np.ndarray, what: str) -> np.ndarray:
         """Destination ids, less the null block / slot 0 (a mismatch)."""
         arr = np.asarray(ids, dtype=np.int64)
@@ -154,9 +188,11 @@ class FingerprintExecutor:
     # ------------------------------------------------------------------------ forward
 
     def _forward(self, plan: StepPlan) -> np.ndarray:
-        """Compute every sequence's chunk; returns h[end - 1] per sequence."""
+        """Compute every sequence's chunk (saving ``state_save_within`` states on the way);
+        returns h[end - 1] per sequence."""
         bounds = np.concatenate(([0], np.cumsum(plan.ends - plan.starts)))
         last = np.zeros(plan.num_seqs, dtype=np.uint64)
+        within = self._within(plan)
         for i in range(plan.num_seqs):
             lo, hi = int(bounds[i]), int(bounds[i + 1])
             start, end = int(plan.starts[i]), int(plan.ends[i])
@@ -165,6 +201,11 @@ class FingerprintExecutor:
                 self._note(plan, i, f"positions {positions.tolist()} != [{start}, {end})")
             h = prefix_hashes(plan.input_ids[lo:hi], positions, self._prev(plan, i))
             self._write_kv(plan, i, plan.slot_mapping[lo:hi], h)
+            for _, p, slot in within[within[:, 0] == i].tolist():
+                if self._slot(plan, i):  # the state after the chunk's first p - start tokens
+                    self.state[slot] = h[p - start - 1]
+                else:
+                    self._note(plan, i, f"state_save_within into slot {slot}: no state slot")
             if self._slot(plan, i):
                 self.state[self._slot(plan, i)] = h[-1]
             last[i] = h[-1]

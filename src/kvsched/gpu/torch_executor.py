@@ -2,19 +2,28 @@
 
 ``execute(plan)`` runs, in this order:
 
-1. ``copy_blocks``: KV block copies (src -> dst) in every attention layer;
-2. ``zero_blocks``: KV blocks set to zero;
-3. ``state_zero``: runtime state slots reset (conv and recurrent);
-4. ``state_restore``: checkpoint slot -> runtime slot copies;
-5. the forward over every sequence's ``[start, end)``;
-6. ``state_save``: runtime slot -> checkpoint slot copies (the state after the forward);
-7. ``copy_blocks_after``: KV block copies after the forward (a partial block snapshot);
-8. sampling for the sequences with ``sample``: greedy at temperature 0, else a draw from
-   softmax(logits / temperature) with a CPU ``torch.Generator`` seeded from the sequence's
-   seed and the sampled position (deterministic, the same on CPU and CUDA).
+1. ``state_save_before``: runtime slot -> checkpoint slot copies (the state a sequence that
+   finished in the previous step left behind; first, as 4. or 5. may overwrite that slot);
+2. ``copy_blocks``: KV block copies (src -> dst) in every attention layer;
+3. ``zero_blocks``: KV blocks set to zero;
+4. ``state_zero``: runtime state slots reset (conv and recurrent);
+5. ``state_restore``: checkpoint slot -> runtime slot copies;
+6. the forward over every sequence's ``[start, end)``. With ``state_save_within`` triples
+   (row i, tokens p, checkpoint slot) it runs in passes: each row's range is cut at its save
+   points, pass k computes every row's k-th segment (rows with fewer segments drop out), and
+   after pass k the runtime state of each row whose segment ended at a save point is copied
+   to the checkpoint slot. Without triples it is one forward;
+7. ``state_save``: runtime slot -> checkpoint slot copies (the state after the forward);
+8. ``copy_blocks_after``: KV block copies after the forward (a partial block snapshot);
+9. sampling for the sequences with ``sample`` (logits of each row's last token, so of its
+   last segment): greedy at temperature 0, else a draw from softmax(logits / temperature)
+   with a CPU ``torch.Generator`` seeded from the sequence's seed and the sampled position
+   (deterministic, the same on CPU and CUDA).
 
 Copies within one list are simultaneous (all sources are read before any destination is
-written). The executor sees only the plan; it imports nothing else from kvsched.
+written: ``PagedCache`` copies with one indexed assignment). Every index of the plan is
+validated before anything in the cache changes. The executor sees only the plan; it imports
+nothing else from kvsched.
 """
 
 from __future__ import annotations
@@ -107,6 +116,38 @@ class TorchExecutor:
             raise ValueError(f"{what} out of range [0, {limit}): {a.tolist()}")
         return torch.from_numpy(a.copy()).to(self.device)
 
+    def _state_pairs(self, arr: np.ndarray, what: str) -> torch.Tensor:
+        """(src, dst) state-slot pairs, both in [1, num_state_slots): 0 is the null slot."""
+        a = np.asarray(arr, dtype=np.int64).reshape(-1, 2)
+        ns = self.num_state_slots
+        if len(a) and (a.min() < 1 or a.max() >= ns):
+            raise ValueError(
+                f"{what} slots must be in [1, {ns}) (0 is the null slot): {a.tolist()}"
+            )
+        return torch.from_numpy(a.copy()).to(self.device)
+
+    def _within(self, plan: StepPlan) -> np.ndarray:
+        """``state_save_within`` as int64 [k, 3] (row, p, checkpoint slot), validated."""
+        a = np.asarray(plan.state_save_within, dtype=np.int64).reshape(-1, 3)
+        ns, bs, n = self.num_state_slots, self.block_size, plan.num_seqs
+        runtime = {int(x) for x in plan.state_slots}
+        for row, p, slot in a.tolist():
+            what = f"state_save_within ({row}, {p}, {slot})"
+            if not 0 <= row < n:
+                raise ValueError(f"{what}: row out of range [0, {n})")
+            start, end = int(plan.starts[row]), int(plan.ends[row])
+            if not start < p < end:
+                raise ValueError(f"{what}: p must be strictly inside ({start}, {end})")
+            if p % bs:
+                raise ValueError(f"{what}: p is not a multiple of block_size {bs}")
+            if not 1 <= slot < ns:
+                raise ValueError(f"{what}: slot must be in [1, {ns}) (0 is the null slot)")
+            if not 1 <= int(plan.state_slots[row]) < ns:
+                raise ValueError(f"{what}: row {row} has no state slot")
+            if slot in runtime:
+                raise ValueError(f"{what}: slot {slot} is a runtime slot of this plan")
+        return a
+
     def _check(self, plan: StepPlan) -> None:
         if plan.block_size != self.block_size:
             raise ValueError(f"plan block_size {plan.block_size} != executor {self.block_size}")
@@ -144,33 +185,25 @@ class TorchExecutor:
         self._check(plan)
         cache, nb, ns = self.cache, self.num_blocks, self.num_state_slots
         # validate everything before touching the cache
+        state_save_before = self._state_pairs(plan.state_save_before, "state_save_before")
         copy_blocks = self._pairs(plan.copy_blocks, nb, "copy_blocks")
         zero_blocks = self._ids(plan.zero_blocks, nb, "zero_blocks")
         state_zero = self._ids(plan.state_zero, ns, "state_zero")
         state_restore = self._pairs(plan.state_restore, ns, "state_restore")
+        within = self._within(plan)
         state_save = self._pairs(plan.state_save, ns, "state_save")
         copy_blocks_after = self._pairs(plan.copy_blocks_after, nb, "copy_blocks_after")
+        cache.copy_states(state_save_before)
         cache.copy_blocks(copy_blocks)
         cache.zero_blocks(zero_blocks)
         cache.zero_states(state_zero)
         cache.copy_states(state_restore)
         sample = np.asarray(plan.sample, dtype=bool)
         logits = torch.zeros((0, self.config.vocab_size))
-        if plan.num_seqs:
-            batch = BatchInputs.build(
-                input_ids=plan.input_ids,
-                positions=plan.positions,
-                slot_mapping=plan.slot_mapping,
-                starts=plan.starts,
-                ends=plan.ends,
-                block_tables=plan.block_tables,
-                state_slots=plan.state_slots,
-                block_size=self.block_size,
-                device=self.device,
-            )
-            last_rows = np.cumsum(plan.ends - plan.starts) - 1
-            index = torch.from_numpy(last_rows[sample].astype(np.int64)).to(self.device)
-            logits = self.model(batch, cache, index)
+        if plan.num_seqs and not len(within):
+            logits = self._forward(plan, sample)
+        elif plan.num_seqs:
+            logits = self._forward_in_passes(plan, sample, within)
         cache.copy_states(state_save)
         cache.copy_blocks(copy_blocks_after)
         tokens = self._sample(
@@ -182,6 +215,75 @@ class TorchExecutor:
         seq_ids = np.asarray(plan.seq_ids[sample], dtype=np.int64).copy()
         self.last_seq_ids = seq_ids
         return StepExecuted(plan.step, seq_ids, tokens, time.perf_counter() - t0)
+
+    def _forward(self, plan: StepPlan, sample: np.ndarray) -> torch.Tensor:
+        """One forward over every row's ``[start, end)``; logits of the sampled rows."""
+        batch = BatchInputs.build(
+            input_ids=plan.input_ids,
+            positions=plan.positions,
+            slot_mapping=plan.slot_mapping,
+            starts=plan.starts,
+            ends=plan.ends,
+            block_tables=plan.block_tables,
+            state_slots=plan.state_slots,
+            block_size=self.block_size,
+            device=self.device,
+        )
+        last_rows = np.cumsum(plan.ends - plan.starts) - 1
+        index = torch.from_numpy(last_rows[sample].astype(np.int64)).to(self.device)
+        logits: torch.Tensor = self.model(batch, self.cache, index)
+        return logits
+
+    def _forward_in_passes(
+        self, plan: StepPlan, sample: np.ndarray, within: np.ndarray
+    ) -> torch.Tensor:
+        """The forward cut at the ``state_save_within`` points (see the module doc, step 6)."""
+        starts = np.asarray(plan.starts, dtype=np.int64)
+        ends = np.asarray(plan.ends, dtype=np.int64)
+        offsets = np.cumsum(ends - starts) - (ends - starts)  # first flat token of each row
+        cuts = [sorted({int(starts[i]), int(ends[i])}) for i in range(plan.num_seqs)]
+        for row, p, _ in within.tolist():
+            cuts[row] = sorted({*cuts[row], p})
+        sampled_rank = np.cumsum(sample) - 1  # row -> its index among the sampled rows
+        logits = torch.zeros(
+            (int(sample.sum()), self.config.vocab_size), dtype=torch.float32, device=self.device
+        )
+        for k in range(max(len(c) for c in cuts) - 1):
+            rows = np.array([i for i, c in enumerate(cuts) if len(c) - 1 > k], dtype=np.int64)
+            seg_starts = np.array([cuts[i][k] for i in rows], dtype=np.int64)
+            seg_ends = np.array([cuts[i][k + 1] for i in rows], dtype=np.int64)
+            tok = np.concatenate(
+                [
+                    np.arange(a, b, dtype=np.int64) - starts[i] + offsets[i]
+                    for i, a, b in zip(rows, seg_starts, seg_ends, strict=True)
+                ]
+            )
+            batch = BatchInputs.build(
+                input_ids=plan.input_ids[tok],
+                positions=plan.positions[tok],
+                slot_mapping=plan.slot_mapping[tok],
+                starts=seg_starts,
+                ends=seg_ends,
+                block_tables=plan.block_tables[rows],
+                state_slots=plan.state_slots[rows],
+                block_size=self.block_size,
+                device=self.device,
+            )
+            final = sample[rows] & (seg_ends == ends[rows])
+            last_rows = np.cumsum(seg_ends - seg_starts) - 1
+            index = torch.from_numpy(last_rows[final]).to(self.device)
+            out = self.model(batch, self.cache, index)
+            dest = torch.from_numpy(sampled_rank[rows[final]].astype(np.int64)).to(self.device)
+            logits[dest] = out
+            ended = {(int(i), int(b)) for i, b in zip(rows, seg_ends, strict=True)}
+            saves = [
+                (int(plan.state_slots[row]), slot)
+                for row, p, slot in within.tolist()
+                if (row, p) in ended
+            ]
+            pairs = torch.tensor(saves, dtype=torch.int64, device=self.device).reshape(-1, 2)
+            self.cache.copy_states(pairs)
+        return logits
 
     def _sample(
         self,

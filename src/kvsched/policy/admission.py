@@ -43,6 +43,9 @@ class Admission:
         self.transfers = transfers
         aligned = config.external_save or config.aligned_checkpoints_only
         self._split_tail = config.hybrid and aligned
+        self._branch = config.hybrid and config.places("branch")
+        self._within = config.hybrid and config.mid_chunk_saves
+        self._interval = config.interval_tokens if config.places("interval") else 0
 
     # ---------------------------------------------------------------------- chunks
 
@@ -58,6 +61,8 @@ class Admission:
             cut = (seq.n_tokens - 1) // self.bs * self.bs
             if start < cut < end:
                 end = cut
+        if self._branch and not self._within and start < seq.kv_hit_tokens < end:
+            end = seq.kv_hit_tokens  # stop at the branch point: its state is saved there
         return Chunk(start, end, end == seq.n_tokens)
 
     def fits_budget(self, budget: StepBudget, chunk: Chunk) -> bool:
@@ -71,11 +76,41 @@ class Admission:
     def add_prefill(
         self, state: EngineState, seq: Seq, chunk: Chunk, budget: StepBudget, emit: Emit
     ) -> None:
-        """Schedule a chunk; for a hybrid model, save the state at its end when the end is a
-        save point (a block-aligned chunk end, or the prompt end)."""
+        """Schedule a chunk; for a hybrid model, save the states its placement rules ask
+        for: at its end (the deepest first), then inside it (deepest first)."""
         budget.add(seq.seq_id, chunk.start, chunk.end, chunk.final)
-        if state.hybrid and (chunk.end % self.bs == 0 or chunk.final):
-            self.checkpoints.reserve(state, seq, chunk.end, emit)
+        if not state.hybrid:
+            return
+        kind = self.end_rule(seq, chunk)
+        if kind:
+            self.checkpoints.reserve(state, seq, chunk.end, emit, kind)
+        if self._within:
+            for step, rule in self.points_within(seq, chunk):
+                self.checkpoints.reserve(state, seq, step, emit, rule, "within")
+
+    def end_rule(self, seq: Seq, chunk: Chunk) -> str:
+        """The placement rule that saves the state at a chunk's end ("" for none)."""
+        config, end = self.config, chunk.end
+        if self._branch and end == seq.kv_hit_tokens:
+            return "branch"
+        if chunk.final and config.places("prompt_end"):
+            return "prompt_end"
+        if end % self.bs == 0 and config.places("chunk_end"):
+            return "chunk_end"
+        return ""
+
+    def points_within(self, seq: Seq, chunk: Chunk) -> list[tuple[int, str]]:
+        """Block boundaries strictly inside a chunk where a rule saves the state (the
+        branch point, and every ``checkpoint_interval`` tokens), deepest first."""
+        lo, hi = chunk.start, chunk.end
+        points: dict[int, str] = {}
+        if self._interval:
+            first = (lo // self._interval + 1) * self._interval
+            for step in range(first, hi, self._interval):
+                points[step] = "interval"
+        if self._branch and lo < seq.kv_hit_tokens < hi:
+            points[seq.kv_hit_tokens] = "branch"
+        return sorted(points.items(), reverse=True)
 
     # -------------------------------------------------------------- running chunks
 

@@ -14,7 +14,7 @@ import numpy as np
 from kvsched.config import SchedulerConfig
 from kvsched.events import types as ev
 from kvsched.policy.common import I32, Emit, arr
-from kvsched.reducers.sequences import Seq
+from kvsched.reducers.sequences import Seq, SequenceTable
 from kvsched.reducers.sessions import SessionTable
 from kvsched.reducers.state import EngineState
 
@@ -84,8 +84,11 @@ class Growth:
             parents += chain[:-1]
         replaced = np.zeros(len(blocks), dtype=np.int32)
         canonical = [index.get(h) for h in hashes]
+        swap = self.config.dedup_cached_blocks
         if any(c is not None for c in canonical) or len(set(hashes)) < len(hashes):
-            self._deduplicate(hashes, canonical, blocks, replaced, self.config.dedup_cached_blocks)
+            self._deduplicate(hashes, canonical, blocks, replaced, swap)
+        if not swap:
+            self._detach_after_private(t, grown, firsts, lasts, replaced, index)
         marks, experts = self._cached_experts(state, grown, firsts, lasts, blocks)
         emit(
             ev.BlocksCached(
@@ -115,6 +118,28 @@ class Growth:
                 replaced[j], blocks[j] = blocks[j], target
             else:
                 replaced[j] = ev.PRIVATE_COPY
+
+    @staticmethod
+    def _detach_after_private(
+        t: SequenceTable,
+        rows: np.ndarray,
+        firsts: np.ndarray,
+        lasts: np.ndarray,
+        replaced: np.ndarray,
+        index: dict[bytes, int],
+    ) -> None:
+        """Without dedup: a sequence's blocks after a private copy (in this event, or its
+        own block before them not being the indexed one) stay unindexed (``UNINDEXED``)."""
+        j = 0
+        for row, first, last in zip(rows.tolist(), firsts.tolist(), lasts.tolist(), strict=True):
+            seq = t.objs[row]
+            assert seq is not None
+            detached = bool(first) and index.get(seq.hashes[first - 1]) != t.table[row, first - 1]
+            for k in range(j, j + last - first):
+                if detached and replaced[k] == 0:
+                    replaced[k] = ev.UNINDEXED
+                detached = detached or replaced[k] != 0
+            j += last - first
 
     def _cached_experts(
         self,

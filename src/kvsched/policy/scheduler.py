@@ -25,7 +25,7 @@ from kvsched.policy.growth import Growth
 from kvsched.policy.matching import Matcher
 from kvsched.policy.transfers import Transfers
 from kvsched.reducers.state import EngineState
-from kvsched.statemachines import LoadState, SeqState
+from kvsched.statemachines import CkptState, LoadState, SeqState
 
 __all__ = ["Chunk", "Match", "Policy"]
 
@@ -120,6 +120,9 @@ class Policy:
                 "stop" if stop[i] else "length" if length[i] else "migrated"
                 for i in done.tolist()
             )
+            if state.hybrid and not migrate:
+                for seq in seqs:
+                    self.checkpoints.save_sequence_end(state, seq, emit)
             self.growth.release(state, seqs, emit, keep_for_session=True)
             emit(ev.SequenceFinished(outcome.seq_ids[done].copy(), reasons))
 
@@ -197,8 +200,11 @@ class Policy:
             self.growth.preempt(state, seq, emit, reason="drain")
         for session_id in sorted(state.sessions.sessions):
             self.growth.free_session_hold(state, session_id, emit)
-        for ckpt_id in sorted(state.ckpts.ckpts):
-            emit(ev.CheckpointReleased(ckpt_id, "drain"))
+        for ckpt_id, c in sorted(state.ckpts.ckpts.items()):
+            if c.state == CkptState.RESERVED:  # a finished sequence's state, not yet saved
+                emit(ev.CheckpointAbandoned(ckpt_id, "drain"))
+            else:
+                emit(ev.CheckpointReleased(ckpt_id, "drain"))
         if state.pool.num_cached:
             emit(ev.CacheCleared())  # the device memory goes away, and the cache with it
         emit(ev.Drained())
@@ -272,14 +278,8 @@ class Policy:
             self.growth.allocate(state, seq_ids, np.ones(len(needing), I32), emit)
         if len(rows):
             emit(ev.DecodeScheduled(table.row_seq[rows].copy()))
-            interval = self.config.decode_checkpoint_interval
-            if state.hybrid and interval:
-                saving = rows[(table.computed[rows] + 1) % interval == 0]
-                for row in saving.tolist():
-                    seq = table.objs[row]
-                    assert seq is not None
-                    step = int(table.computed[row]) + 1
-                    self.checkpoints.reserve(state, seq, step, emit)
+            if state.hybrid:
+                self.checkpoints.decode_saves(state, rows, emit)
         return bool(len(rows))
 
     def _make_room(self, state: EngineState, need_rows: np.ndarray, emit: Emit) -> np.ndarray:

@@ -234,6 +234,9 @@ class BlockPool:
             elif replaced is not None and replaced[j] == ev.PRIVATE_COPY:
                 if self.index.get(hashes[j], block) == block:
                     raise ReplayMismatch(f"private copy {block} of a hash not cached elsewhere")
+            elif replaced is not None and replaced[j] == ev.UNINDEXED:
+                if self.hash_of[block] is not None:
+                    raise ReplayMismatch(f"block {block} is cached: it cannot stay unindexed")
             else:
                 self._register(block, hashes[j], parents[j], depths[j])
         marked = np.nonzero(e.with_experts)[0].tolist() if len(e.with_experts) else []

@@ -14,6 +14,15 @@ operation, however long the prefix. Lifecycle (``statemachines.CHECKPOINT``): RE
 PUBLISHED <-> PINNED; RESERVED -> RELEASED (abandoned); PUBLISHED -> EVICTED | RELEASED. A
 pinned checkpoint is never evicted or released.
 
+A checkpoint saved "before" a step (the end of a sequence that finished in the step just
+executed) takes its path references at reservation: its producer releases its blocks at once.
+
+Accounting: every checkpoint uses ``cost`` of the table's ``capacity`` (one per checkpoint, or
+bytes: the state plus a frozen block's KV); the policy evicts before it reserves, so ``used``
+never exceeds the capacity. For the "value" eviction the table keeps each checkpoint's hits
+(restores by sequences), its placement rule, the aging ``floor`` at its last touch, and the
+table's floor (raised to each evicted checkpoint's priority).
+
 The table folds the checkpoint events, and the pins a save lease takes (``KVSaveStarted`` /
 ``KVSaveFinished``). It reads the block pool for a published checkpoint's prefix path, and
 returns the references it takes or drops as a ``RefChange``.
@@ -37,6 +46,8 @@ from kvsched.statemachines import CHECKPOINT, CkptEvent, CkptState, fire
 __all__ = ["Checkpoint", "CheckpointTable", "partial_key", "tail_extra"]
 
 _EMPTY = np.zeros(0, dtype=np.int32)
+PHASES = ("after", "within", "before")
+BEFORE = "before"
 _LAST_PIN, _MORE_PINS = frozenset(["last_pin"]), frozenset(["more_pins"])
 _PIN = CkptEvent.pin  # (read once: a member read through its enum class costs ~100 ns)
 
@@ -51,17 +62,44 @@ class Checkpoint:
     anchor: bytes  # hash of the last full block (the namespace root when step < block size)
     frozen_block: int  # 0 when the step is block-aligned
     state: CkptState = CkptState.RESERVED
-    path: np.ndarray = attrs.field(factory=lambda: _EMPTY)  # prefix blocks (published only)
+    path: np.ndarray = attrs.field(factory=lambda: _EMPTY)  # prefix blocks (held refs)
     pins: int = 0
     stamp: int = 0  # LRU: last publish / unpin
+    kind: str = ""  # the placement rule that chose it
+    phase: str = "after"  # when its step saved it (CheckpointReserved.phase)
+    cost: int = 1  # what it uses of the table's capacity
+    hits: int = 0  # restores by sequences
+    floor: float = 0.0  # the table's aging floor at its last touch (eviction "value")
+
+    @property
+    def holds_path(self) -> bool:
+        """Whether it holds references on its prefix path (published, or saved before)."""
+        return bool(len(self.path)) and (self.state != CkptState.RESERVED or self.phase == BEFORE)
 
 
 class CheckpointTable:
-    def __init__(self, max_batch: int, budget: int, block_size: int, pool: BlockPool) -> None:
+    def __init__(
+        self,
+        max_batch: int,
+        budget: int,
+        block_size: int,
+        pool: BlockPool,
+        capacity: int | None = None,
+        costs: tuple[int, int] = (1, 1),
+    ) -> None:
+        """``budget`` checkpoint slots; ``capacity`` (default: the budget) what checkpoints
+        may use together; ``costs``: what an aligned and a frozen-tail checkpoint use."""
         self.block_size = block_size
         self._pool = pool
         self.first_ckpt_slot = 1 + max_batch
         self.num_slots = 1 + max_batch + budget
+        self.capacity = budget if capacity is None else capacity
+        self.costs = costs
+        self.used = 0
+        self.floor = 0.0  # aging floor of the "value" eviction
+        self.by_producer: dict[int, list[int]] = {}  # seq id -> its live checkpoints
+        self.saves_by_kind: dict[str, int] = {}  # checkpoints reserved, per placement rule
+        self.reused_by_kind: dict[str, int] = {}  # of those, restored at least once
         self.free_slots: list[int] = list(range(self.num_slots - 1, self.first_ckpt_slot - 1, -1))
         self.ckpts: dict[int, Checkpoint] = {}
         self.index: dict[bytes, int] = {}  # identity -> published (or pinned) checkpoint
@@ -109,9 +147,9 @@ class CheckpointTable:
             raise ReplayMismatch(f"checkpoint {ckpt_id} does not exist") from None
 
     def dropped_blocks(self, c: Checkpoint) -> tuple[np.ndarray, ...]:
-        """The references a checkpoint holds (its published path, its frozen block)."""
+        """The references a checkpoint holds (its path, its frozen block)."""
         out: list[np.ndarray] = []
-        if c.state != CkptState.RESERVED and len(c.path):
+        if c.holds_path:
             out.append(c.path)
         if c.frozen_block:
             out.append(np.asarray([c.frozen_block], dtype=np.int32))
@@ -129,13 +167,27 @@ class CheckpointTable:
         c = self.ckpts.get(ckpt_id)
         return c is not None and c.state == CkptState.PUBLISHED and c.stamp == stamp
 
+    def evictable(self) -> list[Checkpoint]:
+        """Unpinned published checkpoints, least recently used first."""
+        return [self.ckpts[i] for s, i in self.lru if self._evictable(s, i)]
+
     def eviction_order(self) -> list[Checkpoint]:
         """Unpinned published checkpoints, those with a frozen block first, then LRU."""
-        live = [self.ckpts[i] for s, i in self.lru if self._evictable(s, i)]
-        return sorted(live, key=lambda c: (c.frozen_block == 0, c.stamp))
+        return sorted(self.evictable(), key=lambda c: (c.frozen_block == 0, c.stamp))
 
     def peek_slot(self) -> int:
         return self.free_slots[-1] if self.free_slots else 0
+
+    def cost_of(self, frozen: bool) -> int:
+        return self.costs[1] if frozen else self.costs[0]
+
+    def room(self) -> int:
+        """Capacity left."""
+        return self.capacity - self.used
+
+    def produced_by(self, seq_id: int) -> list[Checkpoint]:
+        """The live checkpoints ``seq_id`` saved, oldest first."""
+        return [self.ckpts[i] for i in self.by_producer.get(seq_id, ())]
 
     # -------------------------------------------------------------------------- folds
 
@@ -147,30 +199,51 @@ class CheckpointTable:
     def _on_step_started(self, e: ev.StepStarted) -> None:
         self.awaiting, self.reserved = self.reserved, []
 
-    def _on_reserved(self, e: ev.CheckpointReserved) -> None:
+    def _on_reserved(self, e: ev.CheckpointReserved) -> RefChange | None:
         if e.ckpt_id != self.next_id or not self.free_slots or self.free_slots[-1] != e.slot:
             raise ReplayMismatch(f"checkpoint {e.ckpt_id}: not the next id or slot")
         if bool(e.frozen_block) != bool(e.num_tokens % self.block_size):
             raise ReplayMismatch(f"checkpoint {e.ckpt_id}: frozen block and alignment disagree")
+        if e.phase not in PHASES or (e.phase == "within" and e.frozen_block):
+            raise ReplayMismatch(f"checkpoint {e.ckpt_id}: phase {e.phase!r} is not a phase")
+        cost = self.cost_of(bool(e.frozen_block))
+        if cost > self.room():
+            raise ReplayMismatch(f"checkpoint {e.ckpt_id}: over the checkpoint capacity")
+        path = self._prefix_path(e.ckpt_id, e.num_tokens, e.anchor) if e.phase == BEFORE else None
         self.free_slots.pop()
         self.next_id += 1
         c = Checkpoint(
-            e.ckpt_id, e.seq_id, e.slot, e.num_tokens, e.key, e.anchor, e.frozen_block
+            e.ckpt_id, e.seq_id, e.slot, e.num_tokens, e.key, e.anchor, e.frozen_block,
+            kind=e.kind, phase=e.phase, cost=cost, floor=self.floor,
         )
         self.ckpts[c.ckpt_id] = c
+        self.by_producer.setdefault(c.seq_id, []).append(c.ckpt_id)
+        self.used += cost
         self.reserved.append(c.ckpt_id)
         self.saves += 1
+        self.saves_by_kind[c.kind] = self.saves_by_kind.get(c.kind, 0) + 1
+        if path is None:
+            return None
+        c.path = path  # the producer releases its blocks now: hold the path from here on
+        return RefChange(attach=(path,))
+
+    def _prefix_path(self, ckpt_id: int, step: int, anchor: bytes) -> np.ndarray:
+        """The cached blocks of a checkpoint's prefix (ReplayMismatch if not all cached)."""
+        depth = step // self.block_size
+        anchor_block = self._pool.index.get(anchor) if depth else None
+        if depth and anchor_block is None:
+            raise ReplayMismatch(f"checkpoint {ckpt_id}: its prefix is not cached")
+        path = self._pool.path_to(anchor_block) if anchor_block is not None else _EMPTY
+        if len(path) != depth:
+            raise ReplayMismatch(f"checkpoint {ckpt_id}: its prefix path has another depth")
+        return path
 
     def _on_published(self, e: ev.CheckpointPublished) -> RefChange:
         c = self.get(e.ckpt_id)
-        depth = c.step // self.block_size
-        anchor_block = self._pool.index.get(c.anchor) if depth else None
-        unready = c.ckpt_id not in self.awaiting or (depth and anchor_block is None)
-        if unready or c.key in self.index:
+        if c.ckpt_id not in self.awaiting or c.key in self.index:
             raise ReplayMismatch(f"checkpoint {c.ckpt_id} cannot be published")
-        path = self._pool.path_to(anchor_block) if anchor_block is not None else _EMPTY
-        if len(path) != depth:
-            raise ReplayMismatch(f"checkpoint {c.ckpt_id}: its prefix path has another depth")
+        held = c.phase == BEFORE
+        path = c.path if held else self._prefix_path(c.ckpt_id, c.step, c.anchor)
         self._fire(c, e, CkptEvent.publish)
         c.path = path
         self.index[c.key] = c.ckpt_id
@@ -179,7 +252,7 @@ class CheckpointTable:
             tails[c.step] = tails.get(c.step, 0) + 1
         self._touch(c)
         self.awaiting.remove(c.ckpt_id)
-        return RefChange(attach=(path,))
+        return RefChange() if held else RefChange(attach=(path,))
 
     def _on_dropped(
         self, e: ev.CheckpointAbandoned | ev.CheckpointReleased | ev.CheckpointEvicted
@@ -203,12 +276,19 @@ class CheckpointTable:
                 if not tails:
                     del self.partials[c.anchor]
         del self.ckpts[c.ckpt_id]
+        self.used -= c.cost
+        produced = self.by_producer[c.seq_id]
+        produced.remove(c.ckpt_id)
+        if not produced:
+            del self.by_producer[c.seq_id]
         self.free_slots.append(c.slot)
         for queue in (self.reserved, self.awaiting):
             if c.ckpt_id in queue:
                 queue.remove(c.ckpt_id)
-        if trigger == CkptEvent.evict:
+        if isinstance(e, ev.CheckpointEvicted):
             self.evictions += 1
+            if e.priority is not None:
+                self.floor = max(self.floor, e.priority)
         return RefChange(release=dropped)
 
     def _pin(self, c: Checkpoint, e: ev.Event) -> None:
@@ -223,7 +303,11 @@ class CheckpointTable:
             self._touch(c)
 
     def _on_pinned(self, e: ev.CheckpointPinned) -> None:
-        self._pin(self.get(e.ckpt_id), e)
+        c = self.get(e.ckpt_id)
+        self._pin(c, e)
+        if not c.hits:
+            self.reused_by_kind[c.kind] = self.reused_by_kind.get(c.kind, 0) + 1
+        c.hits += 1
 
     def _on_unpinned(self, e: ev.CheckpointUnpinned) -> None:
         self._unpin(self.get(e.ckpt_id), e)
@@ -241,6 +325,7 @@ class CheckpointTable:
     def _touch(self, c: Checkpoint) -> None:
         self.clock += 1
         c.stamp = self.clock
+        c.floor = self.floor
         self.lru.append((c.stamp, c.ckpt_id))
         if len(self.lru) > 4 * (len(self.ckpts) + 16):
             self.lru = deque((s, i) for s, i in self.lru if self._evictable(s, i))
@@ -251,10 +336,7 @@ class CheckpointTable:
         """KV references held by checkpoints: published paths and frozen blocks."""
         out: list[np.ndarray] = []
         for c in self.ckpts.values():
-            if c.state != CkptState.RESERVED and len(c.path):
-                out.append(c.path)
-            if c.frozen_block:
-                out.append(np.asarray([c.frozen_block], dtype=np.int32))
+            out.extend(self.dropped_blocks(c))
         return out
 
     def check_invariants(self, pins_by_ckpt: dict[int, int]) -> str | None:
@@ -276,6 +358,13 @@ class CheckpointTable:
             indexed = self.index.get(c.key) == c.ckpt_id
             if indexed != (c.state != CkptState.RESERVED):
                 return f"checkpoint {c.ckpt_id}: indexed {indexed} in state {c.state.name}"
+        if self.used != sum(c.cost for c in self.ckpts.values()) or self.used > self.capacity:
+            return f"checkpoints use {self.used} of {self.capacity}, not the sum of their costs"
+        producers = sorted(i for ids in self.by_producer.values() for i in ids)
+        if producers != sorted(self.ckpts) or any(
+            self.ckpts[i].seq_id != seq_id for seq_id, ids in self.by_producer.items() for i in ids
+        ):
+            return "the producer index does not list every checkpoint under its producer"
         for key, ckpt_id in self.index.items():
             if ckpt_id not in self.ckpts or self.ckpts[ckpt_id].key != key:
                 return f"index entry for checkpoint {ckpt_id} is stale"
@@ -291,9 +380,16 @@ class CheckpointTable:
     def snapshot(self) -> tuple[object, ...]:
         return (
             tuple(
-                (c.ckpt_id, c.seq_id, c.slot, c.step, c.key, c.state, c.path.tobytes(), c.pins)
+                (
+                    c.ckpt_id, c.seq_id, c.slot, c.step, c.key, c.state, c.path.tobytes(),
+                    c.pins, c.kind, c.phase, c.cost, c.hits, c.floor, c.stamp,
+                )
                 for c in self.ckpts.values()
             ),
+            self.used,
+            self.floor,
+            tuple(sorted(self.saves_by_kind.items())),
+            tuple(sorted(self.reused_by_kind.items())),
             tuple(self.free_slots),
             tuple(sorted(self.index.items())),
             self.next_id,

@@ -60,7 +60,9 @@ def plan_step(state: EngineState) -> StepPlan:
         slot_mapping=_frozen(slots),
         block_tables=_frozen(tables),
         num_blocks=_frozen(nblocks.astype(np.int32)),
-        copy_blocks=_pairs([(f, int(table.table[r, i])) for r, i, f in x.restore_blocks]),
+        copy_blocks=_pairs(
+            x.copy_before + [(f, int(table.table[r, i])) for r, i, f in x.restore_blocks]
+        ),
         zero_blocks=_frozen(np.zeros(0, dtype=np.int32)),
         state_slots=_frozen(
             CheckpointTable.runtime_slots(rows) if state.hybrid else np.zeros(len(rows), np.int32)
@@ -75,4 +77,13 @@ def plan_step(state: EngineState) -> StepPlan:
         num_decode_tokens=int(decode.sum()),
         num_hit_tokens=hit_tokens,
         num_query_tokens=query_tokens,
+        state_save_before=_pairs(x.state_save_before),
+        state_save_within=_within(x.state_save_within, rows),
     )
+
+
+def _within(saves: list[tuple[int, int, int]], rows: np.ndarray) -> np.ndarray:
+    """(batch row, tokens, slot) -> (plan row, tokens, slot)."""
+    index = {int(r): i for i, r in enumerate(rows.tolist())}
+    out = [(index[row], tokens, slot) for row, tokens, slot in saves]
+    return _frozen(np.asarray(out, dtype=np.int32).reshape(len(out), 3))

@@ -42,6 +42,9 @@ class Seq:
     preempted_at: int = -1  # the step of the latest preemption
     finish_reason: str = ""
     num_hit_tokens: int = 0  # prefix-match statistics of the latest admission
+    # hybrid: the cached KV prefix found at the latest admission (past num_hit_tokens when
+    # no state was kept where that prefix ends: a branch point)
+    kv_hit_tokens: int = 0
 
     @property
     def n_output(self) -> int:

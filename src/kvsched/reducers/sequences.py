@@ -33,6 +33,7 @@ from kvsched.statemachines import SEQUENCE, SeqEvent, SeqState, fire_many
 
 __all__ = ["FREE_ROW", "History", "Seq", "SequenceTable"]
 
+_NO_ROWS = np.zeros(0, dtype=np.int64)
 _ADMIT = SeqEvent.admit  # (read once: a member read through its enum class costs ~100 ns)
 
 
@@ -261,6 +262,7 @@ class SequenceTable(RowTable):
         self.registered[row] = k
         self.saved[row] = max(int(self.saved[row]), k)  # matched blocks need no save
         seq.num_hit_tokens = e.num_tokens
+        seq.kv_hit_tokens = max(e.kv_hit_tokens, 0)
         return change
 
     # ------------------------------------------------------------------ block folds
@@ -422,6 +424,10 @@ class SequenceTable(RowTable):
         seq = self.seq(e.seq_id)
         if seq.row == FREE_ROW or (e.key, e.anchor) != self.identity_at(seq, e.num_tokens):
             raise ReplayMismatch(f"checkpoint {e.ckpt_id}: not the state of {e.seq_id}")
+        if e.phase == "before":
+            if e.num_tokens != self.computed[seq.row]:
+                raise ReplayMismatch(f"checkpoint {e.ckpt_id}: not the final state")
+            self.add_pending(_NO_ROWS, _NO_ROWS, _NO_ROWS)  # the step has work: the save
 
     def _on_ckpt_pinned(self, e: ev.CheckpointPinned) -> None:
         seq = self.seq(e.seq_id)

@@ -53,12 +53,14 @@ class EngineState:
         self.block_size = bs = config.block_size
         self.hybrid = config.hybrid
         max_blocks = -(-config.model.max_context // bs) + 1
-        budget = config.checkpoint_budget if config.hybrid else 0
+        slots = config.num_checkpoint_slots if config.hybrid else 0
+        capacity = config.checkpoint_capacity if config.hybrid else 0
+        costs = (config.checkpoint_cost(False), config.checkpoint_cost(True))
         self.serving = Serving()
         self.pool = BlockPool(config.num_blocks, bs)
         self.seqs = SequenceTable(config.model, config.max_batch, max_blocks, bs, self.pool)
         self.sessions = SessionTable()
-        self.ckpts = CheckpointTable(config.max_batch, budget, bs, self.pool)
+        self.ckpts = CheckpointTable(config.max_batch, slots, bs, self.pool, capacity, costs)
         self.transfers = TransferTable(self.seqs)
         self.stats = Stats(block_size=bs)
         self.work = StepWork(self.seqs, self.ckpts, self.stats, config.hybrid)
@@ -128,10 +130,12 @@ class EngineState:
 
     @property
     def has_work(self) -> bool:
-        """Something to schedule, or transfers to wait for."""
+        """Something to schedule or to save (a finished sequence's state), or transfers to
+        wait for."""
         t = self.seqs
         serving = not self.sleeping and (bool(t.waiting) or t.num_running > 0)
-        return serving or self.transfers.busy or self.serving.drain_pending
+        saving = bool(self.ckpts.reserved)
+        return serving or saving or self.transfers.busy or self.serving.drain_pending
 
     # -------------------------------------------------------------------- invariants
 

@@ -3,7 +3,8 @@ clock, sleep and drain.
 
 ``StepWork`` collects, in decision order, the state-slot and block copies the current step's
 plan needs (hybrid models: runtime slots to zero at admission, checkpoints to restore before
-the forward and to save after it, partial blocks to freeze), and the engine's hit counters
+the forward and to save after it or within it, the final states of sequences that finished in
+the step just executed, partial blocks to freeze), and the engine's hit counters
 when the step started (the step's own hits are the difference). It reads the sequence and
 checkpoint tables for rows and slots, and the statistics. Reset by ``StepStarted``.
 """
@@ -30,6 +31,11 @@ class StepExtras:
     state_restore: list[tuple[int, int]] = attrs.field(factory=list)
     state_save: list[tuple[int, int]] = attrs.field(factory=list)
     copy_after: list[tuple[int, int]] = attrs.field(factory=list)
+    # saves of sequences that finished in the step just executed (before everything else)
+    state_save_before: list[tuple[int, int]] = attrs.field(factory=list)
+    copy_before: list[tuple[int, int]] = attrs.field(factory=list)
+    # (batch row, tokens, checkpoint slot): mid-chunk saves
+    state_save_within: list[tuple[int, int, int]] = attrs.field(factory=list)
     # (row, block index, frozen block): copy the frozen block into the row's private block
     restore_blocks: list[tuple[int, int, int]] = attrs.field(factory=list)
     hit_tokens_before: int = 0  # the engine's hit counters when the step started
@@ -68,11 +74,16 @@ class StepWork:
         self.extras.state_zero.append(CheckpointTable.runtime_slot(e.row))
 
     def _on_ckpt_reserved(self, e: ev.CheckpointReserved) -> None:
-        row, bs = self._seqs.seq(e.seq_id).row, self._seqs.block_size
+        row, bs, x = self._seqs.seq(e.seq_id).row, self._seqs.block_size, self.extras
+        if e.phase == "within":
+            x.state_save_within.append((row, e.num_tokens, e.slot))
+            return
+        before = e.phase == "before"
         if e.frozen_block:
             partial = int(self._seqs.table[row, e.num_tokens // bs])
-            self.extras.copy_after.append((partial, e.frozen_block))
-        self.extras.state_save.append((CheckpointTable.runtime_slot(row), e.slot))
+            (x.copy_before if before else x.copy_after).append((partial, e.frozen_block))
+        pair = (CheckpointTable.runtime_slot(row), e.slot)
+        (x.state_save_before if before else x.state_save).append(pair)
 
     def _on_ckpt_pinned(self, e: ev.CheckpointPinned) -> None:
         c = self._ckpts.ckpts[e.ckpt_id]  # (both checked by the owners' folds before this one)

@@ -15,7 +15,7 @@ from kvsched.events import types as ev
 from kvsched.events.log import EventLog, TornTail, read_log
 from kvsched.reducers.planner import plan_step
 from kvsched.replay.driver import Resume, _ended
-from kvsched.replay.verify import load_config, replay_record
+from kvsched.replay.verify import is_legacy, load_config, replay_record
 
 
 class RecoveryError(RuntimeError):
@@ -35,13 +35,14 @@ def recover(path: str, *, check_invariants: bool = False) -> Recovered:
     this kvsched cannot replay it at all)."""
     contents = read_log(path)
     config = load_config(contents.header, path)
+    legacy = is_legacy(contents.header)
     engine = Engine(config, check_invariants=check_invariants)
     arrived: set[int] = set()
     ended_at: dict[int, float] = {}
     clock = 0.0
     steps = 0
     for offset, payload in zip(contents.offsets, contents.records, strict=True):
-        replayed, divergence = replay_record(engine, offset, payload, steps + 1)
+        replayed, divergence = replay_record(engine, offset, payload, steps + 1, legacy)
         if replayed is None:  # checked as verify checks it: decisions, plan digest, step
             assert divergence is not None
             raise RecoveryError(divergence.describe())

@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 import attrs
+import msgspec
 import numpy as np
 
 from kvsched.config import SchedulerConfig
@@ -31,13 +32,14 @@ from kvsched.events.codec import (
     to_builtins,
 )
 from kvsched.events.log import TornTail, read_log
-from kvsched.events.types import Event, entity_of
+from kvsched.events.types import CheckpointReserved, Event, entity_of
 from kvsched.plan import (
     FIELD_DIGEST_SIZE,
     PLAN_FIELDS,
     StepPlan,
     first_plan_difference,
     plan_digest,
+    tail_is_empty,
 )
 from kvsched.policy import Policy
 
@@ -95,11 +97,16 @@ class VerifyResult:
         return self.divergence is None
 
 
-def first_difference(step: int, logged: list[Event], new: list[Event]) -> Divergence | None:
-    """The first decision that differs between two decision lists of one step."""
+def first_difference(
+    step: int, logged: list[Event], new: list[Event], legacy: bool = False
+) -> Divergence | None:
+    """The first decision that differs between two decision lists of one step. ``legacy``:
+    the log predates schema 3, whose checkpoints do not name their placement rule."""
     for i in range(max(len(logged), len(new))):
         a = logged[i] if i < len(logged) else None
         b = new[i] if i < len(new) else None
+        if legacy and isinstance(a, CheckpointReserved) and isinstance(b, CheckpointReserved):
+            b = msgspec.structs.replace(b, kind=a.kind)
         if a is not None and b is not None and encode(a) == encode(b):
             continue
         entity = entity_of(a if a is not None else b)  # type: ignore[arg-type]
@@ -116,12 +123,12 @@ def first_difference(step: int, logged: list[Event], new: list[Event]) -> Diverg
 def load_config(header: dict[str, object], path: str) -> SchedulerConfig:
     """The config a log header records, after checking its schema version (LogError)."""
     try:
-        check_schema(header, f"event log {path}")
+        version = check_schema(header, f"event log {path}")
     except SchemaVersionError as exc:
         raise LogError(str(exc)) from exc
     raw = header.get("config")
     try:
-        return SchedulerConfig.from_dict(raw)  # type: ignore[arg-type]
+        return SchedulerConfig.from_log_header(raw, version)  # type: ignore[arg-type]
     except (TypeError, ValueError, AttributeError) as exc:
         why = f"its config is not a valid SchedulerConfig: {exc}"
         raise LogError(f"event log {path}: {why}") from exc
@@ -147,6 +154,7 @@ def verify_log(
 ) -> VerifyResult:
     header, records, torn = iter_records(path)
     config = load_config(header, path)
+    legacy = is_legacy(header)
     try:
         policy = policy_factory(config) if policy_factory else None
         engine = Engine(config, policy=policy)
@@ -155,7 +163,7 @@ def verify_log(
         raise LogError(f"event log {path}: {why}") from exc
     steps = 0
     for offset, payload in records:
-        _, divergence = replay_record(engine, offset, payload, steps + 1)
+        _, divergence = replay_record(engine, offset, payload, steps + 1, legacy)
         if divergence is not None:
             return VerifyResult(steps, divergence, torn, config)
         steps += 1
@@ -164,8 +172,14 @@ def verify_log(
     return VerifyResult(steps, None, torn, config)
 
 
+def is_legacy(header: dict[str, object]) -> bool:
+    """Whether a (checked) header is of a schema before 3."""
+    version = header.get("schema_version")
+    return isinstance(version, int) and version < 3
+
+
 def replay_record(
-    engine: Engine, offset: int, payload: bytes, step: int
+    engine: Engine, offset: int, payload: bytes, step: int, legacy: bool = False
 ) -> tuple[tuple[StepRecord, StepResult] | None, Divergence | None]:
     """Replay one logged record (the ``step``-th, at byte ``offset``) through ``engine`` and
     check it: ((record, the replay's result), None), or (None, its divergence). Any failure
@@ -181,7 +195,7 @@ def replay_record(
         result = engine.step(record.inputs, record.clock)
     except Exception as exc:
         return None, _step_divergence(step, "engine", f"{type(exc).__name__}: {exc}")
-    divergence = first_difference(step, list(record.decisions), list(result.decisions))
+    divergence = first_difference(step, list(record.decisions), list(result.decisions), legacy)
     if divergence is None and not record.plan:  # every record of schema 2 has a digest
         divergence = _step_divergence(step, "plan", "the record carries no plan digest")
     if divergence is None:
@@ -191,7 +205,8 @@ def replay_record(
 
 def _plan_divergence(record: StepRecord, plan: StepPlan) -> Divergence | None:
     digest = plan_digest(plan)
-    field = first_plan_difference(record.plan, digest)
+    logged_fields = len(record.plan) // FIELD_DIGEST_SIZE
+    field = first_plan_difference(record.plan, digest, tail_is_empty(plan, logged_fields))
     if field is None:
         return None
     if field not in PLAN_FIELDS:  # a plan of another layout

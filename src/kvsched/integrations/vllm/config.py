@@ -105,7 +105,12 @@ def scheduler_config(vllm_config: Any, kv_cache_config: Any, block_size: int) ->
         dedup_cached_blocks=False,  # vLLM's workers only ever append to a block table
         hybrid=hybrid["hybrid"],
         checkpoint_budget=hybrid["checkpoint_budget"],
-        aligned_checkpoints_only=hybrid["hybrid"],  # states live in whole blocks (mamba.py)
+        # States live in whole blocks (mamba.py) and are saved at the end of a step only: the
+        # rules vLLM's own align mode places (lmdeploy's, aligned), no mid-chunk saves.
+        checkpoint_placement=("chunk_end", "prompt_end"),
+        checkpoint_eviction="frozen_first",
+        aligned_checkpoints_only=hybrid["hybrid"],
+        mid_chunk_saves=False,
     )
 
 

@@ -251,6 +251,9 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # (vLLM is untyped h
     def _check_plan(plan: Any) -> None:
         if len(plan.copy_blocks) or len(plan.copy_blocks_after) or len(plan.zero_blocks):
             raise AdapterMismatch("the plan copies or zeroes KV blocks: vLLM cannot do that")
+        if len(plan.state_save_before) or len(plan.state_save_within):
+            raise AdapterMismatch("the plan saves states before or inside a forward: vLLM "
+                                  "saves them at the end of a step only")
 
     def _fold_decisions(self, result: StepResult) -> set[str]:
         """What this step's decisions mean for vLLM's side; returns the preempted names."""
