@@ -86,6 +86,8 @@ class Checkpoints:
             return
         if not aligned and not state.pool.num_available:
             return  # no frozen block to be had: check before evicting anything for room
+        if phase == "before" and step >= self.bs and anchor not in state.pool.index:
+            return  # its prefix is not indexed (a chain past a private copy): no path to hold
         cost = ckpts.cost_of(not aligned)
         worth = self._candidate_priority(state, seq.seq_id, step, kind, cost)
         if not self._make_room(state, cost, worth, emit):
@@ -142,10 +144,15 @@ class Checkpoints:
         """After a successful step: publish what it saved (a duplicate identity is abandoned);
         a published ``decode_latest`` checkpoint replaces its producer's older ones."""
         ckpts = state.ckpts
+        index = state.pool.index
         for ckpt_id in list(ckpts.awaiting):
             c = ckpts.get(ckpt_id)
             if ckpts.find(c.key) is not None:
                 emit(ev.CheckpointAbandoned(ckpt_id, "superseded"))
+                continue
+            if c.step >= self.bs and c.anchor not in index:
+                # (without dedup, a chain past a private copy is not indexed: no path to hold)
+                emit(ev.CheckpointAbandoned(ckpt_id, "prefix not cached"))
                 continue
             emit(ev.CheckpointPublished(ckpt_id))
             if c.kind == "decode_latest":
