@@ -12,7 +12,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from kvsched.config import SchedulerConfig
+from kvsched.config import CHECKPOINT_POLICIES, EVICTIONS, PLACEMENTS, SchedulerConfig
 from kvsched.events.codec import RecordDecodeError, SchemaVersionError
 from kvsched.events.log import CorruptLogError, LogOpenError
 from kvsched.events.wire import WireError, WireTimeout
@@ -25,6 +25,7 @@ from kvsched.replay.setup import (
     SWEEP_KEYS,
     SetupError,
     TraceReplay,
+    checkpoint_fields,
     load_trace_replay,
     trace_config,
 )
@@ -129,6 +130,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
         skip_bad_lines=args.skip_bad_lines,
         limit=args.limit,
         speedup=args.speedup,
+        policies=args.policies,
     )
     info = setup.trace.info
     if info.bad_lines and not args.json:
@@ -145,9 +147,17 @@ def cmd_replay(args: argparse.Namespace) -> int:
         max_prefill_tokens=args.max_prefill_tokens,
         order=args.order,
         hybrid=args.hybrid,
+        checkpoints=checkpoint_fields(
+            budget=args.checkpoint_budget,
+            memory=args.checkpoint_memory,
+            policy=args.checkpoint_policy,
+            placement=args.checkpoint_placement,
+            eviction=args.checkpoint_eviction,
+            interval=args.checkpoint_interval,
+        ),
     )
     name = Path(args.trace).name
-    if setup.sweep is not None:
+    if setup.sweep is not None or setup.policies:
         if args.publish:
             raise SetupError("--publish streams one run: it cannot be combined with --sweep")
         return _replay_sweep(args, setup, config, name)
@@ -166,14 +176,13 @@ def cmd_replay(args: argparse.Namespace) -> int:
 def _replay_sweep(
     args: argparse.Namespace, setup: TraceReplay, config: SchedulerConfig, name: str
 ) -> int:
-    assert setup.sweep is not None
-    key, values = sweep = setup.sweep
+    key, values = setup.sweep if setup.sweep is not None else ("", [0])
     runs: list[dict[str, Any]] = []
     progress = _progress(args.quiet)
-    for run in sweep_runs(setup, config, sweep, check=args.check, progress=progress):
+    for run in sweep_runs(setup, config, setup.sweep, check=args.check, progress=progress):
         runs.append(run.metrics)
         if args.report:
-            point = f"{key}={run.value}"
+            point = "_".join(filter(None, (run.policy, f"{key}={run.value}" if key else "")))
             where = Path(args.report) / point
             _run_report(args.report, where, f"{name}, {point}", run.result, run.metrics)
     if args.report:
@@ -181,8 +190,10 @@ def _replay_sweep(
     if args.json:
         print(json.dumps({"sweep_key": key, "values": values, "runs": runs}))
     else:
-        print(f"kvsched replay: {name}, sweep of {key}")
-        print(format_sweep(key, values, runs))
+        parts = (f"sweep of {key}" if key else "", "policies" if setup.policies else "")
+        what = " and ".join(filter(None, parts))
+        print(f"kvsched replay: {name}, {what}")
+        print(format_sweep(key, runs))
         if args.report:
             print(f"  report: {args.report}")
     return 0
@@ -355,6 +366,34 @@ def _add_replay(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
     r.add_argument("--hybrid", action="store_true", help="hybrid model (state checkpoints)")
     r.add_argument("--cost", metavar="K=V,...", help="cost-model parameters (see docs/replay.md)")
     r.add_argument("--sweep", metavar="KEY=V1,V2", help=f"keys: {', '.join(SWEEP_KEYS)}")
+    r.add_argument(
+        "--checkpoint-budget", type=int, metavar="N", help="--hybrid: checkpoint slots (256)"
+    )
+    r.add_argument(
+        "--checkpoint-memory",
+        metavar="BYTES",
+        help="--hybrid: bytes for checkpoints instead of a count, e.g. 20GiB",
+    )
+    r.add_argument(
+        "--checkpoint-policy",
+        choices=list(CHECKPOINT_POLICIES),
+        help="--hybrid: placement and eviction rules (default kvsched; baselines: "
+        "lmdeploy, vllm-align, sglang)",
+    )
+    r.add_argument(
+        "--checkpoint-placement",
+        metavar="RULES",
+        help=f"--hybrid: comma-separated placement rules of {', '.join(PLACEMENTS)}",
+    )
+    r.add_argument("--checkpoint-eviction", choices=list(EVICTIONS), help="--hybrid")
+    r.add_argument(
+        "--checkpoint-interval", type=int, metavar="N", help="tokens between interval saves"
+    )
+    r.add_argument(
+        "--policies",
+        metavar="P1,P2|all",
+        help="run every sweep point once per checkpoint policy, side by side",
+    )
     r.add_argument("--limit", type=int, metavar="N", help="read only the first N requests")
     r.add_argument(
         "--speedup",

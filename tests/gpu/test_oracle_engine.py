@@ -20,9 +20,12 @@ from kvsched.replay.driver import RunSummary, run
 from kvsched.replay.workload import Workload, chat_workload
 
 
-def _run_and_compare(cfg: SchedulerConfig, wl: Workload, tiny_dir: Path, hf_model) -> RunSummary:  # type: ignore[no-untyped-def]
-    """Serve ``wl`` with the scheduler on the torch executor; every request's tokens must be
-    HF's greedy continuation of its full context."""
+def _run_and_compare(  # type: ignore[no-untyped-def]
+    cfg: SchedulerConfig, wl: Workload, tiny_dir: Path, hf_model, engine: Engine | None = None
+) -> RunSummary:
+    """Serve ``wl`` with the scheduler (``engine``, default a fresh one for ``cfg``) on the
+    torch executor; every request's tokens must be HF's greedy continuation of its full
+    context."""
     ex = TorchExecutor(tiny_dir, cfg.num_blocks, cfg.block_size, cfg.num_state_slots, "cpu")
     outputs: dict[int, list[int]] = defaultdict(list)
 
@@ -33,7 +36,8 @@ def _run_and_compare(cfg: SchedulerConfig, wl: Workload, tiny_dir: Path, hf_mode
                 outputs[sid].append(tok)
             return res
 
-    summary = run(Engine(cfg, check_invariants=True), Recording(), wl)
+    engine = engine or Engine(cfg, check_invariants=True)
+    summary = run(engine, Recording(), wl)
     assert summary.finished == len(wl.turns)
     context: dict[int, list[int]] = {}
     for turn in wl.turns:

@@ -49,9 +49,11 @@ class Admission:
 
     # ---------------------------------------------------------------------- chunks
 
-    def chunk_of(self, seq: Seq, start: int) -> Chunk:
+    def chunk_of(self, seq: Seq, start: int, kv_hit: int = -1) -> Chunk:
         """The canonical chunk starting at ``start``: it ends at the next multiple of the
-        chunk length (a function of the request and the config only) or at the prompt end."""
+        chunk length (a function of the request and the config only) or at the prompt end
+        (or, where the executor cannot save mid-chunk, at a branch point: the end of the
+        cached KV found at admission, ``kv_hit``, by default the sequence's latest)."""
         size = self.config.chunk_tokens
         end = min(seq.n_tokens, (start // size + 1) * size)
         if self._split_tail and end == seq.n_tokens:
@@ -61,8 +63,9 @@ class Admission:
             cut = (seq.n_tokens - 1) // self.bs * self.bs
             if start < cut < end:
                 end = cut
-        if self._branch and not self._within and start < seq.kv_hit_tokens < end:
-            end = seq.kv_hit_tokens  # stop at the branch point: its state is saved there
+        branch = seq.kv_hit_tokens if kv_hit < 0 else kv_hit
+        if self._branch and not self._within and start < branch < end:
+            end = branch  # stop at the branch point: its state is saved there
         return Chunk(start, end, end == seq.n_tokens)
 
     def fits_budget(self, budget: StepBudget, chunk: Chunk) -> bool:
@@ -164,7 +167,7 @@ class Admission:
             first, end = self.transfers.planned_load(state, seq, match.num_tokens)
             if end:
                 return self._admit_with_load(state, seq, first, end, emit)
-        chunk = self.chunk_of(seq, match.num_tokens)
+        chunk = self.chunk_of(seq, match.num_tokens, max(match.kv_tokens, 0))
         if not self.long_gate_open(budget, chunk):
             return "skip"
         if not self.fits_budget(budget, chunk):

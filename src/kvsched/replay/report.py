@@ -85,14 +85,22 @@ def format_table(title: str, m: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def format_sweep(key: str, values: Sequence[int], runs: Sequence[dict[str, Any]]) -> str:
-    head = f"  {key:>14}  {'hit rate':>9}  {'TTFT p50':>10}  {'TTFT p99':>10}  {'evictions':>10}"
+def format_sweep(key: str, runs: Sequence[dict[str, Any]]) -> str:
+    """One line per run: the checkpoint policy (when compared), the sweep value (when
+    swept), hit rate, TTFT and evictions."""
+    policies = any(m.get("checkpoint_policy") for m in runs)
+    head = f"  {'policy':<11}" if policies else ""
+    head += f"{key:>20}" if key else ""
+    head += f"  {'hit rate':>9}  {'TTFT p50':>10}  {'TTFT p99':>10}  {'evictions':>10}"
     lines = [head]
-    for v, m in zip(values, runs, strict=True):
-        lines.append(
-            f"  {v:>14,}  {_pct(m['token_hit_rate']):>9}  {_ms(m['ttft_p50_s']):>10}"
+    for m in runs:
+        line = f"  {m.get('checkpoint_policy', ''):<11}" if policies else ""
+        line += f"{m['sweep_value']:>20,}" if key else ""
+        line += (
+            f"  {_pct(m['token_hit_rate']):>9}  {_ms(m['ttft_p50_s']):>10}"
             f"  {_ms(m['ttft_p99_s']):>10}  {m['evictions']:>10,}"
         )
+        lines.append(line)
     return "\n".join(lines)
 
 
@@ -220,24 +228,27 @@ def write_report(
 def write_sweep(
     out_dir: str | Path, key: str, values: Sequence[int], runs: Sequence[dict[str, Any]], title: str
 ) -> list[Path]:
-    """sweep.json and sweep.png: hit rate and TTFT against the swept value."""
+    """sweep.json and sweep.png: hit rate and TTFT against the swept value; with several
+    checkpoint policies, one line per policy against the state memory each run had."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    write_json(
-        out / "sweep.json",
-        {"key": key, "values": list(values), "runs": list(runs)},
-    )
+    write_json(out / "sweep.json", {"key": key, "values": list(values), "runs": list(runs)})
+    policies = list(dict.fromkeys(m.get("checkpoint_policy", "") for m in runs))
+    if len(policies) > 1 or policies[0]:
+        _plot_policies(out, key, runs, policies, title)
+    else:
+        _plot_sweep(out, key, values, runs, title)
+    return [out / "sweep.json", out / SWEEP_PLOT]
+
+
+def _plot_sweep(
+    out: Path, key: str, values: Sequence[int], runs: Sequence[dict[str, Any]], title: str
+) -> None:
     plt = _pyplot()
     fig, ax1 = plt.subplots(figsize=(8, 4.5))
     hit = [100 * m["token_hit_rate"] for m in runs]
     ax1.plot(values, hit, "o-", color="#228833", label="token hit rate")
-    if runs and runs[0].get("ideal_hit_rate") is not None:
-        ax1.axhline(
-            100 * runs[0]["ideal_hit_rate"],
-            color="#228833",
-            linestyle=":",
-            label="sequential ideal (infinite cache)",
-        )
+    _ideal_line(ax1, runs)
     ax1.set(xlabel=key, ylabel="token hit rate (%)", ylim=(0, 100))
     ax1.set_xscale("log", base=2)
     ax2 = ax1.twinx()
@@ -254,4 +265,46 @@ def write_sweep(
     fig.tight_layout()
     fig.savefig(out / SWEEP_PLOT, dpi=100)
     plt.close(fig)
-    return [out / "sweep.json", out / SWEEP_PLOT]
+
+
+def _ideal_line(ax: Any, runs: Sequence[dict[str, Any]]) -> None:
+    if runs and runs[0].get("ideal_hit_rate") is not None:
+        ax.axhline(
+            100 * runs[0]["ideal_hit_rate"],
+            color="#228833",
+            linestyle=":",
+            label="sequential ideal (infinite cache)",
+        )
+
+
+_POLICY_COLOURS = ("#228833", "#4477aa", "#cc3311", "#aa3377", "#ccbb44", "#66ccee")
+
+
+def _plot_policies(
+    out: Path, key: str, runs: Sequence[dict[str, Any]], policies: list[str], title: str
+) -> None:
+    """Two panels, one line per policy: token hit rate and TTFT p50 (p99 dashed) against
+    the state memory of the checkpoint budget (GiB)."""
+    plt = _pyplot()
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for i, policy in enumerate(policies):
+        mine = [m for m in runs if m.get("checkpoint_policy", "") == policy]
+        x = [m["state_memory_bytes"] / (1 << 30) for m in mine]
+        colour = _POLICY_COLOURS[i % len(_POLICY_COLOURS)]
+        name = policy or "config"
+        ax1.plot(x, [100 * m["token_hit_rate"] for m in mine], "o-", color=colour, label=name)
+        ax2.plot(x, [m["ttft_p50_s"] for m in mine], "s-", color=colour, label=f"{name} p50")
+        ax2.plot(x, [m["ttft_p99_s"] for m in mine], "^--", color=colour, alpha=0.6)
+    _ideal_line(ax1, runs)
+    ax1.set(xlabel="checkpoint state memory (GiB)", ylabel="token hit rate (%)", ylim=(0, 100))
+    ax2.set(xlabel="checkpoint state memory (GiB)", ylabel="TTFT (s): p50 solid, p99 dashed")
+    for ax in (ax1, ax2):
+        ax.set_xscale("log", base=2)
+    ax2.set_yscale("log")
+    ax1.legend(loc="lower right")
+    ax2.legend(loc="upper right")
+    swept = f", sweep of {key}" if key else ""
+    fig.suptitle(f"{title}: checkpoint policies side by side{swept}")
+    fig.tight_layout()
+    fig.savefig(out / SWEEP_PLOT, dpi=100)
+    plt.close(fig)

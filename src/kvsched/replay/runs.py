@@ -77,31 +77,43 @@ def replay_trace(
 @attrs.frozen
 class SweepRun:
     """One run of a sweep: ``metrics`` are the run's, the trace's extra ones
-    (``TraceReplay.extra``) and the sweep point (``sweep_key``, ``sweep_value``)."""
+    (``TraceReplay.extra``), the sweep point (``sweep_key``, ``sweep_value``) and the
+    checkpoint policy (``checkpoint_policy``, "" when not compared) with the state memory
+    its budget allows (``state_memory_bytes``)."""
 
     value: int
     metrics: dict[str, Any]
     result: ReplayResult
+    policy: str = ""
 
 
 def sweep_runs(
     setup: TraceReplay,
     config: SchedulerConfig,
-    sweep: Sweep,
+    sweep: Sweep | None,
     *,
     check: bool = False,
     progress: Progress = no_progress,
 ) -> Iterator[SweepRun]:
-    """Replay the trace once per value of ``sweep`` (KEY, values), each on a fresh engine
-    whose config is ``config`` with KEY set; yields each run as it ends."""
-    key, values = sweep
+    """Replay the trace once per value of ``sweep`` (KEY, values) and per checkpoint policy
+    of ``setup.policies`` (when given), each on a fresh engine whose config is ``config``
+    with KEY set and the policy's rules; yields each run as it ends."""
+    key, values = sweep if sweep is not None else ("", [0])
     extra = setup.extra()
-    for value in values:
-        cfg = sweep_config(config, key, value)
-        executor = make_executor(setup.executor, cfg, setup.cost, setup.model)
-        engine = Engine(cfg, check_invariants=check)
-        result = replay(
-            engine, executor, setup.trace.workload, desc=f"{key}={value}", progress=progress
-        )
-        metrics = {**result.metrics, **extra, "sweep_key": key, "sweep_value": value}
-        yield SweepRun(value, metrics, result)
+    for policy in setup.policies or ("",):
+        base = config.with_checkpoint_policy(policy) if policy else config
+        for value in values:
+            cfg = sweep_config(base, key, value) if key else base
+            executor = make_executor(setup.executor, cfg, setup.cost, setup.model)
+            engine = Engine(cfg, check_invariants=check)
+            desc = " ".join(filter(None, (policy, f"{key}={value}" if key else "")))
+            result = replay(engine, executor, setup.trace.workload, desc=desc, progress=progress)
+            metrics = {
+                **result.metrics,
+                **extra,
+                "sweep_key": key,
+                "sweep_value": value,
+                "checkpoint_policy": policy,
+                "state_memory_bytes": cfg.num_checkpoint_slots * cfg.model.state_bytes,
+            }
+            yield SweepRun(value, metrics, result, policy)

@@ -11,7 +11,7 @@ from typing import Any
 
 import attrs
 
-from kvsched.config import ModelSpec, SchedulerConfig
+from kvsched.config import CHECKPOINT_POLICIES, PLACEMENTS, ModelSpec, SchedulerConfig
 from kvsched.engine import create_log
 from kvsched.events.log import EventLog
 from kvsched.gpu.sim import CostModel, SimulatedExecutor
@@ -27,8 +27,27 @@ SWEEP_KEYS = {
     "block-size": "block_size",
     "max-batch": "max_batch",
     "max-prefill-tokens": "max_prefill_tokens",
+    "checkpoint-budget": "checkpoint_budget",
+    "checkpoint-memory": "checkpoint_memory",
 }
 """Sweepable options (``--sweep KEY=...``) and the ``SchedulerConfig`` field each sets."""
+
+_SIZES = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def parse_size(text: str) -> int:
+    """``123``, ``64MiB``, ``20GiB``, ``1.5G`` as bytes; ValueError otherwise."""
+    raw = text.strip().lower().replace("_", "")
+    for suffix in ("ib", "b"):
+        if raw.endswith(suffix):
+            raw = raw[: -len(suffix)]
+            break
+    unit = raw[-1:] if raw[-1:] in _SIZES and raw[-1:] else ""
+    number = raw[: len(raw) - len(unit)]
+    value = float(number) * _SIZES[unit]
+    if not value >= 0 or value != value or value > 1 << 50:
+        raise ValueError(f"not a size: {text!r}")
+    return int(value)
 
 Sweep = tuple[str, list[int]]
 
@@ -46,9 +65,10 @@ def parse_sweep(spec: str) -> Sweep:
             f"--sweep {spec!r}: expected KEY=V1,V2,... with KEY one of {', '.join(SWEEP_KEYS)}"
         )
     try:
-        values = [int(v.replace("_", "")) for v in raw.split(",") if v.strip()]
+        read = parse_size if key == "checkpoint-memory" else lambda v: int(v.replace("_", ""))
+        values = [read(v) for v in raw.split(",") if v.strip()]
     except ValueError:
-        raise SetupError(f"--sweep {spec!r}: values must be integers") from None
+        raise SetupError(f"--sweep {spec!r}: values must be integers (or sizes)") from None
     if not values or min(values) <= 0:
         raise SetupError(f"--sweep {spec!r}: give one or more positive values")
     return key, values
@@ -108,6 +128,7 @@ class TraceReplay:
     executor: str = "sim"
     model: str | None = None
     speedup: float = 1.0
+    policies: tuple[str, ...] = ()  # checkpoint policies to compare (one run each per point)
 
     def extra(self) -> dict[str, Any]:
         """What the metrics of each run add about the trace and the options."""
@@ -138,6 +159,7 @@ def load_trace_replay(
     cost: str | None = None,
     sweep: str | None = None,
     log: str | None = None,
+    policies: str | None = None,
 ) -> TraceReplay:
     """Check the options (before reading anything where they allow) and read the trace.
 
@@ -151,6 +173,9 @@ def load_trace_replay(
     parsed = parse_sweep(sweep) if sweep else None
     if parsed and log:
         raise SetupError("--log records one run: it cannot be combined with --sweep")
+    compared = parse_policies(policies) if policies else ()
+    if compared and log:
+        raise SetupError("--log records one run: it cannot be combined with --policies")
     if executor == "torch":
         torch_module()  # fail before reading the trace
         if model is None:
@@ -167,7 +192,64 @@ def load_trace_replay(
         if not speedup > 0:
             raise SetupError(f"--speedup must be positive, got {speedup}")
         trace = attrs.evolve(trace, workload=speed_up(trace.workload, speedup))
-    return TraceReplay(trace, cost_model, parsed, executor, model, speedup)
+    return TraceReplay(trace, cost_model, parsed, executor, model, speedup, compared)
+
+
+def parse_policies(spec: str) -> tuple[str, ...]:
+    """``kvsched,lmdeploy`` or ``all`` as checkpoint policy names (CHECKPOINT_POLICIES)."""
+    names = [n.strip() for n in spec.split(",") if n.strip()]
+    if names == ["all"]:
+        return tuple(CHECKPOINT_POLICIES)
+    unknown = [n for n in names if n not in CHECKPOINT_POLICIES]
+    if unknown or not names or len(set(names)) != len(names):
+        raise SetupError(
+            f"--policies {spec!r}: give distinct names of {', '.join(CHECKPOINT_POLICIES)}, "
+            "or all"
+        )
+    return tuple(names)
+
+
+def checkpoint_fields(
+    *,
+    budget: int | None = None,
+    memory: str | None = None,
+    policy: str | None = None,
+    placement: str | None = None,
+    eviction: str | None = None,
+    interval: int | None = None,
+) -> dict[str, Any]:
+    """The ``SchedulerConfig`` fields the checkpoint options set (SetupError names the
+    option at fault)."""
+    fields: dict[str, Any] = {}
+    if policy is not None:
+        if policy not in CHECKPOINT_POLICIES:
+            known = ", ".join(CHECKPOINT_POLICIES)
+            raise SetupError(f"--checkpoint-policy {policy!r}: not one of {known}")
+        fields.update(CHECKPOINT_POLICIES[policy])
+    if placement is not None:
+        rules = tuple(r.strip() for r in placement.split(",") if r.strip())
+        unknown = sorted(set(rules) - set(PLACEMENTS))
+        if unknown:
+            raise SetupError(
+                f"--checkpoint-placement: unknown rules {unknown}; known: {', '.join(PLACEMENTS)}"
+            )
+        fields["checkpoint_placement"] = rules
+    if eviction is not None:
+        fields["checkpoint_eviction"] = eviction
+    for option, name, value in (
+        ("--checkpoint-budget", "checkpoint_budget", budget),
+        ("--checkpoint-interval", "checkpoint_interval", interval),
+    ):
+        if value is not None:
+            if value < (0 if name == "checkpoint_budget" else 1):
+                raise SetupError(f"{option} must be {'>= 0' if value < 0 else '>= 1'}, got {value}")
+            fields[name] = value
+    if memory is not None:
+        try:
+            fields["checkpoint_memory"] = parse_size(memory)
+        except ValueError:
+            raise SetupError(f"--checkpoint-memory {memory!r}: not a size (e.g. 20GiB)") from None
+    return fields
 
 
 def unbounded_blocks(info: TraceInfo, requests: int, block_size: int) -> int:
@@ -185,6 +267,7 @@ def trace_config(
     max_prefill_tokens: int | None = None,
     order: str | None = None,
     hybrid: bool = False,
+    checkpoints: dict[str, Any] | None = None,
 ) -> SchedulerConfig:
     """The scheduler config to replay ``trace`` with: a kvsched event log's header config
     (else the defaults with the trace vocabulary), a context that fits the longest request,
@@ -213,6 +296,7 @@ def trace_config(
     fields.update({k: v for k, v in given.items() if v is not None})
     if hybrid:
         fields["hybrid"] = True
+    fields.update(checkpoints or {})
     try:
         return SchedulerConfig(**fields)
     except (TypeError, ValueError) as exc:
