@@ -16,6 +16,7 @@ OrderPolicy = Literal["fcfs", "priority", "ttft"]
 PLACEMENTS: tuple[str, ...] = (
     "chunk_end",  # block-aligned ends of prefill chunks (lmdeploy)
     "prompt_end",  # the prompt end, its partial block frozen (lmdeploy)
+    "prompt_tail",  # the last block boundary before the prompt's last token (vLLM "align")
     "interval",  # every checkpoint_interval tokens inside prefill chunks (vLLM "all" mode)
     "branch",  # where a request's cached KV runs past its deepest state (Marconi, SGLang)
     "sequence_end",  # the end of every finished sequence, prompt plus output (SGLang)
@@ -33,7 +34,7 @@ EVICTIONS: tuple[str, ...] = ("lru", "frozen_first", "value")
 CHECKPOINT_POLICIES: dict[str, dict[str, Any]] = {
     "kvsched": {
         "checkpoint_placement": (
-            "chunk_end", "prompt_end", "interval", "branch", "session_end"
+            "chunk_end", "prompt_end", "prompt_tail", "interval", "branch", "session_end"
         ),
         "checkpoint_eviction": "value",
         "aligned_checkpoints_only": False,
@@ -44,7 +45,7 @@ CHECKPOINT_POLICIES: dict[str, dict[str, Any]] = {
         "aligned_checkpoints_only": False,
     },
     "vllm-align": {
-        "checkpoint_placement": ("chunk_end", "decode_blocks"),
+        "checkpoint_placement": ("chunk_end", "prompt_tail", "decode_blocks"),
         "checkpoint_eviction": "lru",
         "aligned_checkpoints_only": True,
     },

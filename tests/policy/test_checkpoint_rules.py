@@ -116,7 +116,7 @@ def test_the_vllm_align_policy_saves_block_aligned_states_only() -> None:
     serve(h, 0, tokens(70, seed=10), max_tokens=30)
     steps = [(d.num_tokens, d.kind) for d in every_reserved(h)]
     assert all(n % 16 == 0 for n, _ in steps)
-    assert (64, "chunk_end") in steps and (80, "decode_blocks") in steps
+    assert (64, "prompt_tail") in steps and (80, "decode_blocks") in steps
 
 
 # -------------------------------------------------------------------- what to keep

@@ -24,8 +24,9 @@ LMDEPLOY = CHECKPOINT_POLICIES["lmdeploy"]  # the rules some tests here are abou
 
 
 def hybrid(**overrides: object) -> Harness:
-    """16-token blocks, 64 blocks, 8 rows, 64-token chunks, 8 checkpoint slots."""
-    base: dict[str, object] = {"hybrid": True, "checkpoint_budget": 8}
+    """16-token blocks, 64 blocks, 8 rows, 64-token chunks, 8 checkpoint slots, lmdeploy's
+    checkpoint rules (the mechanics tested here; kvsched's rules: test_checkpoint_rules.py)."""
+    base: dict[str, object] = {"hybrid": True, "checkpoint_budget": 8, **LMDEPLOY}
     base.update(overrides)
     return Harness(**base)
 
@@ -239,7 +240,7 @@ def test_two_sequences_pin_one_checkpoint_and_it_is_published_again_after_the_la
 
 
 def test_kv_pressure_evicts_unpinned_checkpoints_frozen_tails_first_then_least_recent():
-    h = hybrid(num_blocks=16, max_prefill_tokens=256, **LMDEPLOY)
+    h = hybrid(num_blocks=16, max_prefill_tokens=256)
     serve(h, 0, tokens(32, seed=11))  # aligned prompt end at 32: no frozen block
     serve(h, 1, tokens(40, seed=12))  # frozen tail
     serve(h, 2, tokens(32, seed=13))
@@ -482,7 +483,7 @@ def test_checkpoint_hits_are_isolated_by_adapter_and_cache_salt(kw: dict, hit: i
 
 
 def test_decode_checkpoints_every_interval_are_matched_by_a_request_extending_the_output():
-    h = hybrid(decode_checkpoint_interval=16, **LMDEPLOY)
+    h = hybrid(decode_checkpoint_interval=16)
     prompt = tokens(40, seed=45)
     results = serve(h, 0, prompt, max_tokens=30)
     saves = [(r.step, d.num_tokens) for r in results for d in reserved(r)]
@@ -506,7 +507,7 @@ def test_decode_checkpoints_every_interval_are_matched_by_a_request_extending_th
 
 
 def test_a_session_turn_matches_the_previous_turns_decode_checkpoint():
-    h = hybrid(decode_checkpoint_interval=16, **LMDEPLOY)
+    h = hybrid(decode_checkpoint_interval=16)
     serve(h, 0, tokens(40, seed=47), max_tokens=30, session_id=5)
     assert len(h.state.sessions[5].held) == 0  # hybrid sessions hold no blocks
     assert len(h.state.seqs.history[5].tokens) == 70

@@ -4,6 +4,7 @@ and once computed they are swapped for the canonical shared blocks."""
 import numpy as np
 from tests.policy.helpers import Harness, matched, of_type, request, tokens
 
+from kvsched.config import CHECKPOINT_POLICIES
 from kvsched.events import types as ev
 
 
@@ -46,7 +47,10 @@ def test_without_speculative_tokens_the_whole_cached_prefix_is_reused() -> None:
 
 
 def test_a_hybrid_mtp_hit_needs_cached_kv_beyond_its_checkpoint_and_later_checkpoints_use_canonical_blocks() -> None:  # noqa: E501
-    h = Harness(hybrid=True, checkpoint_budget=8, max_prefill_tokens=32, num_speculative_tokens=1)
+    h = Harness(
+        hybrid=True, checkpoint_budget=8, max_prefill_tokens=32, num_speculative_tokens=1,
+        **CHECKPOINT_POLICIES["lmdeploy"],
+    )
     prompt = tokens(64, seed=7)
     h.step([request(0, prompt, max_tokens=1)])
     h.run_until_idle()

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from tests.policy.helpers import Harness, request, tokens
 
+from kvsched.config import CHECKPOINT_POLICIES
 from kvsched.events import types as ev
 
 
 def test_the_readme_worked_admission_restores_a_partial_checkpoint_and_saves_the_prompt_end():
-    h = Harness(hybrid=True, checkpoint_budget=4)
+    h = Harness(hybrid=True, checkpoint_budget=4, **CHECKPOINT_POLICIES["lmdeploy"])
     prompt = tokens(50, seed=3)
     h.step([request(0, prompt[:40], max_tokens=1)])
     h.run_until_idle()

@@ -14,6 +14,7 @@ import kvsched.cli
 import kvsched.replay.setup
 from kvsched.config import ModelSpec, SchedulerConfig
 from kvsched.engine import Engine
+from kvsched.events.log import read_log
 from kvsched.gpu.sim import SimulatedExecutor
 from kvsched.replay.metrics import replay_workload
 from kvsched.replay.report import PLOTS
@@ -346,3 +347,77 @@ def test_whole_mooncake_trace_replays_within_60_s_at_its_sequential_ideal(
     assert abs(m["token_hit_rate"] - 0.651) <= 0.01
     assert m["evictions"] == 0
     assert elapsed <= 60.0
+
+
+@pytest.mark.slow
+def test_whole_mooncake_trace_replays_hybrid_within_60_s_with_half_its_tokens_hit(
+    capsys: pytest.CaptureFixture[str], mooncake: Path
+):
+    start = time.perf_counter()
+    code, out, _ = run_cli(capsys, "replay", str(mooncake), "--hybrid", "--json", "--quiet")
+    elapsed = time.perf_counter() - start
+
+    m = json.loads(out)
+    assert code == 0 and m["requests"] == 3993 and m["finished"] == 3993
+    assert m["token_hit_rate"] >= 0.50  # default checkpoint budget (256)
+    assert elapsed <= 60.0
+
+
+# ------------------------------------------------------------- checkpoint policies
+
+
+def test_policies_run_side_by_side_at_every_budget_and_plot_against_state_memory(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+):
+    report = tmp_path / "policies"
+    code, out, _ = run_cli(
+        capsys, "replay", str(small_trace(tmp_path)), "--hybrid", "--policies", "all",
+        "--sweep", "checkpoint-budget=1,16", "--report", str(report), "--json", "--quiet",
+    )
+    data = json.loads(out)
+    runs = data["runs"]
+    assert code == 0 and len(runs) == 8
+    assert [r["checkpoint_policy"] for r in runs[::2]] == [
+        "kvsched", "lmdeploy", "vllm-align", "sglang"
+    ]
+    assert [r["sweep_value"] for r in runs[:2]] == [1, 16]
+    assert runs[1]["state_memory_bytes"] == 16 * runs[1]["state_memory_bytes"] // 16 > 0
+    assert (report / "sweep.png").read_bytes().startswith(PNG_MAGIC)
+    assert (report / "lmdeploy_checkpoint-budget=16" / "ttft.png").exists()
+    # the three requests sharing a prefix: kvsched's branch point serves the third
+    by = {(r["checkpoint_policy"], r["sweep_value"]): r["token_hit_rate"] for r in runs}
+    assert by[("kvsched", 16)] >= max(by[(p, 16)] for p in ("lmdeploy", "vllm-align", "sglang"))
+
+
+def test_checkpoint_options_set_the_replayed_config(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+):
+    log = tmp_path / "run.kvlog"
+    code, _, _ = run_cli(
+        capsys, "replay", str(small_trace(tmp_path)), "--hybrid", "--checkpoint-memory",
+        "1GiB", "--checkpoint-placement", "chunk_end,branch", "--checkpoint-eviction", "lru",
+        "--checkpoint-interval", "1024", "--log", str(log), "--quiet",
+    )
+    config = read_log(str(log)).header["config"]
+    assert code == 0 and config["checkpoint_memory"] == 1 << 30
+    assert config["checkpoint_placement"] == ["chunk_end", "branch"]
+    assert config["checkpoint_eviction"] == "lru" and config["checkpoint_interval"] == 1024
+    assert run_cli(capsys, "verify", str(log), "--quiet")[0] == 0
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "named"),
+    [
+        ("--checkpoint-budget", "-1", "--checkpoint-budget"),
+        ("--checkpoint-memory", "lots", "--checkpoint-memory"),
+        ("--checkpoint-placement", "chunk_end,everywhere", "--checkpoint-placement"),
+        ("--checkpoint-interval", "0", "--checkpoint-interval"),
+        ("--policies", "kvsched,marconi", "--policies"),
+        ("--sweep", "checkpoint-memory=1GiB,many", "--sweep"),
+    ],
+)
+def test_a_bad_checkpoint_option_exits_2_naming_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], option: str, value: str, named: str
+):
+    code, _, err = run_cli(capsys, "replay", str(small_trace(tmp_path)), "--hybrid", option, value)
+    assert code == 2 and named in err

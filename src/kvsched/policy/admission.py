@@ -42,7 +42,9 @@ class Admission:
         self.checkpoints = checkpoints
         self.transfers = transfers
         aligned = config.external_save or config.aligned_checkpoints_only
-        self._split_tail = config.hybrid and aligned
+        self._tail = config.hybrid and config.places("prompt_tail")
+        cut_tail = self._tail and not config.mid_chunk_saves
+        self._split_tail = config.hybrid and (aligned or cut_tail)
         self._branch = config.hybrid and config.places("branch")
         self._within = config.hybrid and config.mid_chunk_saves
         self._interval = config.interval_tokens if config.places("interval") else 0
@@ -60,7 +62,7 @@ class Admission:
             # Hybrid models saving to the store or saving aligned states only: end a chunk at
             # the deepest block boundary a lookup of this prompt (or of it plus its first
             # token) can use, so an aligned state checkpoint exists there to be saved.
-            cut = (seq.n_tokens - 1) // self.bs * self.bs
+            cut = self.tail_of(seq)
             if start < cut < end:
                 end = cut
         branch = seq.kv_hit_tokens if kv_hit < 0 else kv_hit
@@ -98,6 +100,8 @@ class Admission:
             return "branch"
         if chunk.final and config.places("prompt_end"):
             return "prompt_end"
+        if not chunk.final and self._tail and end == self.tail_of(seq):
+            return "prompt_tail"
         if end % self.bs == 0 and config.places("chunk_end"):
             return "chunk_end"
         return ""
@@ -111,9 +115,16 @@ class Admission:
             first = (lo // self._interval + 1) * self._interval
             for step in range(first, hi, self._interval):
                 points[step] = "interval"
+        if self._tail and lo < self.tail_of(seq) < hi:
+            points[self.tail_of(seq)] = "prompt_tail"
         if self._branch and lo < seq.kv_hit_tokens < hi:
             points[seq.kv_hit_tokens] = "branch"
         return sorted(points.items(), reverse=True)
+
+    def tail_of(self, seq: Seq) -> int:
+        """The deepest block boundary a repeat of the prompt can restore (a hit never covers
+        the prompt's last token)."""
+        return (seq.n_tokens - 1) // self.bs * self.bs
 
     # -------------------------------------------------------------- running chunks
 

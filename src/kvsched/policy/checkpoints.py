@@ -40,7 +40,9 @@ INTERIOR = frozenset(["chunk_end", "interval"])  # prefill points inside a promp
 ENDS = frozenset(["sequence_end", "session_end"])  # a finished sequence's end
 # Points only an exact continuation reuses (a retry, a next turn): whether a workload has
 # those is learned from how many of each rule's checkpoints were ever restored.
-CONTINUATIONS = frozenset(["prompt_end", "sequence_end", "session_end", "decode_latest"])
+CONTINUATIONS = frozenset(
+    ["prompt_end", "prompt_tail", "sequence_end", "session_end", "decode_latest"]
+)
 # The rules whose deeper checkpoint (same producer) makes a checkpoint redundant.
 _DEEPER: dict[str, frozenset[str]] = {
     "chunk_end": INTERIOR, "interval": INTERIOR, "prompt_end": ENDS
