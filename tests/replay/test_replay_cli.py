@@ -14,6 +14,8 @@ import kvsched.cli
 import kvsched.replay.setup
 from kvsched.config import ModelSpec, SchedulerConfig
 from kvsched.engine import Engine
+from kvsched.events import types as ev
+from kvsched.events.codec import decode_record
 from kvsched.events.log import read_log
 from kvsched.gpu.sim import SimulatedExecutor
 from kvsched.replay.metrics import replay_workload
@@ -254,6 +256,26 @@ def test_demo_goes_through_the_replay_path_and_reports_its_metrics(
     m = json.loads(out)
     assert code == 0 and m["requests"] == 8 and m["finished"] == 8
     assert m["token_hit_rate"] > 0 and m["ttft_p99_s"] > 0 and m["workload"] == "chat"
+
+
+def test_the_hybrid_demo_hits_as_much_as_attention_only_and_its_log_verifies(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+):
+    log = tmp_path / "demo.kvlog"
+    args = ("demo", "--sessions", "16", "--turns", "3", "--json", "--quiet")
+    attention = json.loads(run_cli(capsys, *args)[1])
+    code, out, _ = run_cli(capsys, *args, "--hybrid", "--log", str(log))
+    hybrid = json.loads(out)
+    assert code == 0 and hybrid["token_hit_rate"] >= attention["token_hit_rate"] - 0.01
+    kinds = {
+        d.kind
+        for payload in read_log(str(log)).records
+        for d in decode_record(payload).decisions
+        if isinstance(d, ev.CheckpointReserved)
+    }
+    assert {"session_end", "prompt_tail", "branch"} <= kinds
+    code, out, _ = run_cli(capsys, "verify", str(log), "--quiet")
+    assert code == 0 and out.strip().endswith("0 divergences")
 
 
 @pytest.mark.parametrize("hybrid", [[], ["--hybrid"]], ids=["attention", "hybrid"])
