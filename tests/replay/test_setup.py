@@ -123,7 +123,13 @@ def test_a_configuration_the_scheduler_refuses_is_a_setup_error(tmp_path: Path):
 
 def test_a_sweep_spec_is_its_key_and_integer_values():
     assert parse_sweep("cache-blocks=24, 1_000") == ("cache-blocks", [24, 1000])
-    assert set(SWEEP_KEYS) == {"cache-blocks", "block-size", "max-batch", "max-prefill-tokens"}
+    assert set(SWEEP_KEYS) == {
+        "cache-blocks", "block-size", "max-batch", "max-prefill-tokens", "checkpoint-budget",
+        "checkpoint-memory",
+    }
+    assert parse_sweep("checkpoint-memory=1GiB,512MiB") == (
+        "checkpoint-memory", [1 << 30, 512 << 20]
+    )
 
 
 @pytest.mark.parametrize(

@@ -51,11 +51,9 @@ class Admission:
 
     # ---------------------------------------------------------------------- chunks
 
-    def chunk_of(self, seq: Seq, start: int, kv_hit: int = -1) -> Chunk:
+    def chunk_of(self, seq: Seq, start: int) -> Chunk:
         """The canonical chunk starting at ``start``: it ends at the next multiple of the
-        chunk length (a function of the request and the config only) or at the prompt end
-        (or, where the executor cannot save mid-chunk, at a branch point: the end of the
-        cached KV found at admission, ``kv_hit``, by default the sequence's latest)."""
+        chunk length (a function of the request and the config only) or at the prompt end."""
         size = self.config.chunk_tokens
         end = min(seq.n_tokens, (start // size + 1) * size)
         if self._split_tail and end == seq.n_tokens:
@@ -65,10 +63,14 @@ class Admission:
             cut = self.tail_of(seq)
             if start < cut < end:
                 end = cut
-        branch = seq.kv_hit_tokens if kv_hit < 0 else kv_hit
-        if self._branch and not self._within and start < branch < end:
-            end = branch  # stop at the branch point: its state is saved there
         return Chunk(start, end, end == seq.n_tokens)
+
+    def cut_at_branch(self, chunk: Chunk, branch: int) -> Chunk:
+        """Where the executor cannot save mid-chunk, a chunk ends at a branch point (the end
+        of the cached KV found at admission) so that its state is saved there."""
+        if self._branch and not self._within and chunk.start < branch < chunk.end:
+            return Chunk(chunk.start, branch, False)
+        return chunk
 
     def fits_budget(self, budget: StepBudget, chunk: Chunk) -> bool:
         if budget.prefills == 0:
@@ -138,6 +140,7 @@ class Admission:
             if seq.state != SeqState.RUNNING:
                 continue  # preempted for an earlier sequence's chunk this step
             chunk = self.chunk_of(seq, int(table.computed[seq.row]))
+            chunk = self.cut_at_branch(chunk, seq.kv_hit_tokens)
             if not (self.fits_budget(budget, chunk) and self.long_gate_open(budget, chunk)):
                 continue
             need = cdiv(chunk.end, self.bs) - int(table.nblocks[seq.row])
@@ -178,7 +181,7 @@ class Admission:
             first, end = self.transfers.planned_load(state, seq, match.num_tokens)
             if end:
                 return self._admit_with_load(state, seq, first, end, emit)
-        chunk = self.chunk_of(seq, match.num_tokens, max(match.kv_tokens, 0))
+        chunk = self.cut_at_branch(self.chunk_of(seq, match.num_tokens), match.kv_tokens)
         if not self.long_gate_open(budget, chunk):
             return "skip"
         if not self.fits_budget(budget, chunk):
