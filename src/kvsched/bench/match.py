@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from kvsched.bench.stats import summarize, time_samples
-from kvsched.config import ModelSpec, SchedulerConfig
+from kvsched.config import CHECKPOINT_POLICIES, ModelSpec, SchedulerConfig
 from kvsched.engine import Engine
 from kvsched.events import types as ev
 from kvsched.gpu.sim import SimulatedExecutor
@@ -37,6 +37,9 @@ def _config(batch: int, context: int, block_size: int, hybrid: bool) -> Schedule
     return SchedulerConfig(
         hybrid=hybrid,
         checkpoint_budget=batch + 2,
+        # lmdeploy's rules: the producers' only states are their prompt ends, the point the
+        # consumers hit, as in lmdeploy's aligned exact-hit workload (this times the match)
+        **CHECKPOINT_POLICIES["lmdeploy"],
         model=ModelSpec(vocab_size=VOCAB, max_context=context + 64),
         block_size=block_size,
         num_blocks=batch * per_seq * 2 + 16,
