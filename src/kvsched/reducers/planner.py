@@ -18,6 +18,9 @@ def _frozen(arr: np.ndarray) -> np.ndarray:
     return arr
 
 
+_EMPTY3 = _frozen(np.zeros((0, 3), dtype=np.int32))
+
+
 def _pairs(pairs: list[tuple[int, int]]) -> np.ndarray:
     return _frozen(np.asarray(pairs, dtype=np.int32).reshape(len(pairs), 2))
 
@@ -84,6 +87,8 @@ def plan_step(state: EngineState) -> StepPlan:
 
 def _within(saves: list[tuple[int, int, int]], rows: np.ndarray) -> np.ndarray:
     """(batch row, tokens, slot) -> (plan row, tokens, slot)."""
+    if not saves:
+        return _EMPTY3
     index = {int(r): i for i, r in enumerate(rows.tolist())}
     out = [(index[row], tokens, slot) for row, tokens, slot in saves]
     return _frozen(np.asarray(out, dtype=np.int32).reshape(len(out), 3))
