@@ -229,15 +229,19 @@ class Checkpoints:
                     deepest[key] = c.step
         out: list[tuple[float, int, Checkpoint]] = []
         published = CkptState.PUBLISHED
+        token_s, pair_s = self.config.value_token_s, self.config.value_pair_s
         for c in ckpts.ckpts.values():
             if c.state != published:
                 continue
-            deeper = _DEEPER.get(c.kind)
-            if deeper is not None and deepest.get((c.seq_id, deeper), -1) > c.step:
+            kind, step = c.kind, c.step
+            deeper = _DEEPER.get(kind)
+            if deeper is not None and deepest.get((c.seq_id, deeper), -1) > step:
                 out.append((c.floor, c.stamp, c))
                 continue
-            worth = weights.get(c.kind, 1.0) * self._worth(c.kind, c.step, c.hits, c.cost)
-            out.append((c.floor + worth, c.stamp, c))
+            # (self._worth inlined, the same arithmetic in the same order: the hot loop)
+            freq = c.hits + (BRANCH_BIRTH if kind == "branch" else 1)
+            worth = freq * freq * (step * token_s + step * step / 2 * pair_s) / c.cost
+            out.append((c.floor + weights.get(kind, 1.0) * worth, c.stamp, c))
         return out
 
     def ranked_victims(

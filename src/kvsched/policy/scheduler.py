@@ -107,7 +107,7 @@ class Policy:
         if not len(outcome.seq_ids):
             return
         t = state.seqs
-        rows = t.rows_of(outcome.seq_ids)
+        rows = t.sampled_rows  # (the outcome's samplers, folded just before)
         stop = outcome.tokens == t.eos[rows]
         length = (t.ntokens[rows] - t.n_prompt[rows] >= t.max_tokens[rows]) | (
             t.ntokens[rows] >= self.config.model.max_context

@@ -18,10 +18,14 @@ def _frozen(arr: np.ndarray) -> np.ndarray:
     return arr
 
 
+_EMPTY2 = _frozen(np.zeros((0, 2), dtype=np.int32))
 _EMPTY3 = _frozen(np.zeros((0, 3), dtype=np.int32))
+_EMPTY1 = _frozen(np.zeros(0, dtype=np.int32))
 
 
 def _pairs(pairs: list[tuple[int, int]]) -> np.ndarray:
+    if not pairs:
+        return _EMPTY2  # (read-only, shared: most steps copy nothing)
     return _frozen(np.asarray(pairs, dtype=np.int32).reshape(len(pairs), 2))
 
 
@@ -66,11 +70,11 @@ def plan_step(state: EngineState) -> StepPlan:
         copy_blocks=_pairs(
             x.copy_before + [(f, int(table.table[r, i])) for r, i, f in x.restore_blocks]
         ),
-        zero_blocks=_frozen(np.zeros(0, dtype=np.int32)),
+        zero_blocks=_EMPTY1,
         state_slots=_frozen(
             CheckpointTable.runtime_slots(rows) if state.hybrid else np.zeros(len(rows), np.int32)
         ),
-        state_zero=_frozen(np.asarray(x.state_zero, dtype=np.int32)),
+        state_zero=_frozen(np.asarray(x.state_zero, dtype=np.int32)) if x.state_zero else _EMPTY1,
         state_restore=_pairs(x.state_restore),
         state_save=_pairs(x.state_save),
         copy_blocks_after=_pairs(x.copy_after),

@@ -63,6 +63,8 @@ class RowTable:
         # Work of the current step awaiting the executor's outcome (row order = plan order).
         self.pending_step = 0
         self._pending: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+        # the rows of the latest outcome's sampled sequences, in its order
+        self.sampled_rows = np.zeros(0, dtype=np.int64)
 
     # ------------------------------------------------------------------------- queries
 

@@ -177,6 +177,7 @@ class SequenceTable(RowTable):
             if not np.array_equal(self.row_seq[sampling], e.seq_ids):
                 sampling = self.rows_of(e.seq_ids)
             self._append_sampled(sampling, e.tokens)
+        self.sampled_rows = sampling if len(e.seq_ids) else _NO_ROWS
 
     def _record_experts(
         self, rows: np.ndarray, starts: np.ndarray, ends: np.ndarray, flat: np.ndarray
