@@ -263,3 +263,54 @@ def test_demo_log_at_a_directory_path_fails_with_exit_code_2_before_any_work(
     assert str(target) in err and "Is a directory" in err
     assert target.is_dir() and list(target.iterdir()) == []
     assert list(tmp_path.iterdir()) == [target]
+
+
+# ---------------------------------------------------------- numeric command-line options
+
+# (command line, option, a value outside its range): every numeric option of every command
+NUMERIC_OPTIONS = [
+    (["demo"], "--sessions", "-3"),
+    (["demo"], "--sessions", "0"),
+    (["demo"], "--turns", "0"),
+    (["demo"], "--seed", "-1"),
+    (["demo"], "--cache-blocks", "1"),
+    (["demo"], "--max-batch", "0"),
+    (["demo"], "--wait-subscribers", "-1"),
+    (["replay", "t.jsonl"], "--cache-blocks", "0"),
+    (["replay", "t.jsonl"], "--block-size", "0"),
+    (["replay", "t.jsonl"], "--max-batch", "-2"),
+    (["replay", "t.jsonl"], "--max-prefill-tokens", "0"),
+    (["replay", "t.jsonl"], "--checkpoint-budget", "-1"),
+    (["replay", "t.jsonl"], "--checkpoint-interval", "0"),
+    (["replay", "t.jsonl"], "--limit", "0"),
+    (["replay", "t.jsonl"], "--speedup", "-2"),
+    (["replay", "t.jsonl"], "--speedup", "nan"),
+    (["replay", "t.jsonl"], "--wait-subscribers", "-5"),
+    (["watch", "tcp://127.0.0.1:1"], "--every", "0"),
+    (["watch", "tcp://127.0.0.1:1"], "--timeout", "0"),
+    (["bench", "match"], "--batch", "0"),
+    (["bench", "match"], "--context", "-1"),
+    (["bench", "match"], "--block-size", "0"),
+    (["bench", "match"], "--warmup", "-1"),
+    (["bench", "match"], "--samples", "0"),
+    (["bench", "step"], "--running", "0"),
+    (["bench", "step"], "--samples", "-4"),
+    (["bench", "vllm"], "--running", "0"),
+    (["bench", "vllm"], "--rounds", "0"),
+    (["demo"], "--sessions", "many"),
+]
+
+
+@pytest.mark.parametrize(
+    ("command", "option", "value"),
+    NUMERIC_OPTIONS,
+    ids=[f"{c[0]}{o}={v}" for c, o, v in NUMERIC_OPTIONS],
+)
+def test_a_numeric_option_outside_its_range_exits_2_naming_the_option_before_any_work(
+    capsys: pytest.CaptureFixture[str], no_work: None, command: list[str], option: str, value: str
+):
+    with pytest.raises(SystemExit) as info:
+        kvsched.cli.main([*command, f"{option}={value}"])
+    _, err = capsys.readouterr()
+    assert info.value.code == 2
+    assert f"argument {option}:" in err and "Traceback" not in err

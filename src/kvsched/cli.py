@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -12,7 +13,14 @@ from typing import Any
 
 from tqdm import tqdm
 
-from kvsched.config import CHECKPOINT_POLICIES, EVICTIONS, PLACEMENTS, SchedulerConfig
+from kvsched.config import (
+    CHECKPOINT_POLICIES,
+    EVICTIONS,
+    MAX_BATCH,
+    MAX_BLOCKS,
+    PLACEMENTS,
+    SchedulerConfig,
+)
 from kvsched.events.codec import RecordDecodeError, SchemaVersionError
 from kvsched.events.log import CorruptLogError, LogOpenError
 from kvsched.events.wire import WireError, WireTimeout
@@ -324,23 +332,23 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     kinds = bench.add_subparsers(dest="bench", required=True)
     match = kinds.add_parser("match", help="prefix match on lmdeploy's aligned exact-hit workload")
     match.add_argument("--mode", choices=["ar", "ssm"], default="ar")
-    match.add_argument("--batch", type=int, default=128)
-    match.add_argument("--context", type=int, default=65536)
-    match.add_argument("--block-size", type=int, default=64)
-    match.add_argument("--warmup", type=int, default=2)
-    match.add_argument("--samples", type=int, default=10)
+    match.add_argument("--batch", type=_int_in(1, MAX_BATCH), default=128)
+    match.add_argument("--context", type=_int_in(1, 1 << 24), default=65536)
+    match.add_argument("--block-size", type=_int_in(1, 1 << 16), default=64)
+    match.add_argument("--warmup", type=_int_in(0, 1 << 20), default=2)
+    match.add_argument("--samples", type=COUNT, default=10)
     match.add_argument("--json", action="store_true")
     step = kinds.add_parser("step", help="one scheduler step with N running decode sequences")
-    step.add_argument("--running", type=int, default=1024)
-    step.add_argument("--warmup", type=int, default=5)
-    step.add_argument("--samples", type=int, default=200)
+    step.add_argument("--running", type=_int_in(1, MAX_BATCH), default=1024)
+    step.add_argument("--warmup", type=_int_in(0, 1 << 20), default=5)
+    step.add_argument("--samples", type=COUNT, default=200)
     step.add_argument("--json", action="store_true")
     vllm = kinds.add_parser(
         "vllm", help="schedule + update_from_output per step: vLLM's scheduler vs kvsched's"
     )
-    vllm.add_argument("--running", type=int, nargs="+", default=[256, 1024])
-    vllm.add_argument("--samples", type=int, default=100)
-    vllm.add_argument("--rounds", type=int, default=3)
+    vllm.add_argument("--running", type=_int_in(1, MAX_BATCH), nargs="+", default=[256, 1024])
+    vllm.add_argument("--samples", type=COUNT, default=100)
+    vllm.add_argument("--rounds", type=_int_in(1, 1000), default=3)
     vllm.add_argument("--json", action="store_true")
     bench.set_defaults(func=cmd_bench)
 
@@ -357,17 +365,29 @@ def _add_replay(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
     r.add_argument("--executor", choices=["sim", "torch"], default="sim")
     r.add_argument("--model", metavar="DIR", help="checkpoint directory (--executor torch)")
     r.add_argument(
-        "--cache-blocks", type=int, metavar="N", help="KV blocks (default: unbounded, never evicts)"
+        "--cache-blocks",
+        type=_int_in(2, MAX_BLOCKS),
+        metavar="N",
+        help="KV blocks (default: unbounded, never evicts)",
     )
-    r.add_argument("--block-size", type=int, metavar="B", help="tokens per block (default 64)")
-    r.add_argument("--max-batch", type=int, metavar="N", help="running sequences (default 256)")
-    r.add_argument("--max-prefill-tokens", type=int, metavar="N", help="default 8192")
+    r.add_argument(
+        "--block-size", type=_int_in(1, 1 << 16), metavar="B", help="tokens per block (default 64)"
+    )
+    r.add_argument(
+        "--max-batch", type=_int_in(1, MAX_BATCH), metavar="N", help="running sequences (256)"
+    )
+    r.add_argument(
+        "--max-prefill-tokens", type=_int_in(1, 1 << 24), metavar="N", help="default 8192"
+    )
     r.add_argument("--order", choices=["fcfs", "priority", "ttft"], help="default fcfs")
     r.add_argument("--hybrid", action="store_true", help="hybrid model (state checkpoints)")
     r.add_argument("--cost", metavar="K=V,...", help="cost-model parameters (see docs/replay.md)")
     r.add_argument("--sweep", metavar="KEY=V1,V2", help=f"keys: {', '.join(SWEEP_KEYS)}")
     r.add_argument(
-        "--checkpoint-budget", type=int, metavar="N", help="--hybrid: checkpoint slots (256)"
+        "--checkpoint-budget",
+        type=_int_in(0, 1 << 20),
+        metavar="N",
+        help="--hybrid: checkpoint slots (256)",
     )
     r.add_argument(
         "--checkpoint-memory",
@@ -387,17 +407,20 @@ def _add_replay(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
     )
     r.add_argument("--checkpoint-eviction", choices=list(EVICTIONS), help="--hybrid")
     r.add_argument(
-        "--checkpoint-interval", type=int, metavar="N", help="tokens between interval saves"
+        "--checkpoint-interval",
+        type=_int_in(1, 1 << 31),
+        metavar="N",
+        help="tokens between interval saves",
     )
     r.add_argument(
         "--policies",
         metavar="P1,P2|all",
         help="run every sweep point once per checkpoint policy, side by side",
     )
-    r.add_argument("--limit", type=int, metavar="N", help="read only the first N requests")
+    r.add_argument("--limit", type=COUNT, metavar="N", help="read only the first N requests")
     r.add_argument(
         "--speedup",
-        type=float,
+        type=_positive_float,
         default=1.0,
         metavar="F",
         help="divide arrival times by F (what-if: F times the load)",
@@ -412,6 +435,35 @@ def _add_replay(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
     r.set_defaults(func=cmd_replay)
 
 
+def _int_in(lo: int, hi: int) -> Callable[[str], int]:
+    """An argparse type: an integer in [lo, hi] (argparse names the option in its error)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text.replace("_", ""))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if not lo <= value <= hi:
+            raise argparse.ArgumentTypeError(f"must be in [{lo:,}, {hi:,}], got {value:,}")
+        return value
+
+    return parse
+
+
+def _positive_float(text: str) -> float:
+    """An argparse type: a finite number > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    return value
+
+
+COUNT = _int_in(1, 1 << 40)  # a count of something (requests, samples, steps)
+
+
 def _add_publish(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--publish",
@@ -420,7 +472,7 @@ def _add_publish(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--wait-subscribers",
-        type=int,
+        type=_int_in(0, 1 << 10),
         default=0,
         metavar="N",
         help="with --publish: wait (up to 10 s) for N subscribers before the first step",
@@ -435,9 +487,13 @@ def _add_watch(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         "its events and print a summary line every --every steps, then a final one.",
     )
     w.add_argument("endpoint", metavar="ENDPOINT", help="e.g. tcp://127.0.0.1:5557")
-    w.add_argument("--every", type=int, default=100, metavar="N", help="steps between lines")
+    w.add_argument("--every", type=COUNT, default=100, metavar="N", help="steps between lines")
     w.add_argument(
-        "--timeout", type=float, default=30.0, metavar="S", help="give up after S idle seconds"
+        "--timeout",
+        type=_positive_float,
+        default=30.0,
+        metavar="S",
+        help="give up after S idle seconds",
     )
     w.add_argument("--dump", metavar="FILE", help="write the rebuilt cache view as JSON")
     w.add_argument("--json", action="store_true", help="print only the final summary as JSON")
@@ -450,11 +506,11 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="run the built-in multi-turn chat workload (simulated)")
     demo.add_argument("--log", help="record the run to this event log")
     _add_publish(demo)
-    demo.add_argument("--sessions", type=int, default=64)
-    demo.add_argument("--turns", type=int, default=4)
-    demo.add_argument("--seed", type=int, default=0)
-    demo.add_argument("--cache-blocks", type=int, default=2048)
-    demo.add_argument("--max-batch", type=int, default=64)
+    demo.add_argument("--sessions", type=_int_in(1, 1 << 20), default=64)
+    demo.add_argument("--turns", type=_int_in(1, 1 << 12), default=4)
+    demo.add_argument("--seed", type=_int_in(0, (1 << 63) - 1), default=0)
+    demo.add_argument("--cache-blocks", type=_int_in(2, MAX_BLOCKS), default=2048)
+    demo.add_argument("--max-batch", type=_int_in(1, MAX_BATCH), default=64)
     demo.add_argument("--check", action="store_true", help="check invariants after every step")
     demo.add_argument("--json", action="store_true", help="print the summary as JSON")
     demo.add_argument("--report", metavar="DIR", help="write metrics JSON and PNG plots here")
