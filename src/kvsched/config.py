@@ -60,6 +60,8 @@ CHECKPOINT_POLICIES: dict[str, dict[str, Any]] = {
 def _in_range(name: str, value: int, lo: int, hi: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
         raise ValueError(f"{name} must be an integer in [{lo}, {hi}], got {value!r}")
+
+
 def _rules(value: Any) -> tuple[str, ...]:
     return tuple(value)
 
@@ -128,7 +130,7 @@ class SchedulerConfig:
     checkpoint_eviction: str = "value"
     checkpoint_interval: int = 4096  # tokens between "interval" checkpoints (whole blocks)
     # The executor can save a state in the middle of a chunk (plan.state_save_within); when it
-    # cannot, "branch" ends a chunk at the branch point instead and "interval" is not used.
+    # cannot, "branch" and "prompt_tail" end a chunk there instead and "interval" is not used.
     mid_chunk_saves: bool = True
     # The value of a hit, in seconds of prefill it saves (eviction "value"): tokens x
     # value_token_s + causal attention pairs (tokens^2 / 2) x value_pair_s.

@@ -113,5 +113,18 @@ class HybridConfig:
     def rotary_dim(self) -> int:
         return int(self.head_dim * self.partial_rotary_factor)
 
+    def state_bytes(self, state_itemsize: int = 4, conv_itemsize: int = 2) -> int:
+        """One sequence's recurrent state (``ModelSpec.state_bytes``): per linear layer the
+        gated-delta state (value heads x key dim x value dim) and the conv state (conv dim x
+        kernel - 1)."""
+        rec = self.linear_num_value_heads * self.linear_key_head_dim * self.linear_value_head_dim
+        conv = self.conv_dim * (self.linear_conv_kernel_dim - 1)
+        return len(self.linear_layers) * (rec * state_itemsize + conv * conv_itemsize)
+
+    def kv_bytes_per_token(self, itemsize: int = 2) -> int:
+        """KV of one token over the attention layers (``ModelSpec.kv_bytes_per_token``)."""
+        per_layer = 2 * self.num_key_value_heads * self.head_dim * itemsize
+        return len(self.attention_layers) * per_layer
+
 
 __all__ = ["FULL", "LINEAR", "GdnMode", "HybridConfig"]
