@@ -251,3 +251,14 @@ def test_every_rule_together_restores_only_states_that_match_their_prefix(
         assert ckpts.evictions > 0
     else:  # room for all: every next turn restores its session's end state
         assert ckpts.reused_by_kind.get("sequence_end", 0) >= 3, ckpts.reused_by_kind
+
+
+def test_the_eviction_ranking_gives_each_checkpoint_its_priority():
+    h = hybrid(checkpoint_budget=4, checkpoint_interval=16, max_prefill_tokens=32)
+    doc = tokens(50, seed=60)
+    for i in range(5):
+        serve(h, i, np.concatenate([doc[: 20 + 6 * i], tokens(7, seed=61 + i)]), session_id=i % 2)
+    pol, state = h.engine.policy.checkpoints, h.state
+    ranked = pol._ranked(state)
+    assert ranked and any(p > c.floor for p, _, c in ranked)
+    assert [p for p, _, _ in ranked] == [pol.priority(state, c) for _, _, c in ranked]

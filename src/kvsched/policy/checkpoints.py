@@ -175,20 +175,43 @@ class Checkpoints:
         c = self.config
         return tokens * c.value_token_s + tokens * tokens / 2 * c.value_pair_s
 
-    def superseded(self, state: EngineState, c: Checkpoint) -> bool:
-        """Whether a deeper checkpoint of the same producer makes ``c`` redundant: a deeper
-        interior prefill point, or, for the prompt end, the sequence's end."""
-        deeper = _DEEPER.get(c.kind)
+    @staticmethod
+    def _redundant(state: EngineState, seq_id: int, kind: str, step: int) -> bool:
+        """Whether a deeper checkpoint of producer ``seq_id`` makes a ``kind`` checkpoint at
+        ``step`` redundant: a deeper interior prefill point, or, for the prompt end, the
+        sequence's end."""
+        deeper = _DEEPER.get(kind)
         if deeper is None:
             return False
-        return any(o.kind in deeper and o.step > c.step for o in state.ckpts.produced_by(c.seq_id))
+        return any(o.kind in deeper and o.step > step for o in state.ckpts.produced_by(seq_id))
+
+    def superseded(self, state: EngineState, c: Checkpoint) -> bool:
+        return self._redundant(state, c.seq_id, c.kind, c.step)
 
     def priority(self, state: EngineState, c: Checkpoint) -> float:
         """The "value" eviction's priority (the lowest is evicted first)."""
-        if self.superseded(state, c):
-            return c.floor
-        weight = self._weights(state).get(c.kind, 1.0)
-        return c.floor + weight * self._worth(c.kind, c.step, c.hits, c.cost)
+        return self._priority(state, c.seq_id, c.kind, c.step, c.hits, c.cost, c.floor)
+
+    def _candidate_priority(
+        self, state: EngineState, seq_id: int, step: int, kind: str, cost: int
+    ) -> float:
+        """The priority a checkpoint about to be reserved would have."""
+        return self._priority(state, seq_id, kind, step, 0, cost, state.ckpts.floor)
+
+    def _priority(
+        self,
+        state: EngineState,
+        seq_id: int,
+        kind: str,
+        step: int,
+        hits: int,
+        cost: int,
+        floor: float,
+    ) -> float:
+        if self._redundant(state, seq_id, kind, step):
+            return floor
+        weight = self._weights(state).get(kind, 1.0)
+        return floor + weight * self._worth(kind, step, hits, cost)
 
     def _worth(self, kind: str, step: int, hits: int, cost: int) -> float:
         freq = hits + (BRANCH_BIRTH if kind == "branch" else 1)
@@ -205,17 +228,6 @@ class Checkpoints:
             for kind, made in ckpts.saves_by_kind.items()
             if kind in CONTINUATIONS
         }
-
-    def _candidate_priority(
-        self, state: EngineState, seq_id: int, step: int, kind: str, cost: int
-    ) -> float:
-        """The priority a checkpoint about to be reserved would have."""
-        ckpts = state.ckpts
-        deeper = _DEEPER.get(kind, frozenset())
-        if any(o.kind in deeper and o.step > step for o in ckpts.produced_by(seq_id)):
-            return ckpts.floor
-        weight = self._weights(state).get(kind, 1.0)
-        return ckpts.floor + weight * self._worth(kind, step, 0, cost)
 
     def _ranked(self, state: EngineState) -> list[tuple[float, int, Checkpoint]]:
         """(priority, stamp, checkpoint) of every evictable checkpoint, in one pass."""
