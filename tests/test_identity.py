@@ -1,12 +1,21 @@
-"""Block identity of multimodal prompts: which blocks a span's content hash marks, and what
-that means for sharing KV between requests."""
+"""Block identity: the kvs128 kernel against its specification, stability across processes,
+salts, schemes, caller digests; multimodal prompts (which blocks a span's content hash marks,
+and what that means for sharing KV between requests)."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from tests.policy.helpers import Harness, matched, of_type, request, tokens
 
+from kvsched import identity
+from kvsched.config import ModelSpec, SchedulerConfig
 from kvsched.events import types as ev
 from kvsched.events.types import MultimodalSpan
 from kvsched.identity import chain_hashes, namespace_root, span_extras
@@ -81,3 +90,134 @@ def test_a_block_filled_by_outputs_after_an_image_keeps_the_images_content_hash(
     root = namespace_root(h.config.model, BS)
     assert chain == chain_hashes(root, block_tokens, BS, 0, {2: image.content_hash})
     assert chain[2] != chain_hashes(root, block_tokens, BS)[2]
+
+
+# ---------------------------------------------------------------- the kvs128 scheme
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    block_size=st.integers(1, 80),
+    n_tokens=st.integers(0, 400),
+    extra_blocks=st.lists(st.tuples(st.integers(0, 6), st.binary(max_size=70)), max_size=4),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_the_native_kvs128_kernel_computes_exactly_its_python_specification(
+    block_size: int, n_tokens: int, extra_blocks: list[tuple[int, bytes]], seed: int
+) -> None:
+    assert identity._kvs128 is not None, "the native kernel is not built"
+    root = namespace_root(ModelSpec(), block_size)
+    keys = identity.kvs128_keys(root)
+    toks = np.random.default_rng(seed).integers(-(2**31), 2**31, n_tokens).astype("<i4")
+    extras = sorted(dict(extra_blocks).items())
+    extras = [(b, x) for b, x in extras if x]
+    native = identity._kvs128.chain(root, toks, block_size, keys, extras or None)
+    reference = identity._kvs128_py(root, toks.tobytes(), block_size, keys, extras)
+    assert native == reference
+    assert len(native) == 16 * (n_tokens // block_size)
+
+
+# Computed once by the Python specification; any change to the scheme changes it (and every
+# store key and logged digest with it: such a change needs a new scheme name).
+PINNED = "7b0c3c1544492e6e5056f05289b9b3f3"
+
+
+def _pinned_chain() -> list[bytes]:
+    root = namespace_root(ModelSpec(name="pinned-model"), 16, adapter="a", salt="s")
+    return chain_hashes(root, np.arange(64, dtype=np.int32) * 7919 % 150_000, 16)
+
+
+def test_a_kvs128_digest_is_the_same_in_another_process_and_pinned_across_machines() -> None:
+    code = (
+        "from tests.test_identity import _pinned_chain; "
+        "print(b''.join(_pinned_chain()).hex())"
+    )
+    env = {**os.environ, "PYTHONHASHSEED": "12345"}
+    other = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True
+    ).stdout.strip()
+    here = b"".join(_pinned_chain()).hex()
+    assert other == here
+    assert here[-32:] == PINNED
+
+
+def test_a_prompt_has_the_same_block_identity_whole_or_split_into_session_turns() -> None:
+    h = Harness()
+    first = tokens(37, seed=41)  # turn boundaries fall inside blocks
+    h.step([request(0, first, max_tokens=3, session_id=5)])
+    h.run_until_idle()
+    second = tokens(29, seed=42)
+    h.step([request(1, second, max_tokens=1, session_id=5)])
+    turn = h.state.seq(1)
+    whole = turn.token_view().copy()  # first turn, its outputs, the second turn
+    assert len(whole) == 37 + 3 + 29
+    fresh = Harness()
+    fresh.step([request(2, whole, max_tokens=1)])
+    alone = fresh.state.seq(2)
+    assert turn.hashes == alone.hashes
+    assert len(turn.hashes) == len(whole) // BS
+    assert turn.hashes == chain_hashes(namespace_root(h.config.model, BS), whole, BS)
+
+
+def test_the_cache_salt_and_the_scheme_each_change_every_digest_of_a_prompt() -> None:
+    model, prompt = ModelSpec(), tokens(64, seed=43)
+    plain = chain_hashes(namespace_root(model, BS), prompt, BS)
+    salted_root = namespace_root(model, BS, salt="tenant-b")
+    salted = chain_hashes(salted_root, prompt, BS)
+    root_b2 = namespace_root(model, BS, scheme="blake2b")
+    blake = chain_hashes(root_b2, prompt, BS, scheme="blake2b")
+    assert len(plain) == len(salted) == len(blake) == 4
+    assert not set(plain) & set(salted) and not set(plain) & set(blake)
+
+
+def test_an_engine_configured_for_blake2b_hashes_blocks_as_logs_before_schema_4_did() -> None:
+    from hashlib import blake2b
+
+    h = Harness(identity="blake2b")
+    prompt = tokens(40, seed=44)
+    h.step([request(0, prompt, max_tokens=1)])
+    root = h.state.seqs.root_for("", "")
+    first = blake2b(root, digest_size=16)
+    first.update(prompt[:BS].astype("<i4").tobytes())
+    assert h.state.seq(0).hashes[0] == first.digest()
+    legacy = SchedulerConfig.from_log_header({"block_size": BS}, schema_version=3)
+    assert legacy.identity == "blake2b"
+    assert SchedulerConfig.from_log_header({}, schema_version=4).identity == "kvs128"
+
+
+def test_block_digests_given_with_a_request_are_used_and_the_chain_continues_from_them() -> None:
+    h = Harness()
+    prompt = tokens(56, seed=45)  # 3 full blocks
+    given_hashes = bytes(range(16)) + bytes(range(16, 32))  # the caller's first 2 blocks
+    h.step([request(0, prompt, max_tokens=1, block_hashes=given_hashes)])
+    seq = h.state.seq(0)
+    assert seq.hashes[0] == given_hashes[:16] and seq.hashes[1] == given_hashes[16:]
+    root = h.state.seqs.root_for("", "")
+    rest = chain_hashes(root, prompt[2 * BS : 3 * BS], BS, 2, parent=given_hashes[16:])
+    assert seq.hashes[2] == rest[0]
+    # The same prompt with the same caller digests hits its blocks; without them it does not.
+    h.run_until_idle()
+    again = h.step([request(1, prompt, max_tokens=1, block_hashes=given_hashes)])
+    assert matched(again)[1].num_tokens == 48
+    other = h.step([request(2, prompt, max_tokens=1)])
+    assert matched(other)[2].num_tokens == 0
+
+
+@pytest.mark.parametrize(
+    ("digests", "why"),
+    [(b"\x01" * 15, "whole 16-byte digests"), (b"\x01" * 64, "more blocks")],
+)
+def test_caller_digests_that_are_not_whole_or_name_too_many_blocks_are_refused(
+    digests: bytes, why: str
+) -> None:
+    from kvsched.reducers.inputs import MalformedInput
+
+    h = Harness()
+    arrival = request(0, tokens(40, seed=46), max_tokens=1, block_hashes=digests)
+    if len(digests) % 16:
+        with pytest.raises(MalformedInput, match=why):
+            h.step([arrival])
+    else:
+        result = h.step([arrival])
+        rejected = [d for d in result.decisions if isinstance(d, ev.RequestRejected)]
+        assert rejected and why in rejected[0].reason

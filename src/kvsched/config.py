@@ -12,6 +12,10 @@ MAX_TABLE_ENTRIES = 1 << 28  # block-table entries (max_batch x blocks per seque
 
 OrderPolicy = Literal["fcfs", "priority", "ttft"]
 
+# Block identity schemes (identity.py, docs/identity.md): "kvs128" a native keyed 128-bit hash
+# at memory speed (the default), "blake2b" cryptographic (every log before schema 4).
+IDENTITY_SCHEMES: tuple[str, ...] = ("kvs128", "blake2b")
+
 # Where a hybrid model saves state checkpoints (each a declared, named rule; policy/README.md):
 PLACEMENTS: tuple[str, ...] = (
     "chunk_end",  # block-aligned ends of prefill chunks (lmdeploy)
@@ -109,6 +113,7 @@ class SchedulerConfig:
     turn_mode: TurnMode = "mixed"
     prefill_interval: int = 16
     enable_prefix_caching: bool = True
+    identity: str = "kvs128"  # the block identity scheme (IDENTITY_SCHEMES)
     # A computed block whose hash is already cached on another block is swapped for the cached
     # copy (its own block freed at once). Off where the executor cannot rewrite a block-table
     # entry it was already given (vLLM's workers only ever append): the copy then stays the
@@ -166,6 +171,10 @@ class SchedulerConfig:
             raise ValueError(
                 f"checkpoint_placement: unknown or repeated rules {unknown or 'repeated'}; "
                 f"known: {', '.join(PLACEMENTS)}"
+            )
+        if self.identity not in IDENTITY_SCHEMES:
+            raise ValueError(
+                f"unknown identity scheme {self.identity!r}; known: {', '.join(IDENTITY_SCHEMES)}"
             )
         if self.checkpoint_eviction not in EVICTIONS:
             raise ValueError(
@@ -256,8 +265,10 @@ class SchedulerConfig:
     @classmethod
     def from_log_header(cls, data: dict[str, Any], schema_version: int) -> SchedulerConfig:
         """The config a log header records. Logs of schema 2 predate the checkpoint policies:
-        they ran today's "lmdeploy" rules."""
+        they ran today's "lmdeploy" rules; logs before schema 4 hashed blocks with blake2b."""
         data = dict(data)
+        if schema_version < 4:
+            data.setdefault("identity", "blake2b")
         if schema_version < 3:
             for key, value in CHECKPOINT_POLICIES["lmdeploy"].items():
                 data.setdefault(key, value)

@@ -32,11 +32,13 @@ from kvsched.gpu.sim import SimulatedExecutor
 VOCAB = 150_000
 
 
-def _config(batch: int, context: int, block_size: int, hybrid: bool) -> SchedulerConfig:
+def _config(
+    batch: int, context: int, block_size: int, hybrid: bool, budget: int = 0
+) -> SchedulerConfig:
     per_seq = context // block_size + 2
     return SchedulerConfig(
         hybrid=hybrid,
-        checkpoint_budget=batch + 2,
+        checkpoint_budget=budget or batch + 2,
         # lmdeploy's rules: the producers' only states are their prompt ends, the point the
         # consumers hit, as in lmdeploy's aligned exact-hit workload (this times the match)
         **CHECKPOINT_POLICIES["lmdeploy"],

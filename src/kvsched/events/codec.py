@@ -23,7 +23,7 @@ import numpy as np
 
 from kvsched.events.types import DECISION_TYPES, INPUT_TYPES, Event
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 OLDEST_READABLE = 2  # the oldest version this codec reads (directly or by upcasting)
 _EXT_NDARRAY = 1
 

@@ -65,6 +65,9 @@ class RequestArrived(Event, frozen=True, tag="arrived"):
     seed: int = 0
     mm_spans: tuple[MultimodalSpan, ...] = ()
     return_routed_experts: bool = False
+    # The caller's digests of the sequence's first full blocks (16 bytes each, e.g. vLLM's
+    # Request.block_hashes): used instead of computing them (identity.py). Empty: computed.
+    block_hashes: bytes = b""
 
 
 class RequestAborted(Event, frozen=True, tag="aborted"):

@@ -243,7 +243,7 @@ class Admission:
         releasing other sessions' holds or evicting checkpoints (never ``keep``, the one it
         restores) only when that makes the admission fit. False: it cannot fit."""
         pool = state.pool
-        unheld = pool.count_unheld(hit)
+        unheld = 0 if self._path_held(state, keep, hit) else pool.count_unheld(hit)
         shortfall = need - (pool.num_available - unheld)
         if shortfall <= 0:
             return True
@@ -259,6 +259,15 @@ class Admission:
             self.growth.reclaim_sessions(state, need, emit, -1, hit)
         # (Evicting a checkpoint whose path overlaps an unheld hit gains nothing for it.)
         return need <= pool.num_available - pool.count_unheld(hit)
+
+    @staticmethod
+    def _path_held(state: EngineState, keep: int, hit: np.ndarray) -> bool:
+        """Whether the hit is the path of the restored checkpoint ``keep`` and it holds
+        references on it (then none of its blocks is unheld: no pass over them is needed)."""
+        if keep < 0:
+            return False
+        c = state.ckpts.get(keep)
+        return hit is c.path and c.holds_path
 
 
 def _arrival_key(seq: Seq) -> tuple[float, int]:

@@ -84,7 +84,7 @@ class Checkpoints:
             return  # (an executor that keeps states in whole blocks only: vLLM's align mode)
         ckpts = state.ckpts
         key, anchor = state.seqs.identity_at(seq, step)
-        if ckpts.find(key) is not None or any(ckpts.get(i).key == key for i in ckpts.reserved):
+        if ckpts.find(key) is not None or ckpts.reserved_now(key):
             return
         if not aligned and not state.pool.num_available:
             return  # no frozen block to be had: check before evicting anything for room

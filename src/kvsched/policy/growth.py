@@ -78,7 +78,7 @@ class Growth:
         for row, first, last in zip(grown.tolist(), firsts.tolist(), lasts.tolist(), strict=True):
             seq = t.objs[row]
             assert seq is not None
-            chain = seq.hashes[first:last]
+            chain = seq.hashes.digests(first, last)
             hashes += chain
             parents.append(seq.hashes[first - 1] if first else seq.root)
             parents += chain[:-1]

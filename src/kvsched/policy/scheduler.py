@@ -60,7 +60,7 @@ class Policy:
             return f"max_tokens must be positive, got {e.max_tokens}"
         if e.seq_id in state.seqs.seqs or e.seq_id < 0:
             return f"duplicate or invalid request id {e.seq_id}"
-        if prompt.min() < 0 or prompt.max() >= model.vocab_size:
+        if not in_vocabulary(prompt, model.vocab_size):
             return f"token id outside the vocabulary [0, {model.vocab_size})"
         if e.temperature < 0:
             return f"temperature must be >= 0, got {e.temperature}"
@@ -70,6 +70,8 @@ class Policy:
         if session is not None and session.active_seq >= 0:
             return f"session {e.session_id} already has a request in flight"
         total = state.seqs.history_len(e.session_id) + len(prompt)
+        if len(e.block_hashes) // ev.HASH_SIZE > total // bs:
+            return "block_hashes name more blocks than the request's full blocks"
         if total >= model.max_context:
             return f"prompt of {total} tokens exceeds the maximum context {model.max_context}"
         if cdiv(total + 1, bs) > self.config.num_blocks - 1:
@@ -300,3 +302,11 @@ class Policy:
             assert seq is not None
             self.growth.preempt(state, seq, emit, "blocks")
         return np.asarray(sorted(need), dtype=np.int64)
+
+
+def in_vocabulary(tokens: np.ndarray, vocab_size: int) -> bool:
+    """Whether every token id is in [0, vocab_size): one pass (a negative signed id, read as
+    unsigned of the same width, is larger than any vocabulary)."""
+    if tokens.dtype.kind == "i":
+        tokens = tokens.view(tokens.dtype.str.replace("i", "u"))
+    return bool(tokens.max() < vocab_size)

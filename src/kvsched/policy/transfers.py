@@ -39,7 +39,7 @@ class Transfers:
             first, end = self.lookup_range(state, seq)
             if first >= end:
                 return False  # the local cache serves every block the store could
-            hashes = b"".join(seq.hashes[first:end])
+            hashes = seq.hashes.packed(first, end)
             emit(ev.KVLookupStarted(seq.seq_id, first, end, seq.root, hashes, state.hybrid))
             return True
         return load.state == LoadState.LOOKUP_PENDING
@@ -65,7 +65,7 @@ class Transfers:
         """The load of chain blocks [first, end) into the sequence's blocks (and, for a hybrid
         model, the state stored at block end - 1 into its runtime slot)."""
         blocks = state.seqs.table[seq.row, first:end].copy()
-        hashes = b"".join(seq.hashes[first:end])
+        hashes = seq.hashes.packed(first, end)
         if not state.hybrid:
             return ev.KVLoadStarted(seq.seq_id, blocks, first, seq.root, hashes)
         slot = state.ckpts.runtime_slot(seq.row)
@@ -104,6 +104,6 @@ class Transfers:
         if end <= lo:
             return
         blocks = state.seqs.table[row, lo:end].copy()
-        hashes = b"".join(seq.hashes[lo:end])
+        hashes = seq.hashes.packed(lo, end)
         save_id = state.transfers.next_save_id
         emit(ev.KVSaveStarted(save_id, seq.seq_id, blocks, lo, seq.root, hashes, ckpt, slot))

@@ -35,6 +35,7 @@ import numpy as np
 
 from kvsched.events import types as ev
 from kvsched.events.types import HASH_SIZE, split_hashes
+from kvsched.identity import HashChain
 from kvsched.reducers.errors import RefChange, ReplayMismatch
 
 NULL_BLOCK = 0
@@ -107,7 +108,7 @@ class BlockPool:
     def num_cached(self) -> int:
         return len(self.index)
 
-    def find_prefix_len(self, hashes: list[bytes], limit: int) -> int:
+    def find_prefix_len(self, hashes: HashChain, limit: int) -> int:
         """Number of leading blocks of ``hashes[:limit]`` in the index (binary search)."""
         index = self.index
         hi = min(limit, len(hashes))
@@ -122,7 +123,7 @@ class BlockPool:
                 hi = mid - 1
         return lo
 
-    def find_blocks(self, hashes: list[bytes], count: int) -> np.ndarray:
+    def find_blocks(self, hashes: HashChain, count: int) -> np.ndarray:
         """Block ids of the first ``count`` hashes, all cached: one lookup of the deepest hash
         and a read-only view of its path (no walk over the prefix)."""
         if count == 0:
@@ -191,7 +192,7 @@ class BlockPool:
         if n > len(self.free):
             raise ReplayMismatch(f"allocation of {n} blocks: {len(self.free)} free")
         top = self.free[len(self.free) - n :][::-1]
-        if top != blocks.tolist():
+        if (top[0] != blocks.item(0)) if n == 1 else (top != blocks.tolist()):
             raise ReplayMismatch(f"allocation would take {top}, event says {blocks.tolist()}")
         del self.free[len(self.free) - n :]
         self.ref[blocks] = 1

@@ -113,6 +113,7 @@ class CheckpointTable:
         self.restores = 0
         self.evictions = 0
         self.reserved: list[int] = []  # reserved by the step being scheduled
+        self.reserved_keys: dict[bytes, int] = {}  # their identities
         self.awaiting: list[int] = []  # reserved by the step being executed: to publish
         self.save_pins: dict[int, int] = {}  # save id -> the checkpoint its lease pins
 
@@ -159,6 +160,10 @@ class CheckpointTable:
         ckpt_id = self.index.get(key)
         return None if ckpt_id is None else self.ckpts[ckpt_id]
 
+    def reserved_now(self, key: bytes) -> bool:
+        """Whether the step being scheduled already reserved a save of this identity."""
+        return key in self.reserved_keys
+
     def find_partials(self, anchor: bytes) -> dict[int, int]:
         """{tail length: count} of published partial checkpoints after ``anchor``."""
         return self.partials.get(anchor, {})
@@ -198,6 +203,7 @@ class CheckpointTable:
 
     def _on_step_started(self, e: ev.StepStarted) -> None:
         self.awaiting, self.reserved = self.reserved, []
+        self.reserved_keys = {}
 
     def _on_reserved(self, e: ev.CheckpointReserved) -> RefChange | None:
         if e.ckpt_id != self.next_id or not self.free_slots or self.free_slots[-1] != e.slot:
@@ -220,6 +226,7 @@ class CheckpointTable:
         self.by_producer.setdefault(c.seq_id, []).append(c.ckpt_id)
         self.used += cost
         self.reserved.append(c.ckpt_id)
+        self.reserved_keys[c.key] = c.ckpt_id
         self.saves += 1
         self.saves_by_kind[c.kind] = self.saves_by_kind.get(c.kind, 0) + 1
         if path is None:
@@ -285,6 +292,8 @@ class CheckpointTable:
         for queue in (self.reserved, self.awaiting):
             if c.ckpt_id in queue:
                 queue.remove(c.ckpt_id)
+        if self.reserved_keys.get(c.key) == c.ckpt_id:
+            del self.reserved_keys[c.key]
         if isinstance(e, ev.CheckpointEvicted):
             self.evictions += 1
             if e.priority is not None:
@@ -375,6 +384,8 @@ class CheckpointTable:
         stale = [i for i in queued if self.ckpts[i].state != CkptState.RESERVED]
         if stale:
             return f"checkpoints {stale} await publication but are not reserved"
+        if self.reserved_keys != {self.ckpts[i].key: i for i in self.reserved}:
+            return "the reserved-identity index is not the keys of this step's reservations"
         return None
 
     def snapshot(self) -> tuple[object, ...]:

@@ -178,6 +178,8 @@ def _check_fields(event: ev.Event) -> str | None:
             return reason
     if isinstance(event, ev.RequestArrived) and abs(event.temperature) > _F32_MAX:
         return f"temperature={event.temperature} does not fit the sampling parameters (float32)"
+    if isinstance(event, ev.RequestArrived) and len(event.block_hashes) % ev.HASH_SIZE:
+        return f"block_hashes must be whole {ev.HASH_SIZE}-byte digests"
     return None
 
 

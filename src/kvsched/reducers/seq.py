@@ -7,6 +7,7 @@ import attrs
 import numpy as np
 
 from kvsched.events import types as ev
+from kvsched.identity import HashChain
 from kvsched.statemachines import SEQUENCE, SeqEvent, SeqState, fire
 
 FREE_ROW = -1
@@ -29,7 +30,7 @@ class Seq:
     seed: int = 0
     mm_spans: tuple[ev.MultimodalSpan, ...] = ()
     root: bytes = b""
-    hashes: list[bytes] = attrs.field(factory=list)
+    hashes: HashChain = attrs.field(factory=HashChain)
     state: SeqState = SeqState.WAITING
     row: int = FREE_ROW
     want_experts: bool = False  # the request asked for its routed-expert ids
@@ -84,6 +85,6 @@ class History:
     the namespace root it chains from, and the multimodal spans it contains."""
 
     tokens: np.ndarray
-    hashes: list[bytes]
+    hashes: HashChain
     root: bytes
     spans: tuple[ev.MultimodalSpan, ...]

@@ -18,8 +18,9 @@ import numpy as np
 from kvsched.config import ModelSpec
 from kvsched.events import types as ev
 from kvsched.identity import (
+    HashChain,
     block_hash,
-    chain_hashes,
+    chain_packed,
     checkpoint_identity,
     namespace_root,
     span_extras,
@@ -39,10 +40,17 @@ _ADMIT = SeqEvent.admit  # (read once: a member read through its enum class cost
 
 class SequenceTable(RowTable):
     def __init__(
-        self, model: ModelSpec, max_batch: int, max_blocks: int, block_size: int, pool: BlockPool
+        self,
+        model: ModelSpec,
+        max_batch: int,
+        max_blocks: int,
+        block_size: int,
+        pool: BlockPool,
+        identity: str = "kvs128",
     ) -> None:
         super().__init__(max_batch, max_blocks, block_size)
         self.model = model
+        self.identity = identity  # the block identity scheme (config.IDENTITY_SCHEMES)
         self._pool = pool
         self.seqs: dict[int, Seq] = {}
         self.waiting: dict[int, Seq] = {}  # insertion-ordered
@@ -90,7 +98,7 @@ class SequenceTable(RowTable):
         key = (adapter, salt)
         root = self._roots.get(key)
         if root is None:
-            root = namespace_root(self.model, self.block_size, adapter, salt)
+            root = namespace_root(self.model, self.block_size, adapter, salt, self.identity)
             self._roots[key] = root
         return root
 
@@ -118,11 +126,13 @@ class SequenceTable(RowTable):
         self.step = e.step
 
     def _on_arrived(self, e: ev.RequestArrived) -> None:
-        bs = self.block_size
-        prompt = np.asarray(e.prompt, dtype=np.int32)
+        # The prompt is kept as a read-only view, not copied (an event is an immutable value:
+        # its arrays must not change once given to the engine); decoding grows it into a copy.
+        prompt = np.asarray(e.prompt, dtype=np.int32).view()
+        prompt.flags.writeable = False
         history = self.history.get(e.session_id) if e.session_id >= 0 else None
         past = history.tokens if history is not None else np.zeros(0, np.int32)
-        tokens = np.concatenate([past, prompt]).astype(np.int32)
+        tokens = np.concatenate([past, prompt]) if len(past) else prompt
         root = self.root_for(e.adapter, e.cache_salt)
         # A turn's spans are given in its own prompt; the history keeps the earlier turns'.
         offset = len(past)
@@ -130,14 +140,8 @@ class SequenceTable(RowTable):
             ev.MultimodalSpan(s.start + offset, s.end + offset, s.content_hash)
             for s in e.mm_spans
         )
-        # The history's full blocks keep their hashes if the namespace is unchanged (new spans
-        # lie past the history, so they cannot change those blocks).
         same_root = history is not None and history.root == root
-        keep = len(past) // bs if same_root else 0
-        hashes = history.hashes[:keep] if history is not None and same_root else []
-        parent = hashes[-1] if hashes else root
-        extras = span_extras(spans, bs, keep, len(tokens) // bs) if spans else None
-        hashes = hashes + chain_hashes(parent, tokens[keep * bs :], bs, keep, extras)
+        hashes = self._chain(e, tokens, spans, history if same_root else None)
         seq = Seq(
             seq_id=e.seq_id,
             tokens=tokens,
@@ -159,6 +163,28 @@ class SequenceTable(RowTable):
         )
         self.seqs[seq.seq_id] = seq
         self.waiting[seq.seq_id] = seq
+
+    def _chain(
+        self, e: ev.RequestArrived, tokens: np.ndarray, spans: tuple[ev.MultimodalSpan, ...],
+        history: History | None,
+    ) -> HashChain:
+        """The digests of a new sequence's full blocks: the caller's (``e.block_hashes``), else
+        the history's (its namespace is unchanged, and new spans lie past it, so they cannot
+        change those blocks), then one kernel call for the rest."""
+        bs = self.block_size
+        if e.block_hashes:
+            known = HashChain(e.block_hashes)
+        elif history is not None:
+            known = history.hashes.prefix(len(history.tokens) // bs)
+        else:
+            known = HashChain()
+        keep = len(known)
+        root = self.root_for(e.adapter, e.cache_salt)
+        extras = span_extras(spans, bs, keep, len(tokens) // bs) if spans else None
+        rest = chain_packed(
+            self.identity, root, known.last(root), tokens[keep * bs :], bs, keep, extras
+        )
+        return known.extended(rest)
 
     def _on_executed(self, e: ev.StepExecuted) -> None:
         rows, starts, ends = self.take_pending()
@@ -200,10 +226,11 @@ class SequenceTable(RowTable):
         for row in rows[self.ntokens[rows] % bs == 0].tolist():
             seq = self.flush(row)
             start = seq.n_tokens - bs
-            parent = seq.hashes[-1] if seq.hashes else seq.root
+            parent = seq.hashes.last(seq.root)
             # A block the prompt's last span reaches into keeps that span's content hash.
             extra = tail_extra(seq.mm_spans, start, seq.n_tokens) if seq.mm_spans else b""
-            seq.hashes.append(block_hash(parent, seq.tokens[start : seq.n_tokens], extra))
+            block = seq.tokens[start : seq.n_tokens]
+            seq.hashes.append(block_hash(self.identity, seq.root, parent, block, extra))
 
     def _on_step_failed(self, e: ev.StepFailed) -> None:
         """The forward raised: none of its effects happened (no KV or state written, no
@@ -269,6 +296,11 @@ class SequenceTable(RowTable):
     # ------------------------------------------------------------------ block folds
 
     def _on_allocated(self, e: ev.BlocksAllocated) -> None:
+        if len(e.seq_ids) == 1:  # one sequence (an admission): no row lookup table
+            if e.counts.item(0) != len(e.blocks):
+                raise ReplayMismatch(f"allocation of {len(e.blocks)} blocks counted otherwise")
+            self._grow_table(e.seq_ids.item(0), e.blocks)
+            return
         if len(e.seq_ids) == len(e.blocks):  # one block each (decode growth): vectorised
             rows = self._rows(e.seq_ids)
             n = self.nblocks[rows]
@@ -277,14 +309,18 @@ class SequenceTable(RowTable):
             self.table[rows, n] = e.blocks
             self.nblocks[rows] = n + 1
             return
-        bounds = np.concatenate(([0], np.cumsum(e.counts)))
+        bounds = np.concatenate(([0], np.cumsum(e.counts))).tolist()
         for i, seq_id in enumerate(e.seq_ids.tolist()):
-            row = self.seq(seq_id).row
-            n, k = int(self.nblocks[row]), int(e.counts[i])
-            if row == FREE_ROW or n + k > self.table.shape[1]:
-                raise ReplayMismatch(f"sequence {seq_id} cannot take {k} more blocks")
-            self.table[row, n : n + k] = e.blocks[bounds[i] : bounds[i + 1]]
-            self.nblocks[row] = n + k
+            self._grow_table(seq_id, e.blocks[bounds[i] : bounds[i + 1]])
+
+    def _grow_table(self, seq_id: int, blocks: np.ndarray) -> None:
+        row = self.seq(seq_id).row
+        k = len(blocks)
+        n = int(self.nblocks[row])
+        if row == FREE_ROW or n + k > self.table.shape[1]:
+            raise ReplayMismatch(f"sequence {seq_id} cannot take {k} more blocks")
+        self.table[row, n : n + k] = blocks
+        self.nblocks[row] = n + k
 
     def _on_freed(self, e: ev.BlocksFreed) -> RefChange | None:
         bounds = np.concatenate(([0], np.cumsum(e.counts)))
@@ -456,7 +492,7 @@ class SequenceTable(RowTable):
         """Everything the table holds, as plain comparable data."""
         seqs = tuple(
             (
-                s.seq_id, s.state, s.row, s.n_tokens, s.token_view().tobytes(), tuple(s.hashes),
+                s.seq_id, s.state, s.row, s.n_tokens, s.token_view().tobytes(), s.hashes.packed(),
                 s.pinned_ckpt, s.n_pinned, s.num_failures, s.num_preemptions, s.preempted_at,
                 s.num_hit_tokens, s.n_experts,
             )
@@ -472,7 +508,7 @@ class SequenceTable(RowTable):
         )
         pending = tuple((r.tobytes(), s.tobytes(), e.tobytes()) for r, s, e in self._pending)
         history = tuple(
-            (k, h.tokens.tobytes(), tuple(h.hashes), h.root) for k, h in self.history.items()
+            (k, h.tokens.tobytes(), h.hashes.packed(), h.root) for k, h in self.history.items()
         )
         return (
             seqs, arrays, tuple(self.free_rows), tuple(self.waiting), history, pending,

@@ -58,7 +58,9 @@ class EngineState:
         costs = (config.checkpoint_cost(False), config.checkpoint_cost(True))
         self.serving = Serving()
         self.pool = BlockPool(config.num_blocks, bs)
-        self.seqs = SequenceTable(config.model, config.max_batch, max_blocks, bs, self.pool)
+        self.seqs = SequenceTable(
+            config.model, config.max_batch, max_blocks, bs, self.pool, config.identity
+        )
         self.sessions = SessionTable()
         self.ckpts = CheckpointTable(config.max_batch, slots, bs, self.pool, capacity, costs)
         self.transfers = TransferTable(self.seqs)

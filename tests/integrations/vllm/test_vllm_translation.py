@@ -132,6 +132,19 @@ def test_a_vllm_request_becomes_an_arrival_with_its_priority_sign_flipped():
     assert (e.max_tokens, e.arrival_time, e.priority, e.eos_token_id) == (4, 0.5, -3, -1)
 
 
+def test_a_vllm_request_keeps_vllms_block_digests_when_the_adapter_is_told_to():
+    sha = [bytes([i]) * 32 for i in range(1, 4)]  # sha256 digests are 32 bytes: truncated
+    e = arrival(_request(block_hashes=sha), seq_id=1, t0=0.0, use_block_hashes=True)
+    assert e.block_hashes == b"".join(h[:16] for h in sha)
+    short = arrival(_request(block_hashes=[b"\x07" * 8]), seq_id=2, t0=0.0, use_block_hashes=True)
+    assert short.block_hashes == b"\x07" * 8 + b"\0" * 8  # shorter digests are zero-padded
+    assert arrival(_request(block_hashes=sha), seq_id=3, t0=0.0).block_hashes == b""
+    vc = _vllm_config()
+    vc.additional_config = {"kvsched": {"block_hashes": "sha256"}}
+    with pytest.raises(cfg.UnsupportedConfig, match="block_hashes must be"):
+        cfg.options(vc)
+
+
 @pytest.mark.parametrize(
     ("over", "reason"),
     [

@@ -26,9 +26,13 @@ def options(vllm_config: Any) -> dict[str, Any]:
     mine = extra.get(CONFIG_KEY, {}) if isinstance(extra, dict) else {}
     if not isinstance(mine, dict):
         raise UnsupportedConfig(f"additional_config[{CONFIG_KEY!r}] must be a dict, got {mine!r}")
-    unknown = set(mine) - {"log", "check_invariants"}
+    unknown = set(mine) - {"log", "check_invariants", "block_hashes"}
     if unknown:
         raise UnsupportedConfig(f"unknown kvsched options {sorted(unknown)}")
+    if mine.get("block_hashes", "kvsched") not in ("kvsched", "vllm"):
+        raise UnsupportedConfig(
+            f"kvsched option block_hashes must be 'kvsched' or 'vllm', got {mine['block_hashes']!r}"
+        )
     out = dict(mine)
     if "log" not in out and os.environ.get(LOG_ENV):
         out["log"] = os.environ[LOG_ENV]

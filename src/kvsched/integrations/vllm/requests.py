@@ -1,9 +1,13 @@
 """vLLM requests as kvsched inputs, and the stop rule both sides apply (no vLLM import here).
 
-Identity: kvsched hashes the prompt itself (its own namespace-rooted chain, the same as in
-every other kvsched run) and ignores ``Request.block_hashes``; those are used only to name
-blocks in vLLM's KV-events schema (``kv_events.py``), so a router that hashes prompts the vLLM
-way can follow the cache.
+Identity: by default kvsched hashes the prompt itself (its own namespace-rooted chain, the
+same as in every other kvsched run) and uses ``Request.block_hashes`` only to name blocks in
+vLLM's KV-events schema (``kv_events.py``), so a router that hashes prompts the vLLM way can
+follow the cache. With the adapter option ``block_hashes: "vllm"`` the prompt's full blocks
+take vLLM's digests instead (``vllm_block_hashes``: each truncated or zero-padded to 16
+bytes), which saves hashing the prompt twice; blocks filled by decoding are then hashed by
+kvsched (vLLM's digests of them are not known at arrival), so a later prompt that repeats
+an earlier output hits only up to that output.
 """
 
 from __future__ import annotations
@@ -39,9 +43,18 @@ def refusal(request: Any) -> str | None:
     return None
 
 
-def arrival(request: Any, seq_id: int, t0: float) -> ev.RequestArrived:
+def vllm_block_hashes(request: Any) -> bytes:
+    """vLLM's digests of the request's full blocks, packed as kvsched's 16-byte digests."""
+    size = ev.HASH_SIZE
+    return b"".join(bytes(h)[:size].ljust(size, b"\0") for h in request.block_hashes)
+
+
+def arrival(
+    request: Any, seq_id: int, t0: float, use_block_hashes: bool = False
+) -> ev.RequestArrived:
     """The kvsched arrival of a vLLM request. vLLM's priority is "lower value first",
-    kvsched's "higher first": the sign flips. ``eos_token_id`` is -1 under ``ignore_eos``."""
+    kvsched's "higher first": the sign flips. ``eos_token_id`` is -1 under ``ignore_eos``.
+    ``use_block_hashes``: the prompt's blocks keep vLLM's digests (``vllm_block_hashes``)."""
     params = request.sampling_params
     eos = params.eos_token_id
     return ev.RequestArrived(
@@ -54,6 +67,7 @@ def arrival(request: Any, seq_id: int, t0: float) -> ev.RequestArrived:
         eos_token_id=-1 if eos is None else int(eos),
         temperature=float(params.temperature),
         seed=int(params.seed) if params.seed is not None else 0,
+        block_hashes=vllm_block_hashes(request) if use_block_hashes else b"",
     )
 
 

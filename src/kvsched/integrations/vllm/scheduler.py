@@ -78,6 +78,7 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # (vLLM is untyped h
         self.config = cfg.scheduler_config(vllm_config, kv_cache_config, block_size)
         opts = cfg.options(vllm_config)
         self.log_path: str | None = opts.get("log")
+        self._vllm_hashes = opts.get("block_hashes") == "vllm"
         log = create_log(self.log_path, self.config) if self.log_path else None
         self.engine = Engine(
             self.config, log=log, check_invariants=bool(opts.get("check_invariants"))
@@ -148,7 +149,7 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # (vLLM is untyped h
         self._seq_of[name] = seq_id
         self._stops[seq_id] = stop_rule(request, self.max_model_len)
         self._req_of[seq_id] = request
-        self._inputs.append(arrival(request, seq_id, self.t0))
+        self._inputs.append(arrival(request, seq_id, self.t0, self._vllm_hashes))
 
     def finish_requests(
         self, request_ids: str | Iterable[str] | None, finished_status: Any

@@ -1,0 +1,245 @@
+/* kvs128: the native kernel of kvsched's default block identity (see identity.py, which also
+ * holds the pure-Python reference this must equal bit for bit).
+ *
+ * One block's digest, from its parent's digest (p0, p1), its bytes and its extra bytes. All
+ * arithmetic is modulo 2**64, words are little-endian u64, K[0..73] are derived from the
+ * namespace root (identity.py):
+ *
+ *   the block's bytes, zero-padded to whole 64-byte stripes, are words w[i]; word i has the
+ *   key k(i) = K[i mod 64] + (i div 64) * P1, and d = w[i] ^ k(i) adds to lane l = i mod 8:
+ *       acc[l] += (d mod 2**32) * (d div 2**32) + w[i ^ 1]
+ *   the extra bytes (zero-padded the same way) continue into the same lanes with word
+ *   indices from EXTRA_WORD0 on;
+ *   fold(a, b) = lo ^ hi of the 128-bit product a * b;
+ *   u = fold(acc0 ^ K64, acc1 ^ K65) + fold(acc2 ^ K66, acc3 ^ K67),
+ *   v = fold(acc4 ^ K68, acc5 ^ K69) + fold(acc6 ^ K70, acc7 ^ K71);
+ *   x0 = p0 ^ u ^ (len(extra) * P3), x1 = p1 ^ v;
+ *   lo, hi = 128-bit product (x0 ^ K72) * (x1 ^ K73);  h0 = mix(lo + x1), h1 = mix(hi + x0)
+ *   with mix(h) = g ^ (g >> 32), g = (h ^ (h >> 37)) * PM;  digest = h0 || h1.
+ *
+ * The lanes are SSE2 (x86-64's baseline: two lanes per register, one 32x32->64 product per
+ * word); elsewhere a scalar loop computes the same. Only the finaliser depends on the parent
+ * (a short critical path from block to block): the next block's stripes overlap with it.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
+
+#define NKEYS 74
+#define DIGEST 16
+#define STRIPE 64
+#define P1 0x9E3779B97F4A7C15ULL
+#define P3 0x165667B19E3779F9ULL
+#define PM 0x165667919E3779F9ULL
+#define M32 0xFFFFFFFFULL
+#define EXTRA_WORD0 (1ULL << 40)
+
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
+#define LE64(v) __builtin_bswap64(v)
+#define NATIVE_LANES 0
+#else
+#define LE64(v) (v)
+#define NATIVE_LANES 1
+#endif
+
+static inline uint64_t rd64(const unsigned char *p) {
+    uint64_t v;
+    memcpy(&v, p, 8);
+    return LE64(v);
+}
+
+static inline void wr64(unsigned char *p, uint64_t v) {
+    v = LE64(v);
+    memcpy(p, &v, 8);
+}
+
+static inline uint64_t mix(uint64_t h) {
+    h ^= h >> 37;
+    h *= PM;
+    return h ^ (h >> 32);
+}
+
+static inline void mul128(uint64_t a, uint64_t b, uint64_t *lo, uint64_t *hi) {
+#if defined(__SIZEOF_INT128__)
+    unsigned __int128 r = (unsigned __int128)a * b;
+    *lo = (uint64_t)r;
+    *hi = (uint64_t)(r >> 64);
+#else
+    uint64_t al = a & M32, ah = a >> 32, bl = b & M32, bh = b >> 32;
+    uint64_t ll = al * bl, lh = al * bh, hl = ah * bl, hh = ah * bh;
+    uint64_t mid = (ll >> 32) + (lh & M32) + (hl & M32);
+    *lo = (mid << 32) | (ll & M32);
+    *hi = hh + (lh >> 32) + (hl >> 32) + (mid >> 32);
+#endif
+}
+
+static inline uint64_t fold(uint64_t a, uint64_t b) {
+    uint64_t lo, hi;
+    mul128(a, b, &lo, &hi);
+    return lo ^ hi;
+}
+
+static inline uint64_t word_key(const uint64_t *K, uint64_t i) { return K[i & 63] + (i >> 6) * P1; }
+
+/* One zero-padded stripe (8 words) into the lanes, keys kk[0..7]. */
+static inline void stripe_scalar(uint64_t *acc, const unsigned char *p, const uint64_t *kk) {
+    uint64_t w[8];
+    for (int l = 0; l < 8; l++) w[l] = rd64(p + 8 * l);
+    for (int l = 0; l < 8; l++) {
+        uint64_t d = w[l] ^ kk[l];
+        acc[l] += (d & M32) * (d >> 32) + w[l ^ 1];
+    }
+}
+
+/* Bytes past the whole stripes, or extra bytes: zero-padded stripes, keys of word index
+ * ``word`` on (computed here: the rare path). */
+static void absorb_tail(uint64_t *acc, const unsigned char *p, Py_ssize_t n, const uint64_t *K,
+                        uint64_t word) {
+    for (; n > 0; n -= STRIPE, p += STRIPE, word += 8) {
+        unsigned char pad[STRIPE] = {0};
+        uint64_t kk[8];
+        memcpy(pad, p, (size_t)(n < STRIPE ? n : STRIPE));
+        for (int l = 0; l < 8; l++) kk[l] = word_key(K, word + (uint64_t)l);
+        stripe_scalar(acc, pad, kk);
+    }
+}
+
+/* The whole stripes of a block's bytes, keys from the per-call table kk (8 per stripe). */
+static inline void absorb_block(uint64_t *acc, const unsigned char *p, Py_ssize_t nstripes,
+                                const uint64_t *kk) {
+#if defined(__SSE2__) && NATIVE_LANES
+    __m128i a0 = _mm_setzero_si128(), a1 = a0, a2 = a0, a3 = a0;
+    for (Py_ssize_t j = 0; j < nstripes; j++, p += STRIPE, kk += 8) {
+        __m128i w0 = _mm_loadu_si128((const __m128i *)p);
+        __m128i w1 = _mm_loadu_si128((const __m128i *)(p + 16));
+        __m128i w2 = _mm_loadu_si128((const __m128i *)(p + 32));
+        __m128i w3 = _mm_loadu_si128((const __m128i *)(p + 48));
+        __m128i d0 = _mm_xor_si128(w0, _mm_loadu_si128((const __m128i *)kk));
+        __m128i d1 = _mm_xor_si128(w1, _mm_loadu_si128((const __m128i *)(kk + 2)));
+        __m128i d2 = _mm_xor_si128(w2, _mm_loadu_si128((const __m128i *)(kk + 4)));
+        __m128i d3 = _mm_xor_si128(w3, _mm_loadu_si128((const __m128i *)(kk + 6)));
+        a0 = _mm_add_epi64(a0, _mm_add_epi64(_mm_mul_epu32(d0, _mm_srli_epi64(d0, 32)),
+                                             _mm_shuffle_epi32(w0, 0x4E)));
+        a1 = _mm_add_epi64(a1, _mm_add_epi64(_mm_mul_epu32(d1, _mm_srli_epi64(d1, 32)),
+                                             _mm_shuffle_epi32(w1, 0x4E)));
+        a2 = _mm_add_epi64(a2, _mm_add_epi64(_mm_mul_epu32(d2, _mm_srli_epi64(d2, 32)),
+                                             _mm_shuffle_epi32(w2, 0x4E)));
+        a3 = _mm_add_epi64(a3, _mm_add_epi64(_mm_mul_epu32(d3, _mm_srli_epi64(d3, 32)),
+                                             _mm_shuffle_epi32(w3, 0x4E)));
+    }
+    _mm_storeu_si128((__m128i *)acc, a0);
+    _mm_storeu_si128((__m128i *)(acc + 2), a1);
+    _mm_storeu_si128((__m128i *)(acc + 4), a2);
+    _mm_storeu_si128((__m128i *)(acc + 6), a3);
+#else
+    for (int l = 0; l < 8; l++) acc[l] = 0;
+    for (Py_ssize_t j = 0; j < nstripes; j++, p += STRIPE, kk += 8) stripe_scalar(acc, p, kk);
+#endif
+}
+
+static inline void finish(uint64_t *h0, uint64_t *h1, const uint64_t *acc, Py_ssize_t elen,
+                          const uint64_t *K) {
+    uint64_t u = fold(acc[0] ^ K[64], acc[1] ^ K[65]) + fold(acc[2] ^ K[66], acc[3] ^ K[67]);
+    uint64_t v = fold(acc[4] ^ K[68], acc[5] ^ K[69]) + fold(acc[6] ^ K[70], acc[7] ^ K[71]);
+    uint64_t x0 = *h0 ^ u ^ ((uint64_t)elen * P3), x1 = *h1 ^ v, lo, hi;
+    mul128(x0 ^ K[72], x1 ^ K[73], &lo, &hi);
+    *h0 = mix(lo + x1);
+    *h1 = mix(hi + x0);
+}
+
+/* chain(parent, tokens, block_size, keys, extras) -> bytes
+ * parent: 16 bytes; tokens: a C-contiguous buffer of 4-byte items (little-endian int32);
+ * keys: NKEYS * 8 bytes; extras: None or a sequence of (block index, bytes) in increasing
+ * block order (indices relative to the first block of tokens). Returns the packed digests of
+ * the len(tokens) // block_size full blocks. */
+static PyObject *chain(PyObject *self, PyObject *args) {
+    Py_buffer parent, tokens, keys;
+    Py_ssize_t bs;
+    PyObject *extras;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "y*y*ny*O", &parent, &tokens, &bs, &keys, &extras)) return NULL;
+    PyObject *out = NULL, *seq = NULL;
+    uint64_t *kk = NULL;
+    if (parent.len != DIGEST || keys.len != NKEYS * 8 || bs <= 0 || tokens.itemsize != 4 ||
+        tokens.len % 4) {
+        PyErr_SetString(PyExc_ValueError,
+                        "kvs128.chain: parent must be 16 bytes, keys 592, block_size > 0, "
+                        "tokens 4-byte items");
+        goto done;
+    }
+    if (extras != Py_None) {
+        seq = PySequence_Fast(extras, "kvs128.chain: extras must be a sequence or None");
+        if (seq == NULL) goto done;
+    }
+    uint64_t K[NKEYS];
+    for (int i = 0; i < NKEYS; i++) K[i] = rd64((const unsigned char *)keys.buf + 8 * i);
+    Py_ssize_t nblocks = tokens.len / 4 / bs, step = 4 * bs, whole = step / STRIPE;
+    Py_ssize_t rest = step - whole * STRIPE;
+    kk = PyMem_Malloc((size_t)(whole > 0 ? whole : 1) * 8 * sizeof(uint64_t));
+    if (kk == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < whole * 8; i++) kk[i] = word_key(K, (uint64_t)i);
+    out = PyBytes_FromStringAndSize(NULL, nblocks * DIGEST);
+    if (out == NULL) goto done;
+    unsigned char *dst = (unsigned char *)PyBytes_AS_STRING(out);
+    const unsigned char *src = (const unsigned char *)tokens.buf;
+    uint64_t h0 = rd64((const unsigned char *)parent.buf);
+    uint64_t h1 = rd64((const unsigned char *)parent.buf + 8);
+    Py_ssize_t next = 0, nextras = seq ? PySequence_Fast_GET_SIZE(seq) : 0;
+    Py_ssize_t next_block = -1;
+    const char *ebuf = NULL;
+    Py_ssize_t elen = 0;
+    for (Py_ssize_t b = 0; b < nblocks; b++) {
+        while (next_block < b && next < nextras) {
+            PyObject *item = PySequence_Fast_GET_ITEM(seq, next++);
+            PyObject *idx, *val;
+            if (!PyTuple_Check(item) || PyTuple_GET_SIZE(item) != 2) {
+                PyErr_SetString(PyExc_TypeError, "kvs128.chain: extras items are (int, bytes)");
+                Py_CLEAR(out);
+                goto done;
+            }
+            idx = PyTuple_GET_ITEM(item, 0);
+            val = PyTuple_GET_ITEM(item, 1);
+            next_block = PyLong_AsSsize_t(idx);
+            if ((next_block == -1 && PyErr_Occurred()) ||
+                PyBytes_AsStringAndSize(val, (char **)&ebuf, &elen) < 0) {
+                Py_CLEAR(out);
+                goto done;
+            }
+        }
+        Py_ssize_t this_elen = next_block == b ? elen : 0;
+        const unsigned char *data = src + b * step;
+        uint64_t acc[8];
+        absorb_block(acc, data, whole, kk);
+        if (rest) absorb_tail(acc, data + whole * STRIPE, rest, K, (uint64_t)whole * 8);
+        if (this_elen) absorb_tail(acc, (const unsigned char *)ebuf, this_elen, K, EXTRA_WORD0);
+        finish(&h0, &h1, acc, this_elen, K);
+        wr64(dst + b * DIGEST, h0);
+        wr64(dst + b * DIGEST + 8, h1);
+    }
+done:
+    PyMem_Free(kk);
+    Py_XDECREF(seq);
+    PyBuffer_Release(&parent);
+    PyBuffer_Release(&tokens);
+    PyBuffer_Release(&keys);
+    return out;
+}
+
+static PyMethodDef methods[] = {
+    {"chain", chain, METH_VARARGS,
+     "chain(parent, tokens, block_size, keys, extras) -> packed kvs128 digests of the full "
+     "blocks"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_kvs128",
+                                    "Native kernel of the kvs128 block identity.", -1, methods};
+
+PyMODINIT_FUNC PyInit__kvs128(void) { return PyModule_Create(&module); }

@@ -1,0 +1,102 @@
+"""``kvsched bench admit``: one whole ``Engine.step`` in which B cached requests arrive and are
+admitted with their hits, on lmdeploy's "aligned exact hit" workload (``bench match``'s).
+
+Where ``bench match`` times the match alone (the block identities were computed at arrival,
+outside its scope), this times everything the scheduler does for the same requests, in one
+step, as a serving engine runs it: input checks, the arrival folds (the prompt copied into
+the sequence, the block identity of its L tokens), the ordering of the waiting queue,
+admission (the match, a batch row, the block-table copy, reference counts; ``ssm``: the
+checkpoint pinned and restored, a save reserved at the new prompt end), the one-token
+prefill chunk of each request and the allocation of its tail block, the plan, and the folds
+of every decision. Not in it: an event log or stream (the engine has none), the executor.
+
+Set-up (untimed) is ``bench match``'s: the producers' prefill leaves every prompt's blocks (and
+in ``ssm`` its prompt-end checkpoint) cached. Each sample's B consumers have fresh sequence ids;
+after the timed step the step's outcome (one sampled token each, ``max_tokens=1``) is fed
+back untimed, which finishes them and leaves the cache as it was.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+
+from kvsched.bench.match import VOCAB, _config, _prefill_producers
+from kvsched.bench.stats import summarize, time_samples
+from kvsched.engine import Engine
+from kvsched.events import types as ev
+from kvsched.gpu.sim import SimulatedExecutor
+
+
+def run_admit_bench(
+    *, mode: str, batch: int, context: int, block_size: int = 64, warmup: int = 2, samples: int = 10
+) -> dict[str, Any]:
+    if mode not in ("ar", "ssm"):
+        raise ValueError(f"unknown mode {mode!r} (ar or ssm)")
+    if context % block_size:
+        raise ValueError("aligned workload: context must be a multiple of the block size")
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(1, VOCAB, size=context, dtype=np.int64) for _ in range(batch)]
+    # The consumers' own prompt-end saves need room beside the producers' checkpoints.
+    config = _config(batch, context, block_size, hybrid=mode == "ssm", budget=2 * batch + 2)
+    engine = Engine(config)
+    t0 = time.perf_counter()
+    _prefill_producers(engine, [p.astype(np.int32) for p in prompts])
+    build_s = time.perf_counter() - t0
+    executor = SimulatedExecutor(VOCAB)
+    queries = [np.append(p, 7).astype(np.int32) for p in prompts]
+    clock = [1.0e6]
+    arrivals: list[list[ev.Event]] = []
+    results: list[Any] = []
+
+    def prepare(sample: int) -> None:
+        first = 1_000_000 + sample * batch
+        arrivals.append(
+            [
+                ev.RequestArrived(seq_id=first + i, prompt=q, max_tokens=1)
+                for i, q in enumerate(queries)
+            ]
+        )
+
+    prepare(0)
+
+    def admit_all() -> None:
+        results.append(engine.step(arrivals[-1], clock[0]))
+
+    def undo() -> None:
+        result = results.pop()
+        _check_hits(result.decisions, batch, context, mode)
+        clock[0] += 1.0
+        done = engine.step([executor.execute(result.plan)], clock[0])
+        clock[0] += 1.0
+        finished = sum(len(d.seq_ids) for d in done.decisions if isinstance(d, ev.SequenceFinished))
+        if finished != batch or engine.has_work:
+            raise AssertionError(f"expected {batch} consumers to finish, {finished} did")
+        prepare(len(arrivals))
+
+    times = time_samples(admit_all, undo, warmup, samples)
+    return {
+        "impl": "kvsched",
+        "bench": "admit",
+        "mode": mode,
+        "batch": batch,
+        "context": context,
+        "block_size": block_size,
+        "identity": config.identity,
+        "build_s": round(build_s, 2),
+        **summarize(times),
+    }
+
+
+def _check_hits(decisions: tuple[ev.Event, ...], batch: int, context: int, mode: str) -> None:
+    """Every consumer was admitted with all L tokens hit (``ssm``: from a checkpoint)."""
+    hits = [d for d in decisions if isinstance(d, ev.PrefixMatched)]
+    full = sum(1 for d in hits if d.num_tokens == context)
+    if full != batch:
+        raise AssertionError(f"expected {batch} admissions hitting {context} tokens, got {full}")
+    if mode == "ssm":
+        pinned = sum(1 for d in decisions if isinstance(d, ev.CheckpointPinned))
+        if pinned != batch:
+            raise AssertionError(f"expected {batch} checkpoint restores, got {pinned}")
