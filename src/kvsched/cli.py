@@ -16,6 +16,7 @@ from tqdm import tqdm
 from kvsched.config import (
     CHECKPOINT_POLICIES,
     EVICTIONS,
+    IDENTITY_SCHEMES,
     MAX_BATCH,
     MAX_BLOCKS,
     PLACEMENTS,
@@ -300,12 +301,46 @@ def cmd_bench(args: argparse.Namespace) -> int:
             )
         except ValueError as exc:
             return _fail(str(exc))
+    elif args.bench == "admit":
+        from kvsched.bench.admit import run_admit_bench
+
+        try:
+            out = run_admit_bench(
+                mode=args.mode,
+                batch=args.batch,
+                context=args.context,
+                block_size=args.block_size,
+                warmup=args.warmup,
+                samples=args.samples,
+            )
+        except ValueError as exc:
+            return _fail(str(exc))
+    elif args.bench == "identity":
+        from kvsched.bench.identity import run_identity_bench
+
+        out = run_identity_bench(
+            context=args.context,
+            block_size=args.block_size,
+            scheme=args.scheme,
+            warmup=args.warmup,
+            samples=args.samples,
+        )
     elif args.bench == "vllm":
         return _bench_vllm(args)
     else:
         from kvsched.bench.step import run_step_bench
 
-        out = run_step_bench(running=args.running, warmup=args.warmup, samples=args.samples)
+        try:
+            out = run_step_bench(
+                running=args.running,
+                warmup=args.warmup,
+                samples=args.samples,
+                event_log=args.event_log,
+                log_path=args.log,
+                progress=not args.json,
+            )
+        except OSError as exc:  # --log PATH cannot be written (events.log.LogOpenError)
+            return _fail(str(exc))
     if args.json:
         print(json.dumps(out))
     else:
@@ -330,18 +365,40 @@ def _bench_vllm(args: argparse.Namespace) -> int:
 def _add_bench(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     bench = sub.add_parser("bench", help="benchmarks (prefix match, scheduler step)")
     kinds = bench.add_subparsers(dest="bench", required=True)
-    match = kinds.add_parser("match", help="prefix match on lmdeploy's aligned exact-hit workload")
-    match.add_argument("--mode", choices=["ar", "ssm"], default="ar")
-    match.add_argument("--batch", type=_int_in(1, MAX_BATCH), default=128)
-    match.add_argument("--context", type=_int_in(1, 1 << 24), default=65536)
-    match.add_argument("--block-size", type=_int_in(1, 1 << 16), default=64)
-    match.add_argument("--warmup", type=_int_in(0, 1 << 20), default=2)
-    match.add_argument("--samples", type=COUNT, default=10)
-    match.add_argument("--json", action="store_true")
+    for name, what in (
+        ("match", "prefix match on lmdeploy's aligned exact-hit workload"),
+        ("admit", "one Engine.step admitting B cached requests (identity and all; same workload)"),
+    ):
+        match = kinds.add_parser(name, help=what)
+        match.add_argument("--mode", choices=["ar", "ssm"], default="ar")
+        match.add_argument("--batch", type=_int_in(1, MAX_BATCH), default=128)
+        match.add_argument("--context", type=_int_in(1, 1 << 24), default=65536)
+        match.add_argument("--block-size", type=_int_in(1, 1 << 16), default=64)
+        match.add_argument("--warmup", type=_int_in(0, 1 << 20), default=2)
+        match.add_argument("--samples", type=COUNT, default=10)
+        match.add_argument("--json", action="store_true")
+    ident = kinds.add_parser(
+        "identity", help="block identity of one prompt, beside one numpy.array_equal pass"
+    )
+    ident.add_argument("--context", type=_int_in(1, 1 << 24), default=65536)
+    ident.add_argument("--block-size", type=_int_in(1, 1 << 16), default=64)
+    ident.add_argument("--scheme", choices=IDENTITY_SCHEMES, default="kvs128")
+    ident.add_argument("--warmup", type=_int_in(0, 1 << 20), default=20)
+    ident.add_argument("--samples", type=COUNT, default=500)
+    ident.add_argument("--json", action="store_true")
     step = kinds.add_parser("step", help="one scheduler step with N running decode sequences")
     step.add_argument("--running", type=_int_in(1, MAX_BATCH), default=1024)
     step.add_argument("--warmup", type=_int_in(0, 1 << 20), default=5)
     step.add_argument("--samples", type=COUNT, default=200)
+    step.add_argument(
+        "--event-log",
+        action="store_true",
+        help="the engine writes its event log (a temporary file, deleted afterwards): the "
+        "timed step includes the plan digest, the record's encoding and the write",
+    )
+    step.add_argument(
+        "--log", metavar="PATH", help="write the event log to PATH, kept (implies --event-log)"
+    )
     step.add_argument("--json", action="store_true")
     vllm = kinds.add_parser(
         "vllm", help="schedule + update_from_output per step: vLLM's scheduler vs kvsched's"

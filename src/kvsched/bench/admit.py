@@ -76,7 +76,7 @@ def run_admit_bench(
             raise AssertionError(f"expected {batch} consumers to finish, {finished} did")
         prepare(len(arrivals))
 
-    times = time_samples(admit_all, undo, warmup, samples)
+    times = time_samples(admit_all, undo, warmup, samples, freeze=True)
     return {
         "impl": "kvsched",
         "bench": "admit",
