@@ -95,6 +95,27 @@ def test_a_block_filled_by_outputs_after_an_image_keeps_the_images_content_hash(
 # ---------------------------------------------------------------- the kvs128 scheme
 
 
+def _paths() -> list[str]:
+    """The kernel's lane loops this CPU runs (each must compute the specification)."""
+    out = []
+    for name in ("avx2", "sse2", "scalar"):
+        try:
+            identity._kvs128.use(name)
+            out.append(name)
+        except ValueError:
+            pass
+    identity._kvs128.use(None)
+    return out
+
+
+def test_the_native_kvs128_kernel_has_a_portable_loop_and_picks_the_fastest_by_default() -> None:
+    assert identity._kvs128 is not None, "the native kernel is not built"
+    assert "scalar" in _paths()
+    assert identity._kvs128.use(None) == _paths()[0]
+    with pytest.raises(ValueError, match="not available"):
+        identity._kvs128.use("no-such-path")
+
+
 @settings(max_examples=60, deadline=None)
 @given(
     block_size=st.integers(1, 80),
@@ -111,10 +132,15 @@ def test_the_native_kvs128_kernel_computes_exactly_its_python_specification(
     toks = np.random.default_rng(seed).integers(-(2**31), 2**31, n_tokens).astype("<i4")
     extras = sorted(dict(extra_blocks).items())
     extras = [(b, x) for b, x in extras if x]
-    native = identity._kvs128.chain(root, toks, block_size, keys, extras or None)
     reference = identity._kvs128_py(root, toks.tobytes(), block_size, keys, extras)
-    assert native == reference
-    assert len(native) == 16 * (n_tokens // block_size)
+    assert len(reference) == 16 * (n_tokens // block_size)
+    try:
+        for path in _paths():
+            identity._kvs128.use(path)
+            native = identity._kvs128.chain(root, toks, block_size, keys, extras or None)
+            assert native == reference, path
+    finally:
+        identity._kvs128.use(None)
 
 
 # Computed once by the Python specification; any change to the scheme changes it (and every

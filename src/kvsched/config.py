@@ -42,21 +42,25 @@ CHECKPOINT_POLICIES: dict[str, dict[str, Any]] = {
         ),
         "checkpoint_eviction": "value",
         "aligned_checkpoints_only": False,
+        "checkpoint_min_gain_blocks": 1,
     },
     "lmdeploy": {
         "checkpoint_placement": ("chunk_end", "prompt_end", "decode"),
         "checkpoint_eviction": "frozen_first",
         "aligned_checkpoints_only": False,
+        "checkpoint_min_gain_blocks": 0,
     },
     "vllm-align": {
         "checkpoint_placement": ("chunk_end", "prompt_tail", "decode_blocks"),
         "checkpoint_eviction": "lru",
         "aligned_checkpoints_only": True,
+        "checkpoint_min_gain_blocks": 0,
     },
     "sglang": {
         "checkpoint_placement": ("chunk_end", "sequence_end"),
         "checkpoint_eviction": "lru",
         "aligned_checkpoints_only": False,
+        "checkpoint_min_gain_blocks": 0,
     },
 }
 
@@ -134,6 +138,9 @@ class SchedulerConfig:
     )
     checkpoint_eviction: str = "value"
     checkpoint_interval: int = 4096  # tokens between "interval" checkpoints (whole blocks)
+    # A save less than this many blocks past the state the sequence restored is not made: a
+    # hit on it would save less prefill than its state slot (and frozen block) are worth.
+    checkpoint_min_gain_blocks: int = 1
     # The executor can save a state in the middle of a chunk (plan.state_save_within); when it
     # cannot, "branch" and "prompt_tail" end a chunk there instead and "interval" is not used.
     mid_chunk_saves: bool = True
@@ -166,6 +173,7 @@ class SchedulerConfig:
         _in_range("decode_checkpoint_interval", self.decode_checkpoint_interval, 0, 1 << 31)
         _in_range("checkpoint_memory", self.checkpoint_memory, 0, 1 << 50)
         _in_range("checkpoint_interval", self.checkpoint_interval, 1, 1 << 31)
+        _in_range("checkpoint_min_gain_blocks", self.checkpoint_min_gain_blocks, 0, 1 << 20)
         unknown = sorted(set(self.checkpoint_placement) - set(PLACEMENTS))
         if unknown or len(set(self.checkpoint_placement)) != len(self.checkpoint_placement):
             raise ValueError(
@@ -269,6 +277,7 @@ class SchedulerConfig:
         data = dict(data)
         if schema_version < 4:
             data.setdefault("identity", "blake2b")
+            data.setdefault("checkpoint_min_gain_blocks", 0)
         if schema_version < 3:
             for key, value in CHECKPOINT_POLICIES["lmdeploy"].items():
                 data.setdefault(key, value)

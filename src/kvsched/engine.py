@@ -134,7 +134,8 @@ class Engine:
         plan = plan_step(self.state)
         decisions = tuple(self._decisions)
         if self.log is not None or self.sinks:
-            record = StepRecord(step, clock, inputs, list(decisions), plan_digest(plan))
+            digest = plan_digest(plan, self.config.identity)
+            record = StepRecord(step, clock, inputs, list(decisions), digest)
             payload = encode(record)
             if self.log is not None:
                 self.log.append(payload)

@@ -82,6 +82,12 @@ def span_extras(
 # ------------------------------------------------------------------------------ kvs128
 
 
+@lru_cache(maxsize=1)
+def kvs128_root() -> bytes:
+    """A fixed root for kvs128 digests of data that is not a prompt (plan fields)."""
+    return blake2b(b"kvsched-kvs128-data-v1", digest_size=DIGEST_SIZE).digest()
+
+
 @lru_cache(maxsize=4096)
 def kvs128_keys(root: bytes) -> bytes:
     """The 74 64-bit keys of a namespace (592 bytes): blake2b of the root, counter mode."""
@@ -145,10 +151,10 @@ _NATIVE_WARNED = False
 
 def _kvs128_chain(
     parent: bytes, data: np.ndarray, block_size: int, keys: bytes, extras: list[tuple[int, bytes]]
-) -> bytes:
+) -> tuple[bytes, int | None]:
     if _kvs128 is not None:
-        packed: bytes = _kvs128.chain(parent, data, block_size, keys, extras or None)
-        return packed
+        packed, top = _kvs128.chain(parent, data, block_size, keys, extras or None, True)
+        return packed, top
     global _NATIVE_WARNED
     if not _NATIVE_WARNED:
         _NATIVE_WARNED = True
@@ -158,7 +164,7 @@ def _kvs128_chain(
             RuntimeWarning,
             stacklevel=3,
         )
-    return _kvs128_py(parent, data.tobytes(), block_size, keys, extras)
+    return _kvs128_py(parent, data.tobytes(), block_size, keys, extras), None
 
 
 # ---------------------------------------------------------------------- both schemes
@@ -175,6 +181,21 @@ def chain_packed(
 ) -> bytes:
     """Packed digests (16 bytes each) of the full blocks of ``tokens``, which start at block
     index ``first_block`` of a chain rooted at ``root`` and continue ``parent``."""
+    return chain_and_max(scheme, root, parent, tokens, block_size, first_block, extras)[0]
+
+
+def chain_and_max(
+    scheme: str,
+    root: bytes,
+    parent: bytes,
+    tokens: np.ndarray,
+    block_size: int,
+    first_block: int = 0,
+    extras: Extras | None = None,
+) -> tuple[bytes, int | None]:
+    """``chain_packed``, and the largest token id of all of ``tokens`` read as unsigned
+    32-bit (a negative id is larger than any vocabulary) where the same pass computed it
+    (the native kvs128 kernel), else None."""
     data = np.ascontiguousarray(tokens, dtype=_TOKEN_DTYPE)
     if scheme == "kvs128":
         rel = sorted((b - first_block, x) for b, x in extras.items() if x) if extras else []
@@ -193,7 +214,7 @@ def chain_packed(
                 h.update(extra)
         parent = h.digest()
         out.append(parent)
-    return b"".join(out)
+    return b"".join(out), None
 
 
 def chain_hashes(

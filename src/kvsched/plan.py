@@ -5,9 +5,11 @@ lives, which blocks to copy or zero, which state slots to reset, restore or save
 sample. Arrays are read-only. This module imports nothing of the scheduler, so an executor
 depends on the plan alone (``reducers.planner.plan_step`` builds it).
 
-``plan_digest`` is the plan's fingerprint in every step record: one 8-byte blake2b digest per
-field, in declaration order, so ``kvsched verify`` can say which field of a replayed plan
-differs from the logged one.
+``plan_digest`` is the plan's fingerprint in every step record: one 8-byte digest per field,
+in declaration order, so ``kvsched verify`` can say which field of a replayed plan differs
+from the logged one. Its scheme follows the run's block identity (``SchedulerConfig.identity``):
+``kvs128`` (one native pass over each field's bytes, keyed by a fixed root, after a blake2b
+header of the field's name, dtype and shape) or ``blake2b`` (every log before schema 4).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import attrs
 import numpy as np
 
 FIELD_DIGEST_SIZE = 8
+_BLOCK = 256  # int32 words per kvs128 block of a field's bytes
 
 
 def _empty(width: int) -> np.ndarray:
@@ -95,9 +98,30 @@ def _field_digest(name: str, value: object) -> bytes:
     return h.digest()
 
 
-def plan_digest(plan: StepPlan) -> bytes:
-    """``len(PLAN_FIELDS)`` concatenated 8-byte digests, one per field."""
-    return b"".join(_field_digest(name, getattr(plan, name)) for name in PLAN_FIELDS)
+def _field_digest_kvs128(name: str, value: object) -> bytes:
+    from kvsched.identity import chain_packed, kvs128_root
+
+    root = kvs128_root()
+    if not isinstance(value, np.ndarray):
+        return blake2b(name.encode() + repr(value).encode(), digest_size=8).digest()
+    header = blake2b(f"{name}{value.dtype.str}{value.shape}".encode(), digest_size=16)
+    raw = np.ascontiguousarray(value).reshape(-1).view(np.uint8)
+    whole = len(raw) // (4 * _BLOCK) * (4 * _BLOCK)  # whole blocks: hashed in place
+    tail = np.zeros(4 * _BLOCK, dtype=np.uint8)
+    tail[: len(raw) - whole] = raw[whole:]  # the rest, zero-padded (the shape gives its length)
+    parent = header.digest()
+    if whole:
+        parent = chain_packed("kvs128", root, parent, raw[:whole].view("<i4"), _BLOCK)[-16:]
+    if len(raw) > whole:
+        parent = chain_packed("kvs128", root, parent, tail.view("<i4"), _BLOCK)[-16:]
+    return parent[:FIELD_DIGEST_SIZE]
+
+
+def plan_digest(plan: StepPlan, scheme: str = "kvs128") -> bytes:
+    """``len(PLAN_FIELDS)`` concatenated 8-byte digests, one per field (``scheme``: the run's
+    identity scheme; ``blake2b`` for logs before schema 4)."""
+    digest = _field_digest_kvs128 if scheme == "kvs128" else _field_digest
+    return b"".join(digest(name, getattr(plan, name)) for name in PLAN_FIELDS)
 
 
 def first_plan_difference(logged: bytes, new: bytes, empty_tail: bool = False) -> str | None:

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from kvsched.bench.admit import run_admit_bench
+from kvsched.bench.identity import run_identity_bench
 from kvsched.bench.match import run_match_bench
 from kvsched.bench.stats import time_samples
 from kvsched.bench.step import bench_config, run_step_bench, setup_bound
@@ -22,6 +24,27 @@ def test_the_match_benchmark_hits_every_token_and_reports_percentiles() -> None:
     assert out["impl"] == "kvsched" and out["mode"] == "ar"
     assert (out["batch"], out["context"]) == (3, 1024)
     assert 0 < out["p50_ms"] <= out["p99_ms"]
+
+
+@pytest.mark.parametrize("mode", ["ar", "ssm"])
+def test_the_admit_benchmark_admits_every_request_with_its_whole_hit(mode: str) -> None:
+    # undo asserts that all 3 hit 1,024 tokens (ssm: from a checkpoint) and then finish
+    out = run_admit_bench(mode=mode, batch=3, context=1024, warmup=1, samples=3)
+    assert (out["bench"], out["mode"], out["identity"]) == ("admit", mode, "kvs128")
+    assert 0 < out["p50_ms"] <= out["p99_ms"]
+
+
+def test_the_admit_benchmark_refuses_a_context_that_is_not_whole_blocks() -> None:
+    with pytest.raises(ValueError, match="multiple of the block size"):
+        run_admit_bench(mode="ar", batch=1, context=1000)
+
+
+@pytest.mark.parametrize("scheme", ["kvs128", "blake2b"])
+def test_the_identity_benchmark_reports_the_hash_beside_one_array_equal_pass(scheme: str) -> None:
+    out = run_identity_bench(context=4096, scheme=scheme, warmup=2, samples=20)
+    assert out["scheme"] == scheme and out["context"] == 4096
+    assert 0 < out["p50_ms"] <= out["p99_ms"] and out["array_equal_p50_ms"] > 0
+    assert out["ns_per_token_p50"] == pytest.approx(out["p50_ms"] * 1e6 / 4096, rel=0.01)
 
 
 def test_the_step_benchmark_times_steps_where_every_sequence_decodes() -> None:

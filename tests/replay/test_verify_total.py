@@ -412,7 +412,7 @@ def first_replay_difference(config: SchedulerConfig, payloads: Sequence[bytes]) 
             return n
         if first_event_difference(rec.decisions, result.decisions) is not None:
             return n
-        if rec.plan and rec.plan != plan_digest(result.plan):
+        if rec.plan and rec.plan != plan_digest(result.plan, engine.config.identity):
             return n
     return None
 

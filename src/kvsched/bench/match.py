@@ -33,15 +33,20 @@ VOCAB = 150_000
 
 
 def _config(
-    batch: int, context: int, block_size: int, hybrid: bool, budget: int = 0
+    batch: int,
+    context: int,
+    block_size: int,
+    hybrid: bool,
+    budget: int = 0,
+    policy: str = "lmdeploy",
 ) -> SchedulerConfig:
     per_seq = context // block_size + 2
     return SchedulerConfig(
         hybrid=hybrid,
         checkpoint_budget=budget or batch + 2,
-        # lmdeploy's rules: the producers' only states are their prompt ends, the point the
-        # consumers hit, as in lmdeploy's aligned exact-hit workload (this times the match)
-        **CHECKPOINT_POLICIES["lmdeploy"],
+        # lmdeploy's rules by default: the producers' only states are their prompt ends, the
+        # point the consumers hit, as in lmdeploy's aligned exact-hit workload
+        **CHECKPOINT_POLICIES[policy],
         model=ModelSpec(vocab_size=VOCAB, max_context=context + 64),
         block_size=block_size,
         num_blocks=batch * per_seq * 2 + 16,

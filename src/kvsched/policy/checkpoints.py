@@ -65,6 +65,7 @@ class Checkpoints:
         self.bs = config.block_size
         self.growth = growth
         self.by_value = config.checkpoint_eviction == "value"
+        self.min_gain = config.checkpoint_min_gain_blocks * config.block_size
 
     # ------------------------------------------------------------------- placement
 
@@ -82,6 +83,8 @@ class Checkpoints:
         aligned = step % self.bs == 0
         if not aligned and (self.config.aligned_checkpoints_only or phase == "within"):
             return  # (an executor that keeps states in whole blocks only: vLLM's align mode)
+        if seq.num_hit_tokens and step - seq.num_hit_tokens < self.min_gain:
+            return  # barely past the state it restored: a hit on it would save almost nothing
         ckpts = state.ckpts
         key, anchor = state.seqs.identity_at(seq, step)
         if ckpts.find(key) is not None or ckpts.reserved_now(key):

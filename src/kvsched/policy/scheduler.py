@@ -60,7 +60,10 @@ class Policy:
             return f"max_tokens must be positive, got {e.max_tokens}"
         if e.seq_id in state.seqs.seqs or e.seq_id < 0:
             return f"duplicate or invalid request id {e.seq_id}"
-        if not in_vocabulary(prompt, model.vocab_size):
+        top = state.seqs.prepare_arrival(e)  # (the hashing pass also found the largest id)
+        if top is None:
+            top = -1 if in_vocabulary(prompt, model.vocab_size) else model.vocab_size
+        if top >= model.vocab_size:
             return f"token id outside the vocabulary [0, {model.vocab_size})"
         if e.temperature < 0:
             return f"temperature must be >= 0, got {e.temperature}"

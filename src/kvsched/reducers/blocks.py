@@ -195,7 +195,10 @@ class BlockPool:
         if (top[0] != blocks.item(0)) if n == 1 else (top != blocks.tolist()):
             raise ReplayMismatch(f"allocation would take {top}, event says {blocks.tolist()}")
         del self.free[len(self.free) - n :]
-        self.ref[blocks] = 1
+        if n == 1:
+            self.ref[top[0]] = 1
+        else:
+            self.ref[blocks] = 1
 
     def _on_allocated(self, e: ev.BlocksAllocated) -> None:
         self._take(e.blocks)

@@ -11,7 +11,7 @@ identity and routed-expert ids) and never writes it: its reference changes are r
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -20,7 +20,7 @@ from kvsched.events import types as ev
 from kvsched.identity import (
     HashChain,
     block_hash,
-    chain_packed,
+    chain_and_max,
     checkpoint_identity,
     namespace_root,
     span_extras,
@@ -36,6 +36,14 @@ __all__ = ["FREE_ROW", "History", "Seq", "SequenceTable"]
 
 _NO_ROWS = np.zeros(0, dtype=np.int64)
 _ADMIT = SeqEvent.admit  # (read once: a member read through its enum class costs ~100 ns)
+
+
+class _Arrival(NamedTuple):
+    tokens: np.ndarray
+    spans: tuple[ev.MultimodalSpan, ...]
+    root: bytes
+    hashes: HashChain
+    top: int | None  # the prompt's largest token id (unsigned) if the hashing read it all
 
 
 class SequenceTable(RowTable):
@@ -58,6 +66,11 @@ class SequenceTable(RowTable):
         self.failed: list[int] = []  # sequences computed by the latest failed step
         self.num_finished = 0
         self._roots: dict[tuple[str, str], bytes] = {}
+        # Caches of pure functions of (table, argument), not state: an arrival's tokens and
+        # digests, computed when the policy validates it and taken by its fold; the latest
+        # checkpoint identity asked for (a reservation, then its fold's check).
+        self._prepared: tuple[ev.RequestArrived, _Arrival] | None = None
+        self._identity: tuple[Seq, int, tuple[bytes, bytes]] | None = None
 
     def folds(self) -> dict[type[ev.Event], Callable[[Any], RefChange | None]]:
         return {
@@ -110,9 +123,23 @@ class SequenceTable(RowTable):
         """(identity, anchor) of the state after ``step`` tokens of ``seq``."""
         if seq.row != FREE_ROW and step > seq.n_tokens:
             self.flush(seq.row)  # the tail tokens it names were sampled since the last flush
-        return checkpoint_identity(
+        last = self._identity
+        if last is not None and last[0] is seq and last[1] == step and step <= seq.n_tokens:
+            return last[2]  # (tokens and digests up to step never change once known)
+        out = checkpoint_identity(
             seq.root, seq.hashes, seq.tokens, seq.mm_spans, step, self.block_size
         )
+        self._identity = (seq, step, out)
+        return out
+
+    def prepare_arrival(self, e: ev.RequestArrived) -> int | None:
+        """Compute an arrival's tokens and block digests ahead of its fold (which takes them),
+        for the policy's check of the request. Returns the prompt's largest token id (read
+        as unsigned: a negative id is larger than any vocabulary) when the hashing pass read
+        every prompt token, else None (the check then reads them itself)."""
+        arrival = self._arrival(e)
+        self._prepared = (e, arrival)
+        return arrival.top
 
     def _rows(self, seq_ids: np.ndarray) -> np.ndarray:
         try:
@@ -125,7 +152,9 @@ class SequenceTable(RowTable):
     def _on_step_started(self, e: ev.StepStarted) -> None:
         self.step = e.step
 
-    def _on_arrived(self, e: ev.RequestArrived) -> None:
+    def _arrival(self, e: ev.RequestArrived) -> _Arrival:
+        """An arrival's tokens (a session's history first), its multimodal spans in those
+        tokens' positions, and the digests of its full blocks."""
         # The prompt is kept as a read-only view, not copied (an event is an immutable value:
         # its arrays must not change once given to the engine); decoding grows it into a copy.
         prompt = np.asarray(e.prompt, dtype=np.int32).view()
@@ -141,7 +170,13 @@ class SequenceTable(RowTable):
             for s in e.mm_spans
         )
         same_root = history is not None and history.root == root
-        hashes = self._chain(e, tokens, spans, history if same_root else None)
+        hashes, first, top = self._chain(e, tokens, spans, history if same_root else None)
+        return _Arrival(tokens, spans, root, hashes, top if first <= offset else None)
+
+    def _on_arrived(self, e: ev.RequestArrived) -> None:
+        prepared, self._prepared = self._prepared, None
+        arrival = prepared[1] if prepared is not None and prepared[0] is e else self._arrival(e)
+        tokens, spans, root, hashes, _ = arrival
         seq = Seq(
             seq_id=e.seq_id,
             tokens=tokens,
@@ -167,10 +202,11 @@ class SequenceTable(RowTable):
     def _chain(
         self, e: ev.RequestArrived, tokens: np.ndarray, spans: tuple[ev.MultimodalSpan, ...],
         history: History | None,
-    ) -> HashChain:
+    ) -> tuple[HashChain, int, int | None]:
         """The digests of a new sequence's full blocks: the caller's (``e.block_hashes``), else
         the history's (its namespace is unchanged, and new spans lie past it, so they cannot
-        change those blocks), then one kernel call for the rest."""
+        change those blocks), then one kernel call for the rest; with the first token that
+        call read and the largest token id it saw (``chain_and_max``)."""
         bs = self.block_size
         if e.block_hashes:
             known = HashChain(e.block_hashes)
@@ -181,10 +217,10 @@ class SequenceTable(RowTable):
         keep = len(known)
         root = self.root_for(e.adapter, e.cache_salt)
         extras = span_extras(spans, bs, keep, len(tokens) // bs) if spans else None
-        rest = chain_packed(
+        rest, top = chain_and_max(
             self.identity, root, known.last(root), tokens[keep * bs :], bs, keep, extras
         )
-        return known.extended(rest)
+        return known.extended(rest), keep * bs, top
 
     def _on_executed(self, e: ev.StepExecuted) -> None:
         rows, starts, ends = self.take_pending()
@@ -246,7 +282,9 @@ class SequenceTable(RowTable):
     # --------------------------------------------------------------- admission folds
 
     def _on_admitted(self, e: ev.SequenceAdmitted) -> None:
-        self.activate(self.seq(e.seq_id), e.row, e, _ADMIT)
+        seq = self.seq(e.seq_id)
+        seq.num_hit_tokens = 0  # (until this admission's PrefixMatched, if any)
+        self.activate(seq, e.row, e, _ADMIT)
         self.waiting.pop(e.seq_id, None)
 
     def _on_load_admitted(self, e: ev.KVLoadAdmitted) -> None:

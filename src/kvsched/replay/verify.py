@@ -199,12 +199,12 @@ def replay_record(
     if divergence is None and not record.plan:  # every record of schema 2 has a digest
         divergence = _step_divergence(step, "plan", "the record carries no plan digest")
     if divergence is None:
-        divergence = _plan_divergence(record, result.plan)
+        divergence = _plan_divergence(record, result.plan, engine.config.identity)
     return ((record, result), None) if divergence is None else (None, divergence)
 
 
-def _plan_divergence(record: StepRecord, plan: StepPlan) -> Divergence | None:
-    digest = plan_digest(plan)
+def _plan_divergence(record: StepRecord, plan: StepPlan, scheme: str) -> Divergence | None:
+    digest = plan_digest(plan, scheme)
     logged_fields = len(record.plan) // FIELD_DIGEST_SIZE
     field = first_plan_difference(record.plan, digest, tail_is_empty(plan, logged_fields))
     if field is None:
