@@ -247,3 +247,25 @@ def test_caller_digests_that_are_not_whole_or_name_too_many_blocks_are_refused(
         result = h.step([arrival])
         rejected = [d for d in result.decisions if isinstance(d, ev.RequestRejected)]
         assert rejected and why in rejected[0].reason
+
+
+def test_a_hash_chain_reads_packed_and_appended_digests_as_one_sequence() -> None:
+    d = [bytes([i]) * 16 for i in range(6)]
+    chain = identity.HashChain(b"".join(d[:4]))
+    chain.append(d[4])
+    chain.append(d[5])
+    assert len(chain) == 6 and list(chain) == d and chain == d
+    assert chain[3] == d[3] and chain[4] == d[4] and chain[-1] == d[5] and chain[-6] == d[0]
+    with pytest.raises(IndexError):
+        chain[-7]
+    assert chain.packed(2, 5) == b"".join(d[2:5]) and chain.packed(5) == d[5]
+    assert chain.prefix(5) == d[:5] and chain.prefix(2) == d[:2]
+    assert chain.extended(b"".join(d[:1])) == [*d, d[0]]
+    assert chain.last(b"root") == d[5] and identity.HashChain().last(b"root") == b"root"
+    # Binary search of the longest prefix in a prefix-closed index, across both parts.
+    for k in range(7):
+        index = set(d[:k])
+        assert chain.longest_prefix_in(index, 6) == k
+        assert chain.longest_prefix_in(index, 3) == min(k, 3)
+    with pytest.raises(ValueError, match="whole"):
+        identity.HashChain(b"x" * 15)

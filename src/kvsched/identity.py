@@ -26,7 +26,7 @@ appended one by one as decoding fills blocks.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Container, Iterator, Sequence
 from functools import lru_cache
 from hashlib import blake2b
 
@@ -288,6 +288,24 @@ class HashChain:
 
     def __repr__(self) -> str:
         return f"HashChain({len(self)} digests)"
+
+    def longest_prefix_in(self, index: Container[bytes], limit: int) -> int:
+        """How many leading digests of the first ``limit`` are in ``index``, for an index
+        that is prefix-closed (a digest is in it only if its parent is): binary search."""
+        hi = min(limit, len(self))
+        if hi <= 0 or self[0] not in index:
+            return 0
+        lo = 1  # digests [0, lo) are in the index; the answer is in [lo, hi]
+        packed, n = self._packed, self._n
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            i = mid - 1
+            digest = packed[i * DIGEST_SIZE : mid * DIGEST_SIZE] if i < n else self._more[i - n]
+            if digest in index:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
 
     def last(self, default: bytes) -> bytes:
         """The deepest digest, or ``default`` (the root) for an empty chain."""

@@ -8,6 +8,7 @@ import pytest
 from kvsched.engine import Engine
 from kvsched.events import types as ev
 from kvsched.gpu.sim import SimulatedExecutor
+from kvsched.identity import HashChain
 from kvsched.policy import Policy, order_waiting
 from kvsched.replay.driver import run
 from kvsched.replay.workload import Turn, Workload, chat_workload
@@ -593,7 +594,7 @@ def test_a_prompt_of_exactly_n_cached_full_blocks_hits_n_minus_one_blocks():
     assert prefills(result) == [(1, 48, 64)]
 
 
-def _hashes(h: Harness, prompt: np.ndarray, **kw: object) -> list[bytes]:
+def _hashes(h: Harness, prompt: np.ndarray, **kw: object) -> HashChain:
     probe = Harness(h.config)
     probe.state.apply(request(99, prompt, **kw))
     return probe.state.seq(99).hashes

@@ -18,6 +18,7 @@ from hypothesis.stateful import (
 )
 
 from kvsched.events import types as ev
+from kvsched.identity import HashChain
 from kvsched.reducers.blocks import NULL_BLOCK, BlockPool, BlockPoolError
 from kvsched.reducers.errors import ReplayMismatch
 
@@ -172,11 +173,11 @@ def test_a_released_cached_chain_is_evicted_leaf_first_and_the_index_stays_prefi
     blocks = cache_chain(pool, hashes)
     pool.release(blocks)
     assert pool.num_available == 3
-    assert pool.find_prefix_len(hashes, 3) == 3
+    assert pool.find_prefix_len(HashChain(b"".join(hashes)), 3) == 3
     for remaining in (2, 1, 0):
         [taken] = allocate(pool, 1).tolist()
         assert taken == int(blocks[remaining])  # the leaf goes first
-        assert pool.find_prefix_len(hashes, 3) == remaining
+        assert pool.find_prefix_len(HashChain(b"".join(hashes)), 3) == remaining
         pool.check_invariants([arr(*blocks[remaining:].tolist())])
         for h in pool.index:
             parent = pool.parent_of[pool.index[h]]
@@ -190,8 +191,8 @@ def test_the_least_recently_released_chain_is_evicted_before_a_newer_one():
     pool.release(old_blocks)
     pool.release(new_blocks)
     assert allocate(pool, 2).tolist() == old_blocks[::-1].tolist()
-    assert pool.find_prefix_len(old, 2) == 0
-    assert pool.find_prefix_len(new, 2) == 2
+    assert pool.find_prefix_len(HashChain(b"".join(old)), 2) == 0
+    assert pool.find_prefix_len(HashChain(b"".join(new)), 2) == 2
 
 
 def test_attaching_a_cached_block_takes_it_off_the_lru_and_a_second_release_requeues_it():
@@ -209,7 +210,7 @@ def test_attaching_a_cached_block_takes_it_off_the_lru_and_a_second_release_requ
     # Only the child is evictable; it goes, the attached root stays cached.
     fresh = allocate(pool, 2)
     assert int(blocks[1]) in fresh.tolist() and int(blocks[0]) not in fresh.tolist()
-    assert pool.find_prefix_len(hashes, 2) == 1
+    assert pool.find_prefix_len(HashChain(b"".join(hashes)), 2) == 1
     pool.release(hit)
     pool.check_invariants([fresh])
     assert allocate(pool, 1).tolist() == [int(blocks[0])]
@@ -231,12 +232,12 @@ def test_find_prefix_len_respects_the_limit_and_an_empty_chain():
     pool = BlockPool(8)
     hashes = chain([1, 2, 3, 4])
     cache_chain(pool, hashes)
-    assert pool.find_prefix_len(hashes, 0) == 0
-    assert pool.find_prefix_len(hashes, 2) == 2
-    assert pool.find_prefix_len(hashes, 10) == 4
-    assert pool.find_prefix_len(chain([1, 2, 9]), 3) == 2
-    assert pool.find_prefix_len(chain([9]), 1) == 0
-    assert pool.find_prefix_len([], 3) == 0
+    assert pool.find_prefix_len(HashChain(b"".join(hashes)), 0) == 0
+    assert pool.find_prefix_len(HashChain(b"".join(hashes)), 2) == 2
+    assert pool.find_prefix_len(HashChain(b"".join(hashes)), 10) == 4
+    assert pool.find_prefix_len(HashChain(b"".join(chain([1, 2, 9]))), 3) == 2
+    assert pool.find_prefix_len(HashChain(b"".join(chain([9]))), 1) == 0
+    assert pool.find_prefix_len(HashChain(), 3) == 0
 
 
 def test_check_invariants_detects_a_holder_the_pool_does_not_count():
@@ -326,7 +327,7 @@ class BlockPoolMachine(RuleBasedStateMachine):
         pool = self.pool
         hashes = chain(content)
         self.chains.append(hashes)
-        hit = pool.find_prefix_len(hashes, len(hashes))
+        hit = pool.find_prefix_len(HashChain(b"".join(hashes)), len(hashes))
         assert hit == linear_prefix_len(pool, hashes, len(hashes))
         blocks = pool.find_blocks(hashes, hit)
         assert [self.ident.get(b) for b in blocks.tolist()] == hashes[:hit]
@@ -398,7 +399,7 @@ class BlockPoolMachine(RuleBasedStateMachine):
             return
         hashes = data.draw(st.sampled_from(self.chains))
         limit = data.draw(st.integers(0, len(hashes) + 1))
-        got = self.pool.find_prefix_len(hashes, limit)
+        got = self.pool.find_prefix_len(HashChain(b"".join(hashes)), limit)
         assert got == linear_prefix_len(self.pool, hashes, limit)
         blocks = self.pool.find_blocks(hashes, got)
         assert blocks.tolist() == [self.pool.index[h] for h in hashes[:got]]

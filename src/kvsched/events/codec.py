@@ -10,7 +10,11 @@ through an upcaster registered in ``UPCASTERS`` (none yet: version 1, positional
 without field names, is refused). Version 3 only added fields with defaults (a checkpoint's
 placement rule and save phase, an eviction's priority) and two plan fields appended last, so
 version 2 records decode as they are; a version-2 header's config ran the "lmdeploy"
-checkpoint rules (``SchedulerConfig.from_log_header``).
+checkpoint rules (``SchedulerConfig.from_log_header``). Version 4 added
+``RequestArrived.block_hashes`` (default empty) and the ``kvs128`` block identity and plan
+digest; a header before version 4 ran ``identity="blake2b"`` (block digests and plan
+digests) and no minimum checkpoint gain, so older logs replay and verify as they were
+written.
 """
 
 from __future__ import annotations

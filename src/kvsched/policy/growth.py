@@ -49,7 +49,8 @@ class Growth:
 
     def allocate_one(self, state: EngineState, seq_id: int, need: int, emit: Emit) -> None:
         if need > 0:
-            self.allocate(state, arr([seq_id]), arr([need], I32), emit)
+            blocks = self.take_blocks(state, need, emit)
+            emit(ev.BlocksAllocated(arr([seq_id]), arr([need], I32), blocks))
 
     # --------------------------------------------------------------------- caching
 

@@ -40,6 +40,9 @@ from kvsched.reducers.errors import RefChange, ReplayMismatch
 
 NULL_BLOCK = 0
 
+_NO_BLOCKS = np.zeros(0, dtype=np.int32)
+_NO_BLOCKS.flags.writeable = False
+
 
 class BlockPoolError(RuntimeError):
     """A block operation that would break the pool's invariants."""
@@ -109,19 +112,9 @@ class BlockPool:
         return len(self.index)
 
     def find_prefix_len(self, hashes: HashChain, limit: int) -> int:
-        """Number of leading blocks of ``hashes[:limit]`` in the index (binary search)."""
-        index = self.index
-        hi = min(limit, len(hashes))
-        if hi <= 0 or hashes[0] not in index:
-            return 0
-        lo = 1  # hashes[:lo] cached; answer in [lo, hi]
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if hashes[mid - 1] in index:
-                lo = mid
-            else:
-                hi = mid - 1
-        return lo
+        """Number of leading blocks of ``hashes[:limit]`` in the index (binary search: the
+        index is prefix-closed)."""
+        return hashes.longest_prefix_in(self.index, limit)
 
     def find_blocks(self, hashes: HashChain, count: int) -> np.ndarray:
         """Block ids of the first ``count`` hashes, all cached: one lookup of the deepest hash
@@ -166,6 +159,8 @@ class BlockPool:
         """(cached blocks to evict, blocks allocated) for an allocation of ``n`` blocks, or
         None when fewer are available. Evicted blocks (least recently released first) come
         first in the allocation, then free blocks from the top of the stack."""
+        if n == 1 and self.free:  # (the common admission: one tail block, a free one)
+            return _NO_BLOCKS, np.asarray(self.free[-1:], dtype=np.int32)
         if n > self.num_available:
             return None
         take = min(n, len(self.free))

@@ -26,7 +26,7 @@ outcome of its sequence's step is applied after it, and the outcome never meets 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import msgspec
@@ -129,6 +129,32 @@ _FIELDS: dict[type[ev.Event], tuple[tuple[str, Any], ...]] = {
 }
 
 
+def _check_int(name: str, value: object) -> str | None:
+    if type(value) is int:  # (the common case first: no further isinstance checks)
+        return None if -_I64 <= value < _I64 else f"{name}={value} does not fit in int64"
+    return _check_value(name, int, value)
+
+
+def _check_float(name: str, value: object) -> str | None:
+    if type(value) is float:
+        return None if math.isfinite(value) else f"{name} must be finite, got {value}"
+    return _check_value(name, float, value)
+
+
+def _check_str(name: str, value: object) -> str | None:
+    if type(value) is str and value.isascii():
+        return None
+    return _check_value(name, str, value)
+
+
+def _checker(kind: Any) -> Callable[[str, object], str | None]:
+    """The check of one declared field type (fast paths for the common exact types)."""
+    fast = {int: _check_int, float: _check_float, str: _check_str}.get(kind)
+    if fast is not None:
+        return fast
+    return lambda name, value: _check_value(name, kind, value)
+
+
 def _check_value(name: str, kind: Any, value: object) -> str | None:
     if kind is bool:
         return None if isinstance(value, (bool, np.bool_)) else f"{name} must be a bool"
@@ -171,9 +197,14 @@ def _check_spans(name: str, value: object) -> str | None:
 _F32_MAX = float(np.finfo(np.float32).max)
 
 
+_CHECKS: dict[type[ev.Event], tuple[tuple[str, Callable[[str, object], str | None]], ...]] = {
+    kind: tuple((name, _checker(typ)) for name, typ in fields) for kind, fields in _FIELDS.items()
+}
+
+
 def _check_fields(event: ev.Event) -> str | None:
-    for name, kind in _FIELDS[type(event)]:
-        reason = _check_value(name, kind, getattr(event, name))
+    for name, check in _CHECKS[type(event)]:
+        reason = check(name, getattr(event, name))
         if reason is not None:
             return reason
     if isinstance(event, ev.RequestArrived) and abs(event.temperature) > _F32_MAX:

@@ -157,6 +157,21 @@ def test_vllm_run_under_kvsched_writes_a_log_that_verifies_and_replays(mixed, tm
     assert metrics["hit_tokens"] >= 3 * 320
 
 
+def test_vllm_prompt_digests_used_as_kvscheds_identity_give_the_same_tokens_and_prompt_hits(
+    qwen3: Path, mixed, tmp_path: Path
+):
+    ref, _, _ = mixed
+    log = tmp_path / "vllm-hashes.kvlog"
+    mine = run(
+        qwen3, tmp_path / "out.json", "--scheduler", "kvsched", "--log", str(log),
+        "--workload", "mixed", "--vllm-block-hashes",
+    )
+    assert_token_identical(ref, mine)
+    for i in (1, 2, 3):  # the shared prompt prefix is found under vLLM's own digests
+        assert mine["requests"][f"prefix-{i}"]["cached"] == 320
+    _verifies(log, mine["kvsched"]["steps"])  # the digests are in the log: replay has them
+
+
 def test_vllm_preemption_workload_is_token_identical_under_kvsched(preempt):
     ref, mine, log = preempt
     assert_token_identical(ref, mine)

@@ -57,6 +57,8 @@ def make_llm(args: argparse.Namespace) -> Any:
         extra: dict[str, Any] = {"check_invariants": not args.no_check}
         if args.log:
             extra["log"] = args.log
+        if args.vllm_block_hashes:
+            extra["block_hashes"] = "vllm"
         kw["additional_config"] = {"kvsched": extra}
     if args.kv_events:
         from vllm.config import KVEventsConfig
@@ -158,6 +160,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--running", type=int, default=64)
     p.add_argument("--no-check", action="store_true", help="skip kvsched's invariant checks")
+    p.add_argument(
+        "--vllm-block-hashes", action="store_true", help="kvsched keeps vLLM's prompt digests"
+    )
     args = p.parse_args(argv)
     _env()
     llm = make_llm(args)
