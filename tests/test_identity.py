@@ -143,6 +143,23 @@ def test_the_native_kvs128_kernel_computes_exactly_its_python_specification(
         identity._kvs128.use(None)
 
 
+@settings(max_examples=40, deadline=None)
+@given(data=st.binary(max_size=5000), parent=st.binary(min_size=16, max_size=16))
+def test_the_native_kvs128_digest_of_any_bytes_computes_its_python_specification(
+    data: bytes, parent: bytes
+) -> None:
+    keys = identity.kvs128_keys(identity.kvs128_root())
+    reference = identity._kvs128_digest_py(parent, data, keys)
+    try:
+        for path in _paths():
+            identity._kvs128.use(path)
+            assert identity._kvs128.digest(parent, data, keys) == reference, path
+    finally:
+        identity._kvs128.use(None)
+    # zero padding never makes two lengths collide
+    assert identity._kvs128_digest_py(parent, data + b"\0", keys) != reference
+
+
 # Computed once by the Python specification; any change to the scheme changes it (and every
 # store key and logged digest with it: such a change needs a new scheme name).
 PINNED = "7b0c3c1544492e6e5056f05289b9b3f3"

@@ -124,10 +124,9 @@ def _kvs128_py(
     parent: bytes, data: bytes, block_size: int, keys: bytes, extras: Sequence[tuple[int, bytes]]
 ) -> bytes:
     """The kvs128 chain in Python: what ``_kvs128.chain`` computes (its specification)."""
-    k = [int.from_bytes(keys[8 * i : 8 * i + 8], "little") for i in range(_NKEYS)]
+    k = _key_words(keys)
     extra_of = dict(extras)
-    h0 = int.from_bytes(parent[:8], "little")
-    h1 = int.from_bytes(parent[8:], "little")
+    h = (int.from_bytes(parent[:8], "little"), int.from_bytes(parent[8:], "little"))
     step = 4 * block_size
     out = []
     for b in range(len(data) // step):
@@ -136,14 +135,54 @@ def _kvs128_py(
         extra = extra_of.get(b, b"")
         if extra:
             _absorb(acc, extra, k, _EXTRA_WORD0)
-        u = (_fold(acc[0] ^ k[64], acc[1] ^ k[65]) + _fold(acc[2] ^ k[66], acc[3] ^ k[67])) & _MASK
-        v = (_fold(acc[4] ^ k[68], acc[5] ^ k[69]) + _fold(acc[6] ^ k[70], acc[7] ^ k[71])) & _MASK
-        x0 = h0 ^ u ^ ((len(extra) * _P3) & _MASK)
-        x1 = h1 ^ v
-        m = (x0 ^ k[72]) * (x1 ^ k[73])
-        h0, h1 = _mix(((m & _MASK) + x1) & _MASK), _mix(((m >> 64) + x0) & _MASK)
-        out.append(h0.to_bytes(8, "little") + h1.to_bytes(8, "little"))
+        h = _finish(h, acc, len(extra), k)
+        out.append(h[0].to_bytes(8, "little") + h[1].to_bytes(8, "little"))
     return b"".join(out)
+
+
+def _key_words(keys: bytes) -> list[int]:
+    return [int.from_bytes(keys[8 * i : 8 * i + 8], "little") for i in range(_NKEYS)]
+
+
+def _finish(h: tuple[int, int], acc: list[int], extra_len: int, k: list[int]) -> tuple[int, int]:
+    """The finaliser: the 8 lanes folded into 128 bits, mixed with the parent ``h``."""
+    u = (_fold(acc[0] ^ k[64], acc[1] ^ k[65]) + _fold(acc[2] ^ k[66], acc[3] ^ k[67])) & _MASK
+    v = (_fold(acc[4] ^ k[68], acc[5] ^ k[69]) + _fold(acc[6] ^ k[70], acc[7] ^ k[71])) & _MASK
+    x0 = h[0] ^ u ^ ((extra_len * _P3) & _MASK)
+    x1 = h[1] ^ v
+    m = (x0 ^ k[72]) * (x1 ^ k[73])
+    return _mix(((m & _MASK) + x1) & _MASK), _mix(((m >> 64) + x0) & _MASK)
+
+
+_FIELD_BLOCK = 1024  # bytes per block of kvs128_digest
+
+
+def _kvs128_digest_py(parent: bytes, data: bytes, keys: bytes) -> bytes:
+    """What ``_kvs128.digest`` computes: any bytes as a chain of 1 KiB blocks from ``parent``,
+    the last one zero-padded and the length (plus one) folded in as its extra length."""
+    k = _key_words(keys)
+    h = (int.from_bytes(parent[:8], "little"), int.from_bytes(parent[8:], "little"))
+    whole = len(data) // _FIELD_BLOCK * _FIELD_BLOCK
+    for off in range(0, whole, _FIELD_BLOCK):
+        acc = [0] * 8
+        _absorb(acc, data[off : off + _FIELD_BLOCK], k, 0)
+        h = _finish(h, acc, 0, k)
+    acc = [0] * 8
+    if len(data) > whole:
+        _absorb(acc, data[whole:], k, 0)
+    h = _finish(h, acc, len(data) + 1, k)
+    return h[0].to_bytes(8, "little") + h[1].to_bytes(8, "little")
+
+
+def kvs128_digest(parent: bytes, data: np.ndarray | bytes) -> bytes:
+    """A 16-byte kvs128 digest of any contiguous bytes (plan fields), keyed by the fixed
+    data root (``kvs128_root``), continuing ``parent`` (e.g. a digest of what the bytes are)."""
+    keys = kvs128_keys(kvs128_root())
+    if _kvs128 is not None:
+        out: bytes = _kvs128.digest(parent, data, keys)
+        return out
+    raw = data.tobytes() if isinstance(data, np.ndarray) else data
+    return _kvs128_digest_py(parent, raw, keys)
 
 
 _NATIVE_WARNED = False

@@ -8,19 +8,22 @@ depends on the plan alone (``reducers.planner.plan_step`` builds it).
 ``plan_digest`` is the plan's fingerprint in every step record: one 8-byte digest per field,
 in declaration order, so ``kvsched verify`` can say which field of a replayed plan differs
 from the logged one. Its scheme follows the run's block identity (``SchedulerConfig.identity``):
-``kvs128`` (one native pass over each field's bytes, keyed by a fixed root, after a blake2b
-header of the field's name, dtype and shape) or ``blake2b`` (every log before schema 4).
+``kvs128`` (an array field: one native pass over its bytes, keyed by a fixed root, continuing
+a blake2b header of the field's name, dtype and shape) or ``blake2b`` (every field; every log
+before schema 4).
 """
 
 from __future__ import annotations
 
+from functools import lru_cache
 from hashlib import blake2b
 
 import attrs
 import numpy as np
 
+from kvsched.identity import kvs128_digest
+
 FIELD_DIGEST_SIZE = 8
-_BLOCK = 256  # int32 words per kvs128 block of a field's bytes
 
 
 def _empty(width: int) -> np.ndarray:
@@ -98,23 +101,18 @@ def _field_digest(name: str, value: object) -> bytes:
     return h.digest()
 
 
-def _field_digest_kvs128(name: str, value: object) -> bytes:
-    from kvsched.identity import chain_packed, kvs128_root
+@lru_cache(maxsize=4096)
+def _header(name: str, dtype: str, shape: tuple[int, ...]) -> bytes:
+    return blake2b(f"{name}{dtype}{shape}".encode(), digest_size=16).digest()
 
-    root = kvs128_root()
+
+def _field_digest_kvs128(name: str, value: object) -> bytes:
+    """A field's digest: an array's bytes by one native kvs128 call continuing a blake2b
+    header of its name, dtype and shape (``identity.kvs128_digest``); a scalar by blake2b."""
     if not isinstance(value, np.ndarray):
-        return blake2b(name.encode() + repr(value).encode(), digest_size=8).digest()
-    header = blake2b(f"{name}{value.dtype.str}{value.shape}".encode(), digest_size=16)
-    raw = np.ascontiguousarray(value).reshape(-1).view(np.uint8)
-    whole = len(raw) // (4 * _BLOCK) * (4 * _BLOCK)  # whole blocks: hashed in place
-    tail = np.zeros(4 * _BLOCK, dtype=np.uint8)
-    tail[: len(raw) - whole] = raw[whole:]  # the rest, zero-padded (the shape gives its length)
-    parent = header.digest()
-    if whole:
-        parent = chain_packed("kvs128", root, parent, raw[:whole].view("<i4"), _BLOCK)[-16:]
-    if len(raw) > whole:
-        parent = chain_packed("kvs128", root, parent, tail.view("<i4"), _BLOCK)[-16:]
-    return parent[:FIELD_DIGEST_SIZE]
+        return _field_digest(name, value)
+    header = _header(name, value.dtype.str, value.shape)
+    return kvs128_digest(header, np.ascontiguousarray(value))[:FIELD_DIGEST_SIZE]
 
 
 def plan_digest(plan: StepPlan, scheme: str = "kvs128") -> bytes:
