@@ -287,25 +287,13 @@ def _watch_verdict(watched: Watched) -> str:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    if args.bench == "match":
+    if args.bench in ("match", "admit"):
+        from kvsched.bench.admit import run_admit_bench
         from kvsched.bench.match import run_match_bench
 
+        run = run_match_bench if args.bench == "match" else run_admit_bench
         try:
-            out = run_match_bench(
-                mode=args.mode,
-                batch=args.batch,
-                context=args.context,
-                block_size=args.block_size,
-                warmup=args.warmup,
-                samples=args.samples,
-            )
-        except ValueError as exc:
-            return _fail(str(exc))
-    elif args.bench == "admit":
-        from kvsched.bench.admit import run_admit_bench
-
-        try:
-            out = run_admit_bench(
+            out = run(
                 mode=args.mode,
                 batch=args.batch,
                 context=args.context,
