@@ -43,8 +43,10 @@ class EngineMachine(RuleBasedStateMachine):
         policy=st.sampled_from([*CHECKPOINT_POLICIES, "every rule"]),
         mid_chunk=st.booleans(),
         by_bytes=st.booleans(),
+        keep_aborted=st.booleans(),
+        session_reclaim=st.sampled_from(["last_use", "session_id"]),
     )
-    def start(self, hybrid, num_blocks, max_batch, chunk_blocks, decode_interval, budget, turn_mode, policy, mid_chunk, by_bytes):  # type: ignore[no-untyped-def]  # noqa: E501
+    def start(self, hybrid, num_blocks, max_batch, chunk_blocks, decode_interval, budget, turn_mode, policy, mid_chunk, by_bytes, keep_aborted, session_reclaim):  # type: ignore[no-untyped-def]  # noqa: E501
         bs = 4
         rules = (
             {"checkpoint_placement": PLACEMENTS, "checkpoint_eviction": "value"}
@@ -67,6 +69,8 @@ class EngineMachine(RuleBasedStateMachine):
             dedup_cached_blocks=self.DEDUP,
             checkpoint_interval=2 * bs,
             mid_chunk_saves=mid_chunk,
+            keep_aborted_turns=keep_aborted,  # an aborted session turn stays its history
+            session_reclaim=session_reclaim,
             **memory,
             **rules,
         )

@@ -117,6 +117,13 @@ class SchedulerConfig:
     turn_mode: TurnMode = "mixed"
     prefill_interval: int = 16
     enable_prefix_caching: bool = True
+    # An aborted turn of an open session stays part of its history (what it generated too;
+    # its full blocks stay held for the next turn), as lmdeploy keeps a stopped turn. False:
+    # the history stays as it was before the turn (kvsched before schema 4).
+    keep_aborted_turns: bool = True
+    # Idle sessions' held blocks are reclaimed least recently used first ("last_use"), or by
+    # session id ("session_id": kvsched before schema 4).
+    session_reclaim: str = "last_use"
     identity: str = "kvs128"  # the block identity scheme (IDENTITY_SCHEMES)
     # A computed block whose hash is already cached on another block is swapped for the cached
     # copy (its own block freed at once). Off where the executor cannot rewrite a block-table
@@ -179,6 +186,10 @@ class SchedulerConfig:
             raise ValueError(
                 f"checkpoint_placement: unknown or repeated rules {unknown or 'repeated'}; "
                 f"known: {', '.join(PLACEMENTS)}"
+            )
+        if self.session_reclaim not in ("last_use", "session_id"):
+            raise ValueError(
+                f"unknown session_reclaim {self.session_reclaim!r}; known: last_use, session_id"
             )
         if self.identity not in IDENTITY_SCHEMES:
             raise ValueError(
@@ -273,11 +284,14 @@ class SchedulerConfig:
     @classmethod
     def from_log_header(cls, data: dict[str, Any], schema_version: int) -> SchedulerConfig:
         """The config a log header records. Logs of schema 2 predate the checkpoint policies:
-        they ran today's "lmdeploy" rules; logs before schema 4 hashed blocks with blake2b."""
+        they ran today's "lmdeploy" rules; logs before schema 4 hashed blocks with blake2b,
+        dropped aborted turns from sessions and reclaimed sessions by id."""
         data = dict(data)
         if schema_version < 4:
             data.setdefault("identity", "blake2b")
             data.setdefault("checkpoint_min_gain_blocks", 0)
+            data.setdefault("keep_aborted_turns", False)
+            data.setdefault("session_reclaim", "session_id")
         if schema_version < 3:
             for key, value in CHECKPOINT_POLICIES["lmdeploy"].items():
                 data.setdefault(key, value)

@@ -396,8 +396,9 @@ def test_a_second_turn_hits_every_full_block_of_the_first_turn_and_the_session_h
 
 def first_idle_session_reclaimed(sessions_by_last_use: list[int]) -> int:
     """Whose held blocks an admission short of blocks releases first, among idle sessions
-    listed least recently used first. The order is stated here only: the lowest session id."""
-    return min(sessions_by_last_use)
+    listed least recently used first. The order is stated here only: the least recently used
+    (``session_reclaim="last_use"``, the default; it was the lowest session id before)."""
+    return sessions_by_last_use[0]
 
 
 def test_an_admission_short_of_blocks_releases_only_the_first_idle_session_hold_in_order():

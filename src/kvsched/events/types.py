@@ -246,6 +246,9 @@ class SequenceFinished(Event, frozen=True, tag="finished"):
 class SequenceAborted(Event, frozen=True, tag="seq_aborted"):
     seq_id: int
     reason: str
+    # A session's aborted turn stays in its history (its tokens, generated ones included,
+    # continue in the next turn, as lmdeploy keeps a stopped turn): config keep_aborted_turns.
+    keep_history: bool = False
 
 
 class SessionClosed(Event, frozen=True, tag="session_closed"):

@@ -223,10 +223,16 @@ class Growth:
     def reclaim_sessions(
         self, state: EngineState, need: int, emit: Emit, keep: int, hit: np.ndarray | None = None
     ) -> None:
-        """Free idle sessions' held blocks (lowest session id first) until ``need`` are
-        available (not counting the cached ``hit`` blocks, which an admission attaches)."""
+        """Free idle sessions' held blocks (least recently used first, or lowest session id
+        first: ``session_reclaim``) until ``need`` are available (not counting the cached
+        ``hit`` blocks, which an admission attaches)."""
         pool = state.pool
-        for session_id in sorted(state.sessions.sessions):
+        sessions = state.sessions.sessions
+        if self.config.session_reclaim == "last_use":
+            order = sorted(sessions, key=lambda k: (sessions[k].last_used, k))
+        else:
+            order = sorted(sessions)
+        for session_id in order:
             unheld = pool.count_unheld(hit) if hit is not None and len(hit) else 0
             if pool.num_available - unheld >= need:
                 return

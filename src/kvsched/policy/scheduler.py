@@ -148,9 +148,12 @@ class Policy:
             return False
         if load is not None and load.open:
             emit(ev.KVLoadCancelled(seq_id, reason))
+        keep = self.config.keep_aborted_turns and not close_session and seq.session_id >= 0
         if seq.state == SeqState.RUNNING:
-            self.growth.release(state, [seq], emit)
-        emit(ev.SequenceAborted(seq_id, reason))
+            if keep and state.hybrid:
+                self.checkpoints.save_sequence_end(state, seq, emit)
+            self.growth.release(state, [seq], emit, keep_for_session=keep)
+        emit(ev.SequenceAborted(seq_id, reason, keep))
         return True
 
     def end_session(self, state: EngineState, session_id: int, emit: Emit) -> None:

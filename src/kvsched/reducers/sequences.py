@@ -467,9 +467,7 @@ class SequenceTable(RowTable):
             seq.finish_reason = reason
             self._release_row(seq)
             if seq.session_id >= 0:
-                self.history[seq.session_id] = History(
-                    seq.token_view().copy(), seq.hashes, seq.root, seq.mm_spans
-                )
+                self._keep_history(seq)
             self._retire(seq)
 
     def _on_aborted(self, e: ev.SequenceAborted) -> None:
@@ -478,7 +476,17 @@ class SequenceTable(RowTable):
             self._release_row(seq)
         seq.fire(e, SeqEvent.abort)
         seq.finish_reason = e.reason
+        if e.keep_history:
+            if seq.session_id < 0:
+                raise ReplayMismatch(f"sequence {e.seq_id}: a kept turn outside a session")
+            self._keep_history(seq)
         self._retire(seq)
+
+    def _keep_history(self, seq: Seq) -> None:
+        """The session continues from this turn: its tokens (outputs included) and digests."""
+        self.history[seq.session_id] = History(
+            seq.token_view().copy(), seq.hashes, seq.root, seq.mm_spans
+        )
 
     def _retire(self, seq: Seq) -> None:
         """A terminal sequence leaves the table (its history stays in the event log)."""
