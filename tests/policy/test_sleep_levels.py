@@ -46,3 +46,10 @@ def test_a_drain_at_an_unknown_level_is_refused_and_nothing_changes(level: int) 
     with pytest.raises(MalformedInput, match="level"):
         h.engine.step([ev.DrainRequested(level=level)], 1.0)
     assert h.state.snapshot() == before
+
+
+def test_a_drain_while_asleep_never_lightens_the_sleep() -> None:
+    h = Harness()
+    h.step([ev.DrainRequested(level=2)])
+    result = h.step([ev.DrainRequested(level=1)])
+    assert [d.level for d in of_type(result.decisions, ev.Drained)] == [2]

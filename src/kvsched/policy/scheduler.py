@@ -225,7 +225,7 @@ class Policy:
                 emit(ev.CheckpointReleased(ckpt_id, "drain"))
         if state.pool.num_cached:
             emit(ev.CacheCleared())  # the device memory goes away, and the cache with it
-        emit(ev.Drained(level))
+        emit(ev.Drained(max(level, state.serving.sleep_level)))  # (a sleep only deepens)
 
     def after_failed_step(self, state: EngineState, reason: str, emit: Emit) -> None:
         """After a forward raised: its checkpoint saves never happened; a sequence that
