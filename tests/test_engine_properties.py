@@ -2,8 +2,9 @@
 executor: its KV and state slots hold prefix hashes, so a hit without its state is seen)
 through arrivals with shared prefixes, adapters and salts, steps, executor failures, aborts,
 session ends, memory and checkpoint pressure (counted or in bytes), every checkpoint policy,
-and sleep/wake; every owner's invariants are checked after every step. Deliberately broken
-owners must be caught."""
+alternate turns with and without their triggers, decode preallocation, and sleep (at both
+levels, the driver putting the executor to sleep and waking it) and wake; every owner's
+invariants are checked after every step. Deliberately broken owners must be caught."""
 
 from __future__ import annotations
 
@@ -18,13 +19,34 @@ from kvsched.config import CHECKPOINT_POLICIES, PLACEMENTS, ModelSpec, Scheduler
 from kvsched.engine import Engine
 from kvsched.events import types as ev
 from kvsched.gpu.fingerprint import FingerprintExecutor
+from kvsched.plan import StepPlan
 from kvsched.reducers.blocks import BlockPool
+from kvsched.replay.driver import execute_step
 from kvsched.statemachines import CkptState
 
 VOCAB = 97
 PREFIXES = [
     np.arange(1, 1 + n, dtype=np.int32) * (i + 2) % VOCAB + 1 for i, n in enumerate((8, 20, 33))
 ]
+
+
+class _Faulty:
+    """The executor as the driver runs it, raising when a fault is injected."""
+
+    def __init__(self, inner: FingerprintExecutor) -> None:
+        self.inner = inner
+        self.fail = False
+
+    def execute(self, plan: StepPlan) -> ev.StepExecuted:
+        if self.fail:
+            raise RuntimeError("injected fault")
+        return self.inner.execute(plan)
+
+    def sleep(self, level: int) -> None:
+        self.inner.sleep(level)
+
+    def wake(self) -> None:
+        self.inner.wake()
 
 
 class EngineMachine(RuleBasedStateMachine):
@@ -45,8 +67,11 @@ class EngineMachine(RuleBasedStateMachine):
         by_bytes=st.booleans(),
         keep_aborted=st.booleans(),
         session_reclaim=st.sampled_from(["last_use", "session_id"]),
+        last_chunk=st.booleans(),
+        waiting_tokens=st.booleans(),
+        prealloc=st.sampled_from([0, 0, 4, 9]),
     )
-    def start(self, hybrid, num_blocks, max_batch, chunk_blocks, decode_interval, budget, turn_mode, policy, mid_chunk, by_bytes, keep_aborted, session_reclaim):  # type: ignore[no-untyped-def]  # noqa: E501
+    def start(self, hybrid, num_blocks, max_batch, chunk_blocks, decode_interval, budget, turn_mode, policy, mid_chunk, by_bytes, keep_aborted, session_reclaim, last_chunk, waiting_tokens, prealloc):  # type: ignore[no-untyped-def]  # noqa: E501
         bs = 4
         rules = (
             {"checkpoint_placement": PLACEMENTS, "checkpoint_eviction": "value"}
@@ -71,6 +96,9 @@ class EngineMachine(RuleBasedStateMachine):
             mid_chunk_saves=mid_chunk,
             keep_aborted_turns=keep_aborted,  # an aborted session turn stays its history
             session_reclaim=session_reclaim,
+            prefill_on_last_chunk=last_chunk,  # alternate turns' triggers
+            prefill_on_waiting_tokens=waiting_tokens,
+            decode_prealloc_tokens=prealloc,  # 0, 1 or 2 blocks ahead
             **memory,
             **rules,
         )
@@ -80,6 +108,7 @@ class EngineMachine(RuleBasedStateMachine):
         self.executor = FingerprintExecutor(
             VOCAB, num_blocks, bs, self.config.num_state_slots if hybrid else 0
         )
+        self.runner = _Faulty(self.executor)
         self.outcome: list[ev.Event] = []
         self.inputs: list[ev.Event] = []
         self.next_id = 0
@@ -91,11 +120,10 @@ class EngineMachine(RuleBasedStateMachine):
         self.inputs, self.outcome = [], []
         self.clock += 0.01
         self.drained = any(isinstance(d, ev.Drained) for d in result.decisions)
-        if not result.plan.is_empty:
-            if fail:
-                self.outcome = [ev.StepFailed(result.plan.step, "injected fault")]
-            else:
-                self.outcome = [self.executor.execute(result.plan)]
+        self.runner.fail = fail
+        execute_step(self.runner, result, self.outcome, self.clock)  # (sleep and wake too)
+        for o in self.outcome:  # only injected faults: never a plan run on a sleeping executor
+            assert not isinstance(o, ev.StepFailed) or o.reason.endswith("injected fault"), o
 
     @rule(
         prefix=st.integers(0, len(PREFIXES) - 1),
@@ -137,9 +165,9 @@ class EngineMachine(RuleBasedStateMachine):
     def end_session(self, session: int) -> None:
         self.inputs.append(ev.SessionEnded(session))
 
-    @rule()
-    def sleep(self) -> None:
-        self.inputs.append(ev.DrainRequested())
+    @rule(level=st.sampled_from([1, 2]))
+    def sleep(self, level: int) -> None:
+        self.inputs.append(ev.DrainRequested(level=level))
         self._step()
 
     @rule()
@@ -149,6 +177,10 @@ class EngineMachine(RuleBasedStateMachine):
     @invariant()
     def owners_are_consistent(self) -> None:
         self.engine.state.check_invariants()
+
+    @invariant()
+    def the_executor_sleeps_exactly_while_the_engine_does(self) -> None:
+        assert self.executor.sleep_level == self.engine.state.serving.sleep_level
 
     @invariant()
     def no_hit_is_ever_taken_without_its_state_or_kv(self) -> None:

@@ -166,6 +166,22 @@ class SchedulerConfig:
     # Disaggregation: a prefill-role engine ends each request after its first token (reason
     # "migrated") once its prompt is saved; a decode-role engine loads prompts, saves nothing.
     role: Role = "both"
+    # Alternate turn mode (lmdeploy's do_prefill_default): besides a half-empty batch and
+    # prefill_interval decode turns, a prefill turn is also due when a running sequence's
+    # next chunk is its last (prefill_on_last_chunk), or when the waiting sequences' tokens
+    # fill a prefill budget, max_prefill_tokens (prefill_on_waiting_tokens). Both off:
+    # kvsched before schema 4.
+    prefill_on_last_chunk: bool = True
+    prefill_on_waiting_tokens: bool = True
+    # A decode that needs a new block takes blocks for this many more tokens too (lmdeploy:
+    # 16), only from free blocks (never evicting cached ones); these spare blocks are given
+    # back before anything else (a session hold, a checkpoint, a sequence) is given up for
+    # room. 0: one block at a time.
+    decode_prealloc_tokens: int = 0
+    # Each finished or aborted sequence reports the prompt tokens its first admission did
+    # not compute: local prefix hits, checkpoint restores, external loads (SequenceFinished,
+    # SequenceAborted). Off: kvsched before schema 4 (the events carry no counts).
+    report_cached_tokens: bool = True
 
     def __attrs_post_init__(self) -> None:
         _in_range("block_size", self.block_size, 1, 1 << 16)
@@ -181,6 +197,10 @@ class SchedulerConfig:
         _in_range("checkpoint_memory", self.checkpoint_memory, 0, 1 << 50)
         _in_range("checkpoint_interval", self.checkpoint_interval, 1, 1 << 31)
         _in_range("checkpoint_min_gain_blocks", self.checkpoint_min_gain_blocks, 0, 1 << 20)
+        _in_range("decode_prealloc_tokens", self.decode_prealloc_tokens, 0, 1 << 20)
+        for flag in ("prefill_on_last_chunk", "prefill_on_waiting_tokens", "report_cached_tokens"):
+            if not isinstance(getattr(self, flag), bool):
+                raise ValueError(f"{flag} must be a bool, got {getattr(self, flag)!r}")
         unknown = sorted(set(self.checkpoint_placement) - set(PLACEMENTS))
         if unknown or len(set(self.checkpoint_placement)) != len(self.checkpoint_placement):
             raise ValueError(
@@ -285,13 +305,19 @@ class SchedulerConfig:
     def from_log_header(cls, data: dict[str, Any], schema_version: int) -> SchedulerConfig:
         """The config a log header records. Logs of schema 2 predate the checkpoint policies:
         they ran today's "lmdeploy" rules; logs before schema 4 hashed blocks with blake2b,
-        dropped aborted turns from sessions and reclaimed sessions by id."""
+        dropped aborted turns from sessions, reclaimed sessions by id, had no alternate-mode
+        triggers beyond a half-empty batch and prefill_interval, no decode preallocation,
+        and no cached-token counts on finished sequences."""
         data = dict(data)
         if schema_version < 4:
             data.setdefault("identity", "blake2b")
             data.setdefault("checkpoint_min_gain_blocks", 0)
             data.setdefault("keep_aborted_turns", False)
             data.setdefault("session_reclaim", "session_id")
+            data.setdefault("prefill_on_last_chunk", False)
+            data.setdefault("prefill_on_waiting_tokens", False)
+            data.setdefault("decode_prealloc_tokens", 0)
+            data.setdefault("report_cached_tokens", False)
         if schema_version < 3:
             for key, value in CHECKPOINT_POLICIES["lmdeploy"].items():
                 data.setdefault(key, value)

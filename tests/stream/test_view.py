@@ -89,8 +89,12 @@ def test_a_follower_of_the_external_demo_stream_rebuilds_the_second_engines_cach
     assert engine.state.stats.external_hit_tokens > 0
 
 
-def test_a_follower_rebuilds_the_cache_through_drains_aborts_and_preemptions():
-    config = demo_config(num_blocks=40, max_batch=4, hybrid=True, checkpoint_budget=6)
+@pytest.mark.parametrize("prealloc", [0, 128], ids=["no-prealloc", "two-blocks-ahead"])
+def test_a_follower_rebuilds_the_cache_through_drains_aborts_and_preemptions(prealloc: int):
+    config = demo_config(
+        num_blocks=40, max_batch=4, hybrid=True, checkpoint_budget=6,
+        decode_prealloc_tokens=prealloc,  # spare blocks taken, and given back under pressure
+    )
     engine = Engine(config, check_invariants=True)
     follower = Follower(engine)
     executor = SimulatedExecutor(config.model.vocab_size)

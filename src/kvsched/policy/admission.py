@@ -145,6 +145,7 @@ class Admission:
                 continue
             need = cdiv(chunk.end, self.bs) - int(table.nblocks[seq.row])
             if need > state.pool.num_available:
+                self.growth.return_spares(state, emit)
                 self.growth.reclaim_sessions(state, need, emit, keep=-1)
             if need > state.pool.num_available and state.hybrid:
                 self.checkpoints.evict_for(state, need, emit, keep=-1)
@@ -247,13 +248,17 @@ class Admission:
         shortfall = need - (pool.num_available - unheld)
         if shortfall <= 0:
             return True
+        # Decode rows' spare blocks go back first (none unless decode_prealloc_tokens).
+        spare = self.growth.num_spares(state)
         if state.hybrid:
             # Unheld hit blocks count as available but are attached, not taken.
-            if not self.checkpoints.evict_for(state, need + unheld, emit, keep=keep):
+            if not self.checkpoints.evict_for(state, need + unheld - spare, emit, keep=keep):
                 return False
-        elif shortfall > self.growth.reclaim_gain(state, -1, hit):
+            self.growth.return_spares(state, emit)
+        elif shortfall > spare + self.growth.reclaim_gain(state, -1, hit):
             return False
         else:
+            self.growth.return_spares(state, emit)
             # Any session's hold may go, the admitted sequence's own too: the admission
             # releases it anyway (after attaching what the hit shares with it).
             self.growth.reclaim_sessions(state, need, emit, -1, hit)

@@ -52,6 +52,56 @@ class Growth:
             blocks = self.take_blocks(state, need, emit)
             emit(ev.BlocksAllocated(arr([seq_id]), arr([need], I32), blocks))
 
+    # ------------------------------------------------------- decode preallocation
+
+    def decode_spares(self, state: EngineState, rows: np.ndarray) -> np.ndarray:
+        """Blocks each decoding row that must grow by one takes besides it, to hold its next
+        ``decode_prealloc_tokens`` tokens too (never past the last position it can write):
+        only from free blocks left after every row's one, so no cached block is evicted for
+        them; rows in order while they last."""
+        t, bs = state.seqs, self.bs
+        limit = np.minimum(t.n_prompt[rows] + t.max_tokens[rows], self.config.model.max_context)
+        last = np.minimum(t.computed[rows] + self.config.decode_prealloc_tokens, limit - 2)
+        extra = np.maximum(0, last // bs - t.nblocks[rows])
+        budget = state.pool.num_free - len(rows)
+        if budget <= 0 or not extra.any():
+            return np.zeros(len(rows), I32)
+        taken = np.minimum(np.cumsum(extra), budget)
+        spares: np.ndarray = np.diff(taken, prepend=0).astype(I32)
+        return spares
+
+    def _spares(self, state: EngineState) -> tuple[np.ndarray, np.ndarray]:
+        """(rows, blocks each keeps) of the running rows holding spare blocks: preallocated
+        past the block of their newest token, never written."""
+        t = state.seqs
+        rows = t.running_rows()
+        keep = -(-t.ntokens[rows] // self.bs)
+        spare = t.nblocks[rows] > keep
+        return rows[spare], keep[spare]
+
+    def num_spares(self, state: EngineState) -> int:
+        """Spare blocks that ``return_spares`` would give back (pure query)."""
+        if not self.config.decode_prealloc_tokens:
+            return 0
+        rows, keep = self._spares(state)
+        return int((state.seqs.nblocks[rows] - keep).sum())
+
+    def return_spares(self, state: EngineState, emit: Emit) -> None:
+        """Give back every running row's spare blocks. Callers short of room do this before
+        giving anything else up (a session hold, a checkpoint, a sequence), so preallocation
+        causes no preemption or eviction of its own."""
+        if not self.config.decode_prealloc_tokens:
+            return
+        rows, keep = self._spares(state)
+        if not len(rows):
+            return
+        t = state.seqs
+        spares = [t.table[row, k : t.nblocks[row]] for row, k in zip(
+            rows.tolist(), keep.tolist(), strict=True
+        )]
+        counts = arr([len(s) for s in spares], I32)
+        emit(ev.BlocksFreed(t.row_seq[rows].copy(), counts, np.concatenate(spares)))
+
     # --------------------------------------------------------------------- caching
 
     def cache_computed(

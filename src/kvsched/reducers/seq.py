@@ -46,10 +46,20 @@ class Seq:
     # hybrid: the cached KV prefix found at the latest admission (past num_hit_tokens when
     # no state was kept where that prefix ends: a branch point)
     kv_hit_tokens: int = 0
+    # Prompt tokens the first admission did not compute (vLLM's num_cached_tokens), by
+    # source: a local KV prefix hit, a restored checkpoint (hybrid), an external load.
+    cached_local: int = 0
+    cached_checkpoint: int = 0
+    cached_external: int = 0
 
     @property
     def n_output(self) -> int:
         return self.n_tokens - self.n_prompt
+
+    @property
+    def cached_tokens(self) -> tuple[int, int, int]:
+        """(local, checkpoint, external) prompt tokens its first admission did not compute."""
+        return (self.cached_local, self.cached_checkpoint, self.cached_external)
 
     def ensure_tokens(self, n: int) -> None:
         if len(self.tokens) < n:

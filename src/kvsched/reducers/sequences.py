@@ -300,6 +300,8 @@ class SequenceTable(RowTable):
         seq.fire(e, SeqEvent.load_settled)
         self.row_state[row] = seq.state
         self.loading[row] = False
+        if seq.num_preemptions == 0:  # what the store brought past the local prefix
+            seq.cached_external = max(0, e.num_blocks * self.block_size - int(self.computed[row]))
         self.computed[row] = e.num_blocks * self.block_size
         # Blocks the load could not bring are recomputed, and saved again.
         self.saved[row] = min(int(self.saved[row]), e.num_blocks)
@@ -329,6 +331,11 @@ class SequenceTable(RowTable):
         self.saved[row] = max(int(self.saved[row]), k)  # matched blocks need no save
         seq.num_hit_tokens = e.num_tokens
         seq.kv_hit_tokens = max(e.kv_hit_tokens, 0)
+        if e.num_query_tokens:  # the first admission (re-admissions query nothing)
+            if e.ckpt_id >= 0:
+                seq.cached_checkpoint = e.num_tokens
+            else:
+                seq.cached_local = e.num_tokens
         return change
 
     # ------------------------------------------------------------------ block folds
@@ -461,8 +468,14 @@ class SequenceTable(RowTable):
         seq.preempted_at = self.step
 
     def _on_finished(self, e: ev.SequenceFinished) -> None:
-        for seq_id, reason in zip(e.seq_ids.tolist(), e.reasons, strict=True):
+        counts = (e.cached_local, e.cached_checkpoint, e.cached_external)
+        reported = any(len(c) for c in counts)
+        if reported and any(len(c) != len(e.seq_ids) for c in counts):
+            raise ReplayMismatch("cached-token counts for another number of sequences")
+        for i, (seq_id, reason) in enumerate(zip(e.seq_ids.tolist(), e.reasons, strict=True)):
             seq = self.seq(seq_id)
+            if reported and seq.cached_tokens != tuple(int(c[i]) for c in counts):
+                raise ReplayMismatch(f"sequence {seq_id}: cached-token counts not its own")
             seq.fire(e, SeqEvent.finish)
             seq.finish_reason = reason
             self._release_row(seq)
@@ -472,6 +485,9 @@ class SequenceTable(RowTable):
 
     def _on_aborted(self, e: ev.SequenceAborted) -> None:
         seq = self.seq(e.seq_id)
+        counts = (e.cached_local, e.cached_checkpoint, e.cached_external)
+        if any(counts) and counts != seq.cached_tokens:
+            raise ReplayMismatch(f"sequence {e.seq_id}: cached-token counts not its own")
         if seq.state == SeqState.RUNNING:
             self._release_row(seq)
         seq.fire(e, SeqEvent.abort)
@@ -540,7 +556,7 @@ class SequenceTable(RowTable):
             (
                 s.seq_id, s.state, s.row, s.n_tokens, s.token_view().tobytes(), s.hashes.packed(),
                 s.pinned_ckpt, s.n_pinned, s.num_failures, s.num_preemptions, s.preempted_at,
-                s.num_hit_tokens, s.n_experts,
+                s.num_hit_tokens, s.n_experts, s.cached_tokens,
             )
             for s in self.seqs.values()
         )
