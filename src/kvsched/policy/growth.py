@@ -88,7 +88,9 @@ class Growth:
         swap = self.config.dedup_cached_blocks
         if any(c is not None for c in canonical) or len(set(hashes)) < len(hashes):
             self._deduplicate(hashes, canonical, blocks, replaced, swap)
-        path = self._keep_overlaps(t, grown, firsts, lasts, blocks, replaced)
+        path = blocks
+        if self.config.mtp_holds_overlap:
+            path = self._keep_overlaps(t, grown, firsts, lasts, blocks, replaced)
         if not swap:
             self._detach_after_private(t, grown, firsts, lasts, replaced, index)
         marks, experts = self._cached_experts(state, grown, firsts, lasts, path)
@@ -164,7 +166,7 @@ class Growth:
         for row, first, last in zip(rows.tolist(), firsts.tolist(), lasts.tolist(), strict=True):
             seq = t.objs[row]
             assert seq is not None
-            own = t.path_blocks(seq, first - 1, first)[0] if first else 0
+            own = t.path_blocks(seq, first - 1, first)[0] if first else 0  # (chain block)
             detached = bool(first) and index.get(seq.hashes[first - 1]) != own
             for k in range(j, j + last - first):
                 if detached and replaced[k] == 0:
