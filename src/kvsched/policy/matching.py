@@ -55,15 +55,15 @@ class Matcher:
     def _find_prefix_before_schema4(self, state: EngineState, seq: Seq) -> Match:
         """Logs before schema 4: a hit may end inside a multimodal span."""
         pool, bs = state.pool, self.bs
-        depth = pool.find_prefix_len(seq.hashes, (seq.n_tokens - 1) // bs)
+        cached = pool.find_prefix_len(seq.hashes, (seq.n_tokens - 1) // bs)
         # MTP: the last k cached blocks are recomputed (into private blocks, which caching
         # then swaps for the canonical ones) so a draft head gets hidden states.
-        depth = max(0, depth - self.config.mtp_recompute_blocks)
+        depth = max(0, cached - self.config.mtp_recompute_blocks)
         blocks = pool.find_blocks(seq.hashes, depth)
         if seq.want_experts:  # a block without routed-expert ids ends the match
             depth = pool.count_with_experts(blocks)
             blocks = blocks[:depth]
-        overlap = self._overlap(state, seq, depth)
+        overlap = self._overlap(state, seq, depth) if depth < cached else 0
         return Match(depth * bs, blocks, overlap=overlap)
 
     def safe_depth(self, seq: Seq, depth: int) -> int:
