@@ -8,11 +8,13 @@ invariants are checked after every step. Deliberately broken owners must be caug
 
 from __future__ import annotations
 
+import attrs
 import numpy as np
 import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+from tests.mtp_images import IMAGES, SpansWhole, with_image
 from tests.planted import assert_machine_catches
 
 from kvsched.config import CHECKPOINT_POLICIES, PLACEMENTS, ModelSpec, SchedulerConfig
@@ -232,6 +234,55 @@ class EngineMachineWithPrivateCopies(EngineMachine):
 
 EngineMachineWithPrivateCopies.TestCase.settings = EngineMachine.TestCase.settings
 TestEngineStateMachineWithPrivateCopies = EngineMachineWithPrivateCopies.TestCase
+
+
+class EngineMachineWithMTPAndImages(EngineMachine):
+    """The same machine with MTP (a hit's last cached block recomputed privately while the
+    sequence holds the cached one) and requests with multimodal spans: no forward starts
+    or ends inside one."""
+
+    @initialize(
+        hybrid=st.booleans(),
+        num_blocks=st.integers(10, 40),
+        max_batch=st.integers(1, 4),
+        chunk_blocks=st.integers(1, 3),
+        decode_interval=st.sampled_from([0, 4, 8]),
+        budget=st.integers(1, 4),
+        turn_mode=st.sampled_from(["mixed", "alternate"]),
+        policy=st.sampled_from([*CHECKPOINT_POLICIES, "every rule"]),
+        mid_chunk=st.booleans(),
+        by_bytes=st.booleans(),
+        keep_aborted=st.booleans(),
+        session_reclaim=st.sampled_from(["last_use", "session_id"]),
+        last_chunk=st.booleans(),
+        waiting_tokens=st.booleans(),
+        prealloc=st.sampled_from([0, 0, 4, 9]),
+        mtp=st.sampled_from([1, 2]),
+    )
+    def start(self, mtp: int, **kw) -> None:  # type: ignore[no-untyped-def]
+        super().start(**kw)
+        self.config = attrs.evolve(self.config, num_speculative_tokens=mtp)
+        self.engine = Engine(self.config, check_invariants=True)
+        self.executor = SpansWhole(self.executor, self.engine.state)
+        self.runner = _Faulty(self.executor)
+
+    @rule(
+        prefix=st.integers(0, len(PREFIXES) - 1),
+        suffix=st.integers(0, 9),
+        max_tokens=st.integers(1, 12),
+        adapter=st.sampled_from(["", "lora-a"]),
+        salt=st.sampled_from(["", "tenant-b"]),
+        priority=st.integers(0, 2),
+        session=st.sampled_from([-1, -1, 0, 1]),
+        image=IMAGES,
+    )
+    def arrive(self, image, **kw) -> None:  # type: ignore[no-untyped-def]
+        super().arrive(**kw)
+        self.inputs[-1] = with_image(self.inputs[-1], image)
+
+
+EngineMachineWithMTPAndImages.TestCase.settings = EngineMachine.TestCase.settings
+TestEngineStateMachineWithMTPAndImages = EngineMachineWithMTPAndImages.TestCase
 
 
 def _run_broken(

@@ -13,8 +13,9 @@ must be caught."""
 
 from __future__ import annotations
 
-from typing import TypeVar
+from typing import Any, TypeVar
 
+import attrs
 import numpy as np
 import pytest
 from hypothesis import settings
@@ -26,6 +27,7 @@ from hypothesis.stateful import (
     precondition,
     rule,
 )
+from tests.mtp_images import IMAGES, SpansWhole, with_image
 from tests.planted import assert_machine_catches
 from tests.policy.helpers import Harness
 
@@ -471,6 +473,40 @@ ExternalKVMachine.TestCase.settings = settings(
     max_examples=max(60, settings.default.max_examples), stateful_step_count=40, deadline=None
 )
 TestExternalKVStateMachine = ExternalKVMachine.TestCase
+
+
+class ExternalKVMachineWithMTPAndImages(ExternalKVMachine):
+    """The same machine with MTP (an attention model loads one block less than the store
+    has: recomputed) and requests with multimodal spans: no load, hit or chunk ends inside
+    one."""
+
+    @initialize(
+        hybrid=st.booleans(),
+        role=st.sampled_from(["both", "both", "prefill", "decode"]),
+        num_blocks=st.integers(12, 32),
+        max_batch=st.integers(1, 4),
+        chunk_blocks=st.integers(1, 3),
+        decode_interval=st.sampled_from([0, 4, 8]),
+        budget=st.integers(1, 4),
+        turn_mode=st.sampled_from(["mixed", "alternate"]),
+        order=st.sampled_from(["fcfs", "priority"]),
+        mtp=st.sampled_from([0, 1]),
+    )
+    def start(self, mtp: int, **kw) -> None:  # type: ignore[no-untyped-def]
+        super().start(**kw)
+        self.config = attrs.evolve(self.config, num_speculative_tokens=mtp)
+        self.engine = Engine(self.config, check_invariants=True)
+        self.executor = SpansWhole(self.executor, self.engine.state)
+
+    @rule(requests=st.lists(st.tuples(REQUEST, IMAGES), min_size=1, max_size=3))
+    def arrive(self, requests: list[tuple[tuple[int, int, int, str, int, int], Any]]) -> None:  # type: ignore[override]
+        for request, image in requests:
+            super().arrive([request])
+            self.inputs[-1] = with_image(self.inputs[-1], image)
+
+
+ExternalKVMachineWithMTPAndImages.TestCase.settings = ExternalKVMachine.TestCase.settings
+TestExternalKVStateMachineWithMTPAndImages = ExternalKVMachineWithMTPAndImages.TestCase
 
 
 # ------------------------------------------------------------------------ planted bugs

@@ -34,6 +34,8 @@ PLACEMENTS: tuple[str, ...] = (
 # state, times its hits squared, aged: greedy-dual-size-frequency), declining a new checkpoint
 # worth less than every one it would replace.
 EVICTIONS: tuple[str, ...] = ("lru", "frozen_first", "value")
+# What an MTP hit recomputes (SchedulerConfig.mtp_overlap).
+MTP_OVERLAPS: tuple[str, ...] = ("one_block", "k_blocks")
 # Named checkpoint policies: kvsched's own, and baselines that behave like its peers.
 CHECKPOINT_POLICIES: dict[str, dict[str, Any]] = {
     "kvsched": {
@@ -159,7 +161,7 @@ class SchedulerConfig:
     # end a prompt's last chunk at the deepest boundary a later hit can use: for executors that
     # keep states in whole KV-cache blocks (vLLM's mamba "align" mode).
     aligned_checkpoints_only: bool = False
-    num_speculative_tokens: int = 0  # MTP: the last k cached blocks of a hit are recomputed
+    num_speculative_tokens: int = 0  # MTP: a hit's last cached block is recomputed (mtp_overlap)
     # External KV store: look up prefixes beyond the local cache and load them; save computed
     # blocks (and aligned state checkpoints) to it (roles both and prefill).
     external_kv: bool = False
@@ -182,6 +184,14 @@ class SchedulerConfig:
     # not compute: local prefix hits, checkpoint restores, external loads (SequenceFinished,
     # SequenceAborted). Off: kvsched before schema 4 (the events carry no counts).
     report_cached_tokens: bool = True
+    # MTP (num_speculative_tokens > 0): what a hit recomputes for the draft model. "one_block":
+    # the last cached block, into a private block, while the sequence holds the cached one
+    # (lmdeploy); "k_blocks": the last num_speculative_tokens cached blocks, swapped for the
+    # cached copies once computed (kvsched before schema 4).
+    mtp_overlap: str = "one_block"
+    # Multimodal spans are never split: no chunk boundary, prefix hit, load or state save
+    # falls strictly inside one (lmdeploy). False: kvsched before schema 4 (hits only).
+    multimodal_safe: bool = True
 
     def __attrs_post_init__(self) -> None:
         _in_range("block_size", self.block_size, 1, 1 << 16)
@@ -241,6 +251,10 @@ class SchedulerConfig:
             raise ValueError("decode_checkpoint_interval must be a multiple of block_size")
         if self.turn_mode not in ("mixed", "alternate"):
             raise ValueError(f"unknown turn mode {self.turn_mode!r}")
+        if self.mtp_overlap not in MTP_OVERLAPS:
+            raise ValueError(
+                f"unknown mtp_overlap {self.mtp_overlap!r}; known: {', '.join(MTP_OVERLAPS)}"
+            )
         if self.role not in ("both", "prefill", "decode"):
             raise ValueError(f"unknown role {self.role!r}")
         if self.role != "both" and not self.external_kv:
@@ -253,6 +267,17 @@ class SchedulerConfig:
     @property
     def external_save(self) -> bool:
         return self.external_kv and self.role != "decode"
+
+    @property
+    def mtp_recompute_blocks(self) -> int:
+        """Cached blocks at the end of a hit that MTP recomputes (0 without MTP)."""
+        k = self.num_speculative_tokens
+        return min(k, 1) if self.mtp_overlap == "one_block" else k
+
+    @property
+    def mtp_holds_overlap(self) -> bool:
+        """Whether a sequence holds the cached block its MTP overlap recomputes privately."""
+        return self.num_speculative_tokens > 0 and self.mtp_overlap == "one_block"
 
     @property
     def num_checkpoint_slots(self) -> int:
@@ -307,7 +332,8 @@ class SchedulerConfig:
         they ran today's "lmdeploy" rules; logs before schema 4 hashed blocks with blake2b,
         dropped aborted turns from sessions, reclaimed sessions by id, had no alternate-mode
         triggers beyond a half-empty batch and prefill_interval, no decode preallocation,
-        and no cached-token counts on finished sequences."""
+        no cached-token counts on finished sequences, recomputed k blocks of an MTP hit
+        and let chunks and loads split multimodal spans."""
         data = dict(data)
         if schema_version < 4:
             data.setdefault("identity", "blake2b")
@@ -318,6 +344,8 @@ class SchedulerConfig:
             data.setdefault("prefill_on_waiting_tokens", False)
             data.setdefault("decode_prealloc_tokens", 0)
             data.setdefault("report_cached_tokens", False)
+            data.setdefault("mtp_overlap", "k_blocks")
+            data.setdefault("multimodal_safe", False)
         if schema_version < 3:
             for key, value in CHECKPOINT_POLICIES["lmdeploy"].items():
                 data.setdefault(key, value)

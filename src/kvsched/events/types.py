@@ -160,6 +160,10 @@ class PrefixMatched(Event, frozen=True, tag="matched"):
     num_query_tokens: int
     ckpt_id: int = -1  # hybrid: the pinned checkpoint whose path covers ``blocks``
     kv_hit_tokens: int = -1  # hybrid: tokens the KV cache alone would have matched
+    # MTP: the cached block at index len(blocks) of the sequence's chain, which it recomputes
+    # into a private block (its block-table entry) and holds while it runs, so that the cached
+    # block stays shared and its later blocks chain from it (0: none)
+    overlap_block: int = 0
 
 
 class BlocksAllocated(Event, frozen=True, tag="alloc"):

@@ -138,9 +138,12 @@ class Growth:
         swap = self.config.dedup_cached_blocks
         if any(c is not None for c in canonical) or len(set(hashes)) < len(hashes):
             self._deduplicate(hashes, canonical, blocks, replaced, swap)
+        path = blocks
+        if self.config.mtp_holds_overlap:
+            path = self._keep_overlaps(t, grown, firsts, lasts, blocks, replaced)
         if not swap:
             self._detach_after_private(t, grown, firsts, lasts, replaced, index)
-        marks, experts = self._cached_experts(state, grown, firsts, lasts, blocks)
+        marks, experts = self._cached_experts(state, grown, firsts, lasts, path)
         emit(
             ev.BlocksCached(
                 seq_ids.copy(), (lasts - firsts).astype(I32), firsts.astype(I32), blocks,
@@ -171,6 +174,34 @@ class Growth:
                 replaced[j] = ev.PRIVATE_COPY
 
     @staticmethod
+    def _keep_overlaps(
+        t: SequenceTable,
+        rows: np.ndarray,
+        firsts: np.ndarray,
+        lasts: np.ndarray,
+        blocks: np.ndarray,
+        replaced: np.ndarray,
+    ) -> np.ndarray:
+        """MTP: a sequence's private recompute of a cached block it holds (its overlap) is
+        kept, not swapped for the cached block nor indexed (``PRIVATE_COPY``): its chain runs
+        through the cached block. Returns the entries' chain blocks (the cached block for
+        such a copy)."""
+        chain = blocks
+        j = 0
+        for row, first, last in zip(rows.tolist(), firsts.tolist(), lasts.tolist(), strict=True):
+            seq = t.objs[row]
+            assert seq is not None
+            if seq.overlap_block and first <= seq.overlap_at < last:
+                k = j + seq.overlap_at - first
+                if chain is blocks:
+                    chain = blocks.copy()
+                blocks[k] = int(t.table[row, seq.overlap_at])
+                replaced[k] = ev.PRIVATE_COPY
+                chain[k] = seq.overlap_block
+            j += last - first
+        return chain
+
+    @staticmethod
     def _detach_after_private(
         t: SequenceTable,
         rows: np.ndarray,
@@ -185,11 +216,13 @@ class Growth:
         for row, first, last in zip(rows.tolist(), firsts.tolist(), lasts.tolist(), strict=True):
             seq = t.objs[row]
             assert seq is not None
-            detached = bool(first) and index.get(seq.hashes[first - 1]) != t.table[row, first - 1]
+            own = t.path_blocks(seq, first - 1, first)[0] if first else 0  # (chain block)
+            detached = bool(first) and index.get(seq.hashes[first - 1]) != own
             for k in range(j, j + last - first):
                 if detached and replaced[k] == 0:
                     replaced[k] = ev.UNINDEXED
-                detached = detached or replaced[k] != 0
+                overlap = seq.overlap_at == first + k - j  # (its chain is the cached block)
+                detached = detached or (replaced[k] != 0 and not overlap)
             j += last - first
 
     def _cached_experts(
@@ -243,14 +276,16 @@ class Growth:
         unpins: list[Seq] = []
         for seq in seqs:
             row = seq.row
-            held = table.blocks_of(row)[seq.n_pinned :]
+            held = table.held_blocks(seq)
             if seq.pinned_ckpt >= 0:
                 unpins.append(seq)
             if keep_for_session and not state.hybrid and seq.session_id in state.sessions:
                 keep = int(table.registered[row])
                 if keep:
-                    emit(ev.SessionBlocksHeld(seq.session_id, seq.seq_id, held[:keep].copy()))
-                    held = table.blocks_of(row)
+                    # (the cached chain: an MTP overlap block, not its private copy)
+                    chain = table.path_blocks(seq, 0, keep)
+                    emit(ev.SessionBlocksHeld(seq.session_id, seq.seq_id, chain))
+                    held = table.held_blocks(seq)
             if len(held):
                 holders.append(seq.seq_id)
                 counts.append(len(held))

@@ -176,7 +176,8 @@ class Policy:
 
     def settle_load(self, state: EngineState, seq_id: int, emit: Emit) -> None:
         """After a load finished or failed, the sequence runs from its good blocks: an
-        attention model keeps a failed load's good leading blocks (and recomputes the rest);
+        attention model keeps a failed load's good leading blocks up to a multimodal-safe
+        boundary (and recomputes the rest);
         a hybrid model has no state past its local prefix, so it is preempted and recomputes
         from there (it will not try the store again). A deferred abort or end of session
         happens now, exactly once."""
@@ -185,7 +186,10 @@ class Policy:
         seq = state.seq(seq_id)
         failed = load.state == LoadState.FAILED
         good = 0 if failed and state.hybrid else load.good_blocks
-        emit(ev.KVLoadSettled(seq_id, load.first_block + good))
+        end = load.first_block + good
+        if failed:  # (never inside a multimodal span; the load's first block is outside)
+            end = max(load.first_block, self.matcher.safe_depth(seq, end))
+        emit(ev.KVLoadSettled(seq_id, end))
         self.growth.cache_computed(state, emit, np.asarray([seq.row]))
         if failed and state.hybrid:
             self.growth.preempt(state, seq, emit, f"kv load failed: {load.failure}")

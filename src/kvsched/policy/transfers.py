@@ -25,8 +25,13 @@ class Transfers:
     def lookup_range(self, state: EngineState, seq: Seq) -> tuple[int, int]:
         """(first, end): the chain blocks the store could add beyond the local match. A hit
         never covers the last known token; for a hybrid model the local part is what a
-        checkpoint serves."""
-        end = (seq.n_tokens - 1) // self.bs - self.config.num_speculative_tokens
+        checkpoint serves. MTP: an attention model asks for the whole prompt and loads one
+        block less than the store has (``planned_load``); a hybrid model's state cannot be
+        trimmed, so its lookup stops short of the blocks MTP recomputes."""
+        trim = self.config.mtp_recompute_blocks
+        if self.config.mtp_holds_overlap and not state.hybrid:
+            trim = 0
+        end = (seq.n_tokens - 1) // self.bs - trim
         match = self.matcher.find_prefix(state, seq)
         return match.num_tokens // self.bs, end
 
@@ -47,11 +52,12 @@ class Transfers:
     def planned_load(self, state: EngineState, seq: Seq, hit_tokens: int) -> tuple[int, int]:
         """(first, end) of a usable planned load, else (0, 0). The local part is the cached
         KV chain (for a hybrid model the loaded state replaces a local checkpoint); it must
-        still reach the block the lookup started from."""
+        still reach the block the lookup started from. Neither ends inside a multimodal
+        span; MTP recomputes the last block the store has (attention)."""
         load = state.transfers.load_of(seq.seq_id)
         if load is None or load.state != LoadState.PLANNED:
             return 0, 0
-        end = load.num_blocks
+        end = self._load_end(state, seq, load.num_blocks)
         if end * self.bs <= hit_tokens:
             return 0, 0  # the local cache now serves as much
         local = state.pool.find_prefix_len(seq.hashes, end)
@@ -59,7 +65,20 @@ class Transfers:
             return 0, 0  # the local part the lookup relied on was evicted meanwhile
         if local >= end and not state.hybrid:
             return 0, 0  # nothing to load (a hybrid model may still load the state at end)
+        if not state.hybrid:
+            local = self.matcher.safe_depth(seq, local)  # (the lookup's first is safe)
         return local, end
+
+    def _load_end(self, state: EngineState, seq: Seq, stored: int) -> int:
+        """Where a load of the ``stored`` blocks the store has ends: an attention model's
+        moves out of multimodal spans (and, with MTP, one block back: recomputed); a hybrid
+        model's state inside a span is of no use."""
+        if state.hybrid:
+            safe = self.matcher.safe_depth(seq, stored) == stored
+            return stored if safe else 0
+        if self.config.mtp_holds_overlap:
+            stored = max(0, stored - self.config.mtp_recompute_blocks)
+        return self.matcher.safe_depth(seq, stored)
 
     def load_started(self, state: EngineState, seq: Seq, first: int, end: int) -> ev.KVLoadStarted:
         """The load of chain blocks [first, end) into the sequence's blocks (and, for a hybrid
@@ -103,7 +122,7 @@ class Transfers:
         lo = int(state.seqs.saved[row])
         if end <= lo:
             return
-        blocks = state.seqs.table[row, lo:end].copy()
+        blocks = state.seqs.path_blocks(seq, lo, end)  # the cached chain (no MTP private copy)
         hashes = seq.hashes.packed(lo, end)
         save_id = state.transfers.next_save_id
         emit(ev.KVSaveStarted(save_id, seq.seq_id, blocks, lo, seq.root, hashes, ckpt, slot))

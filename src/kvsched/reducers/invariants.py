@@ -103,8 +103,15 @@ def _check_seq(state: Owners, seq: Seq) -> None:
     private_ok = not state.config.dedup_cached_blocks  # a duplicate kept as a private copy
     for i in range(int(t.registered[row])):
         h = hash_of[int(t.table[row, i])]
+        if i == seq.overlap_at and h is None:  # an MTP private copy: the overlap is cached
+            h = hash_of[seq.overlap_block]
         if h != seq.hashes[i] and not (private_ok and h is None):
             raise InvariantError(f"sequence {seq.seq_id}: block {i} has another identity")
+    if seq.overlap_block and not (
+        seq.n_pinned <= seq.overlap_at < nblocks
+        and hash_of[seq.overlap_block] == seq.hashes[seq.overlap_at]
+    ):
+        raise InvariantError(f"sequence {seq.seq_id}: its MTP overlap block is not its chain's")
 
 
 def _check_transfers(state: Owners) -> None:

@@ -38,6 +38,10 @@ class Seq:
     n_experts: int = 0  # leading tokens whose expert ids are known
     pinned_ckpt: int = -1  # hybrid: checkpoint restored at admission, pinned while running
     n_pinned: int = 0  # leading blocks of the block table covered by that pin (no own refs)
+    # MTP: the cached block of chain index overlap_at that the sequence recomputed into the
+    # private block of its block table there; it holds a reference on the cached one (0: none)
+    overlap_block: int = 0
+    overlap_at: int = -1
     num_failures: int = 0  # consecutive failed steps that computed this sequence
     num_preemptions: int = 0
     preempted_at: int = -1  # the step of the latest preemption

@@ -119,6 +119,22 @@ class SequenceTable(RowTable):
         history = self.history.get(session_id)
         return 0 if history is None else len(history.tokens)
 
+    def path_blocks(self, seq: Seq, lo: int, hi: int) -> np.ndarray:
+        """Blocks [lo, hi) of the sequence's chain: its block table, with the cached block in
+        place of its MTP private copy (a copy of the table entries)."""
+        blocks = self.table[seq.row, lo:hi].copy()
+        if seq.overlap_block and lo <= seq.overlap_at < hi:
+            blocks[seq.overlap_at - lo] = seq.overlap_block
+        return blocks
+
+    def held_blocks(self, seq: Seq) -> np.ndarray:
+        """Every block the sequence holds a reference on, in chain order (a cached MTP overlap
+        block just before its private copy; none of a pinned checkpoint's path)."""
+        held = self.blocks_of(seq.row)[seq.n_pinned :]
+        if not seq.overlap_block:
+            return held
+        return np.insert(held, seq.overlap_at - seq.n_pinned, seq.overlap_block)
+
     def identity_at(self, seq: Seq, step: int) -> tuple[bytes, bytes]:
         """(identity, anchor) of the state after ``step`` tokens of ``seq``."""
         if seq.row != FREE_ROW and step > seq.n_tokens:
@@ -320,6 +336,8 @@ class SequenceTable(RowTable):
             seq.n_pinned = k  # covered by the checkpoint's references
         elif k:
             change = RefChange(attach=(e.blocks,))
+        if e.overlap_block:
+            change = self._hold_overlap(seq, k, e.overlap_block, change)
         self.table[row, :k] = e.blocks
         if seq.want_experts and k:
             seq.n_experts = 0
@@ -337,6 +355,17 @@ class SequenceTable(RowTable):
             else:
                 seq.cached_local = e.num_tokens
         return change
+
+    def _hold_overlap(
+        self, seq: Seq, at: int, block: int, change: RefChange | None
+    ) -> RefChange:
+        """MTP: the sequence holds the cached block ``block`` of chain index ``at``, which it
+        recomputes into a private block."""
+        if at >= len(seq.hashes) or self._pool.hash_of[block] != seq.hashes[at]:
+            raise ReplayMismatch(f"sequence {seq.seq_id}: overlap block {block} of another chain")
+        seq.overlap_block, seq.overlap_at = block, at
+        attach = (np.asarray([block], dtype=np.int32),)
+        return RefChange(attach=(change.attach if change else ()) + attach)
 
     # ------------------------------------------------------------------ block folds
 
@@ -379,12 +408,23 @@ class SequenceTable(RowTable):
 
     def _drop_tail(self, seq: Seq, blocks: np.ndarray) -> None:
         row = seq.row
+        if seq.overlap_block and seq.overlap_block in blocks.tolist():
+            blocks = self._drop_overlap(seq, blocks)
         n, k = int(self.nblocks[row]), len(blocks)
         if row == FREE_ROW or k > n or not np.array_equal(self.table[row, n - k : n], blocks):
             raise ReplayMismatch(f"sequence {seq.seq_id} does not hold {blocks} at its tail")
         self.set_nblocks(row, n - k)
         self.registered[row] = min(int(self.registered[row]), n - k)
         self.computed[row] = min(int(self.computed[row]), (n - k) * self.block_size)
+
+    def _drop_overlap(self, seq: Seq, blocks: np.ndarray) -> np.ndarray:
+        """A release that includes the sequence's MTP overlap block, just before its private
+        copy in chain order: the table entries it releases (the overlap is held no more)."""
+        at = seq.overlap_at - (int(self.nblocks[seq.row]) - (len(blocks) - 1))
+        if not 0 <= at < len(blocks) or blocks[at] != seq.overlap_block:
+            raise ReplayMismatch(f"sequence {seq.seq_id}: overlap released out of chain order")
+        seq.overlap_block, seq.overlap_at = 0, -1
+        return np.delete(blocks, at)
 
     def _on_cached(self, e: ev.BlocksCached) -> RefChange:
         """Each sequence's next computed blocks enter the index (a duplicate's table entry is
@@ -416,13 +456,20 @@ class SequenceTable(RowTable):
         return RefChange(attach=attach, release=(e.replaced[swapped],))
 
     def _on_session_held(self, e: ev.SessionBlocksHeld) -> None:
+        """The session takes the sequence's first blocks (the cached chain: an MTP overlap
+        block instead of its private copy, which stays at the head of the table, to be
+        freed with the rest)."""
         seq = self.seq(e.seq_id)
         row, k = seq.row, len(e.blocks)
         n = int(self.nblocks[row])
-        if row == FREE_ROW or not np.array_equal(self.table[row, :k], e.blocks):
+        if row == FREE_ROW or k > n or not np.array_equal(self.path_blocks(seq, 0, k), e.blocks):
             raise ReplayMismatch(f"sequence {e.seq_id} does not hold {e.blocks} at its head")
-        self.table[row, : n - k] = self.table[row, k:n].copy()
-        self.set_nblocks(row, n - k)
+        rest = self.table[row, k:n].copy()
+        if seq.overlap_block and seq.overlap_at < k:
+            rest = np.insert(rest, 0, self.table[row, seq.overlap_at])
+            seq.overlap_block, seq.overlap_at = 0, -1
+        self.table[row, : len(rest)] = rest
+        self.set_nblocks(row, len(rest))
         self.registered[row] = max(0, int(self.registered[row]) - k)
 
     # ------------------------------------------------------------- scheduling folds
@@ -455,7 +502,7 @@ class SequenceTable(RowTable):
     # -------------------------------------------------------------------- endings
 
     def _release_row(self, seq: Seq) -> None:
-        if self.nblocks[seq.row]:
+        if self.nblocks[seq.row] or seq.overlap_block:
             raise ReplayMismatch(f"sequence {seq.seq_id} left running with blocks held")
         self.deactivate(seq)
 
@@ -556,7 +603,7 @@ class SequenceTable(RowTable):
             (
                 s.seq_id, s.state, s.row, s.n_tokens, s.token_view().tobytes(), s.hashes.packed(),
                 s.pinned_ckpt, s.n_pinned, s.num_failures, s.num_preemptions, s.preempted_at,
-                s.num_hit_tokens, s.n_experts, s.cached_tokens,
+                s.num_hit_tokens, s.n_experts, s.cached_tokens, s.overlap_block, s.overlap_at,
             )
             for s in self.seqs.values()
         )
