@@ -12,6 +12,16 @@ MAX_TABLE_ENTRIES = 1 << 28  # block-table entries (max_batch x blocks per seque
 
 OrderPolicy = Literal["fcfs", "priority", "ttft"]
 
+# The TTFT order's prefill-turn policies (lmdeploy's _PrefillTurnPolicy, policy/turns.py): one
+# kind of turn for every step, or lmdeploy's engine interleaving ("interleave": short-only turns
+# while long prefills wait, a long-first turn after short_turns_per_long of them).
+PREFILL_TURNS: tuple[str, ...] = (
+    "standard", "short_only", "long_first", "long_first_if_final", "interleave"
+)
+# The order of long prefills on long-first turns: "size" (fewest chunks left, minus one per
+# aging_s waited) or "fifo" (arrival); lmdeploy's LMDEPLOY_PT_TTFT_POLICY.
+LONG_ORDERS: tuple[str, ...] = ("size", "fifo")
+
 # Block identity schemes (identity.py, docs/identity.md): "kvs128" a native keyed 128-bit hash
 # at memory speed (the default), "blake2b" cryptographic (every log before schema 4).
 IDENTITY_SCHEMES: tuple[str, ...] = ("kvs128", "blake2b")
@@ -166,6 +176,14 @@ class SchedulerConfig:
     # Disaggregation: a prefill-role engine ends each request after its first token (reason
     # "migrated") once its prompt is saved; a decode-role engine loads prompts, saves nothing.
     role: Role = "both"
+    # Order "ttft" only: the prefill-turn policy (PREFILL_TURNS), the short turns before a
+    # long chunk is due ("interleave"), the long lane's order (LONG_ORDERS), and how a waiting
+    # request is sized: by the tokens left after its tentative prefix match ("after_match"), or
+    # by its whole context, session history included ("context": kvsched before schema 4).
+    prefill_turns: str = "interleave"
+    short_turns_per_long: int = 3
+    long_order: str = "size"
+    ttft_size: str = "after_match"
 
     def __attrs_post_init__(self) -> None:
         _in_range("block_size", self.block_size, 1, 1 << 16)
@@ -225,6 +243,25 @@ class SchedulerConfig:
             raise ValueError(f"unknown role {self.role!r}")
         if self.role != "both" and not self.external_kv:
             raise ValueError(f"role {self.role!r} needs external_kv (the store carries the KV)")
+        _in_range("short_turns_per_long", self.short_turns_per_long, 1, 1 << 20)
+        for name, value, known in (
+            ("prefill_turns", self.prefill_turns, PREFILL_TURNS),
+            ("long_order", self.long_order, LONG_ORDERS),
+            ("ttft_size", self.ttft_size, ("after_match", "context")),
+        ):
+            if value not in known:
+                raise ValueError(f"unknown {name} {value!r}; known: {', '.join(known)}")
+
+    @property
+    def turn_policy(self) -> str:
+        """The prefill-turn policy in force: the TTFT order's; every other order takes
+        standard turns (its own order, long prefills allowed)."""
+        return self.prefill_turns if self.order == "ttft" else "standard"
+
+    def long_prefill(self, tokens_left: int) -> bool:
+        """Whether a prefill of this many tokens needs more than one chunk (lmdeploy: a
+        non-final long prefill)."""
+        return tokens_left > self.chunk_tokens
 
     @property
     def external_load(self) -> bool:
@@ -285,13 +322,17 @@ class SchedulerConfig:
     def from_log_header(cls, data: dict[str, Any], schema_version: int) -> SchedulerConfig:
         """The config a log header records. Logs of schema 2 predate the checkpoint policies:
         they ran today's "lmdeploy" rules; logs before schema 4 hashed blocks with blake2b,
-        dropped aborted turns from sessions and reclaimed sessions by id."""
+        dropped aborted turns from sessions, reclaimed sessions by id, and ordered TTFT by
+        whole contexts on long-first turns."""
         data = dict(data)
         if schema_version < 4:
             data.setdefault("identity", "blake2b")
             data.setdefault("checkpoint_min_gain_blocks", 0)
             data.setdefault("keep_aborted_turns", False)
             data.setdefault("session_reclaim", "session_id")
+            data.setdefault("ttft_size", "context")
+            data.setdefault("prefill_turns", "long_first")
+            data.setdefault("long_order", "size")
         if schema_version < 3:
             for key, value in CHECKPOINT_POLICIES["lmdeploy"].items():
                 data.setdefault(key, value)

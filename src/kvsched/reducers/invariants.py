@@ -20,6 +20,7 @@ from kvsched.reducers.seq import FREE_ROW, Seq
 from kvsched.reducers.sequences import SequenceTable
 from kvsched.reducers.sessions import SessionTable
 from kvsched.reducers.transfers import TransferTable
+from kvsched.reducers.turns import Turns
 from kvsched.statemachines import SeqState
 
 
@@ -33,6 +34,7 @@ class Owners(Protocol):
     sessions: SessionTable
     ckpts: CheckpointTable
     transfers: TransferTable
+    turns: Turns
 
     def holders(self) -> list[np.ndarray]: ...
 
@@ -54,6 +56,7 @@ def check_all(state: Owners) -> None:
     for problem in (
         state.ckpts.check_invariants(pins),
         state.sessions.check_invariants(set(state.seqs.seqs)),
+        state.turns.check_invariants(),
     ):
         if problem is not None:
             raise InvariantError(problem)
