@@ -40,7 +40,7 @@ class PrefillTurns:
         self.admission = admission
         self.order = order
         self.policy = config.turn_policy
-        self._fixed = self.policy in ("standard", "long_first")
+        self._keeps_turn = self.policy in ("standard", "long_first")
         # The gated turn of the policy (interleave: short-only turns).
         self._gate = _T.SHORT_ONLY if self.policy == "interleave" else INITIAL[self.policy]
 
@@ -48,13 +48,17 @@ class PrefillTurns:
         self, state: EngineState, chunk_rows: np.ndarray, budget: StepBudget, emit: Emit
     ) -> None:
         """Continue running chunked prefills and admit waiting ones, in this step's turn."""
+        if not (state.seqs.waiting or len(chunk_rows)):
+            return  # no prefill work: nothing to schedule, the turn stays
         turn = state.turns.turn
         if self.policy == "standard":  # (every order but ttft): no sizes needed
             self._run_turn(state, turn, chunk_rows, budget, emit, None)
             return
+        # Sized when the turn is chosen, before running chunks continue (a sequence they
+        # preempt is not readmitted in the same step anyway).
         sized = self.order.sizes(state, list(state.seqs.waiting.values()))
         long_work = False
-        if not self._fixed:
+        if not self._keeps_turn:
             short_work, long_work = self._work(state, chunk_rows, sized)
             turn = self._choose(state, short_work, long_work)
             if turn != state.turns.turn:
@@ -89,8 +93,7 @@ class PrefillTurns:
         return not all(kinds), any(kinds)
 
     def _choose(self, state: EngineState, short_work: bool, long_work: bool) -> TurnState:
-        if not (short_work or long_work):
-            return state.turns.turn  # nothing to prefill: the turn stays
+        """The turn of a step with prefill work (short, long or both)."""
         if self.policy == "interleave":
             if not long_work:
                 return _T.STANDARD

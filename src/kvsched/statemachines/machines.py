@@ -299,12 +299,13 @@ PREFILL_TURN_SPEC = MachineSpec(
         "SHORT_ONLY: short prefills by size; long ones (more than a chunk of tokens left "
         "after the prefix match) are not scheduled. LONG_FIRST: one long prefill first, then "
         "the short ones by size, then the other long ones. LONG_FIRST_IF_FINAL: that order, "
-        "long prefills not scheduled. A fixed policy starts in its state and leaves it only "
-        "for LONG_FIRST when only long work waits (`long_turn`) or its turn scheduled nothing "
-        "(`fall_back`). `interleave` (lmdeploy's engine) starts in STANDARD, the state "
-        "without long work; with long work it takes `short_turn`s until "
-        "`short_turns_per_long` of them ran since the last long chunk, then a `long_turn`. "
-        "A turn equal to the current state is not an event."
+        "long prefills not scheduled. Each policy starts in its state; `standard` and "
+        "`long_first` never leave it; `short_only` and `long_first_if_final` leave it for "
+        "LONG_FIRST when only long work waits (`long_turn`) or when their turn scheduled "
+        "nothing while long work waits (`fall_back`). `interleave` (lmdeploy's engine) "
+        "starts in STANDARD, the state without long work; with long work it takes "
+        "`short_turn`s until `short_turns_per_long` of them ran since the last long chunk, "
+        "then a `long_turn`. A turn equal to the current state is not an event."
     ),
 )
 
