@@ -6,8 +6,8 @@ chunk boundaries are multiples of ``config.chunk_tokens`` (a function of the req
 config, never of the cache hit); at most ``max_long_chunks_per_step`` non-final chunks per
 step, and none of a long prefill (more than a chunk of tokens left) on a gated prefill turn
 (policy/turns.py); FCFS and priority orders stop at the first request that does not fit, the
-TTFT order skips it. An admission that does not fit leaves no trace (its tentative match is never
-emitted).
+TTFT order skips it. An admission that does not fit leaves no trace (its tentative match is
+never emitted).
 """
 
 from __future__ import annotations
