@@ -17,9 +17,11 @@ from kvsched.config import (
     CHECKPOINT_POLICIES,
     EVICTIONS,
     IDENTITY_SCHEMES,
+    LONG_ORDERS,
     MAX_BATCH,
     MAX_BLOCKS,
     PLACEMENTS,
+    PREFILL_TURNS,
     SchedulerConfig,
 )
 from kvsched.events.codec import RecordDecodeError, SchemaVersionError
@@ -156,6 +158,11 @@ def cmd_replay(args: argparse.Namespace) -> int:
         max_prefill_tokens=args.max_prefill_tokens,
         order=args.order,
         hybrid=args.hybrid,
+        turns={
+            "prefill_turns": args.prefill_turns,
+            "short_turns_per_long": args.short_turns,
+            "long_order": args.long_order,
+        },
         checkpoints=checkpoint_fields(
             budget=args.checkpoint_budget,
             memory=args.checkpoint_memory,
@@ -425,6 +432,23 @@ def _add_replay(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
         "--max-prefill-tokens", type=_int_in(1, 1 << 24), metavar="N", help="default 8192"
     )
     r.add_argument("--order", choices=["fcfs", "priority", "ttft"], help="default fcfs")
+    r.add_argument(
+        "--prefill-turns",
+        choices=list(PREFILL_TURNS),
+        help="--order ttft: the prefill-turn policy (default long_first; interleave: lmdeploy's "
+        "short-only turns while long prompts wait, a long chunk every --short-turns)",
+    )
+    r.add_argument(
+        "--short-turns",
+        type=_int_in(1, 1 << 20),
+        metavar="N",
+        help="--prefill-turns interleave: short turns per long chunk (3)",
+    )
+    r.add_argument(
+        "--long-order",
+        choices=list(LONG_ORDERS),
+        help="--order ttft: long prompts by chunks left with aging (size, default) or by arrival",
+    )
     r.add_argument("--hybrid", action="store_true", help="hybrid model (state checkpoints)")
     r.add_argument("--cost", metavar="K=V,...", help="cost-model parameters (see docs/replay.md)")
     r.add_argument("--sweep", metavar="KEY=V1,V2", help=f"keys: {', '.join(SWEEP_KEYS)}")

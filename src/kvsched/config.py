@@ -12,6 +12,16 @@ MAX_TABLE_ENTRIES = 1 << 28  # block-table entries (max_batch x blocks per seque
 
 OrderPolicy = Literal["fcfs", "priority", "ttft"]
 
+# The TTFT order's prefill-turn policies (lmdeploy's _PrefillTurnPolicy, policy/turns.py): one
+# kind of turn for every step, or lmdeploy's engine interleaving ("interleave": short-only turns
+# while long prefills wait, a long-first turn after short_turns_per_long of them).
+PREFILL_TURNS: tuple[str, ...] = (
+    "standard", "short_only", "long_first", "long_first_if_final", "interleave"
+)
+# The order of long prefills on long-first turns: "size" (fewest chunks left, minus one per
+# aging_s waited) or "fifo" (arrival); lmdeploy's LMDEPLOY_PT_TTFT_POLICY.
+LONG_ORDERS: tuple[str, ...] = ("size", "fifo")
+
 # Block identity schemes (identity.py, docs/identity.md): "kvs128" a native keyed 128-bit hash
 # at memory speed (the default), "blake2b" cryptographic (every log before schema 4).
 IDENTITY_SCHEMES: tuple[str, ...] = ("kvs128", "blake2b")
@@ -192,6 +202,14 @@ class SchedulerConfig:
     # Multimodal spans are never split: no chunk boundary, prefix hit, load or state save
     # falls strictly inside one (lmdeploy). False: kvsched before schema 4 (hits only).
     multimodal_safe: bool = True
+    # Order "ttft" only: the prefill-turn policy (PREFILL_TURNS), the short turns before a
+    # long chunk is due ("interleave"), the long lane's order (LONG_ORDERS), and how a waiting
+    # request is sized: by the tokens left after its tentative prefix match ("after_match"), or
+    # by its whole context, session history included ("context": kvsched before schema 4).
+    prefill_turns: str = "interleave"
+    short_turns_per_long: int = 3
+    long_order: str = "size"
+    ttft_size: str = "after_match"
 
     def __attrs_post_init__(self) -> None:
         _in_range("block_size", self.block_size, 1, 1 << 16)
@@ -259,6 +277,25 @@ class SchedulerConfig:
             raise ValueError(f"unknown role {self.role!r}")
         if self.role != "both" and not self.external_kv:
             raise ValueError(f"role {self.role!r} needs external_kv (the store carries the KV)")
+        _in_range("short_turns_per_long", self.short_turns_per_long, 1, 1 << 20)
+        for name, value, known in (
+            ("prefill_turns", self.prefill_turns, PREFILL_TURNS),
+            ("long_order", self.long_order, LONG_ORDERS),
+            ("ttft_size", self.ttft_size, ("after_match", "context")),
+        ):
+            if value not in known:
+                raise ValueError(f"unknown {name} {value!r}; known: {', '.join(known)}")
+
+    @property
+    def turn_policy(self) -> str:
+        """The prefill-turn policy in force: the TTFT order's; every other order takes
+        standard turns (its own order, long prefills allowed)."""
+        return self.prefill_turns if self.order == "ttft" else "standard"
+
+    def long_prefill(self, tokens_left: int) -> bool:
+        """Whether a prefill of this many tokens needs more than one chunk (lmdeploy: a
+        non-final long prefill)."""
+        return tokens_left > self.chunk_tokens
 
     @property
     def external_load(self) -> bool:
@@ -332,8 +369,9 @@ class SchedulerConfig:
         they ran today's "lmdeploy" rules; logs before schema 4 hashed blocks with blake2b,
         dropped aborted turns from sessions, reclaimed sessions by id, had no alternate-mode
         triggers beyond a half-empty batch and prefill_interval, no decode preallocation,
-        no cached-token counts on finished sequences, recomputed k blocks of an MTP hit
-        and let chunks and loads split multimodal spans."""
+        no cached-token counts on finished sequences, recomputed k blocks of an MTP hit,
+        let chunks and loads split multimodal spans, and ordered TTFT by whole contexts
+        on long-first turns."""
         data = dict(data)
         if schema_version < 4:
             data.setdefault("identity", "blake2b")
@@ -346,6 +384,9 @@ class SchedulerConfig:
             data.setdefault("report_cached_tokens", False)
             data.setdefault("mtp_overlap", "k_blocks")
             data.setdefault("multimodal_safe", False)
+            data.setdefault("ttft_size", "context")
+            data.setdefault("prefill_turns", "long_first")
+            data.setdefault("long_order", "size")
         if schema_version < 3:
             for key, value in CHECKPOINT_POLICIES["lmdeploy"].items():
                 data.setdefault(key, value)

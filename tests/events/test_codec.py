@@ -98,6 +98,7 @@ SAMPLES: dict[type[ev.Event], ev.Event] = {
     ev.KVSaveStarted: ev.KVSaveStarted(77, 6, i32(40, 41), 0, H2, H12, 3, 300),
     ev.AbortDeferred: ev.AbortDeferred(6, "session ended", True),
     ev.DrainDeferred: ev.DrainDeferred(),
+    ev.PrefillTurnChosen: ev.PrefillTurnChosen("long_first", fallback=True),
 }
 
 ALL_TYPES = ev.INPUT_TYPES + ev.DECISION_TYPES

@@ -9,7 +9,8 @@ from kvsched.engine import Engine
 from kvsched.events import types as ev
 from kvsched.gpu.sim import SimulatedExecutor
 from kvsched.identity import HashChain
-from kvsched.policy import Policy, order_waiting
+from kvsched.policy import Policy, PrefillOrder
+from kvsched.policy.matching import Matcher
 from kvsched.replay.driver import run
 from kvsched.replay.workload import Turn, Workload, chat_workload
 from kvsched.statemachines import SeqState
@@ -92,8 +93,8 @@ def test_ttft_admits_short_prompts_smallest_first_and_fills_the_budget_past_a_mi
     assert admitted(fcfs.step(reqs)) == [0, 1]  # fcfs stops at the first misfit
 
 
-def test_ttft_order_puts_exactly_one_long_prompt_before_the_short_ones():
-    cfg = config(order="ttft", max_prefill_tokens=64)
+def test_ttft_order_puts_exactly_one_long_prompt_before_the_short_ones_on_long_first_turns():
+    cfg = config(order="ttft", prefill_turns="long_first", max_prefill_tokens=64)
     reqs = [
         request(0, 200, arrival_time=0.0),
         request(1, 130, arrival_time=0.1),
@@ -103,8 +104,8 @@ def test_ttft_order_puts_exactly_one_long_prompt_before_the_short_ones():
     probe = Harness(cfg)
     for r in reqs:
         probe.state.apply(r)
-    waiting = list(probe.state.seqs.waiting.values())
-    order = [s.seq_id for s in order_waiting(cfg, waiting, clock=0.0)]
+    ttft = PrefillOrder(cfg, Matcher(cfg))
+    order = [s.seq_id for s in ttft.order(probe.state, probe.state.turns.turn)]
     assert order == [1, 3, 2, 0]  # fewest-chunk long first, shorts by size, other longs
     h = Harness(cfg)
     assert admitted(h.step(reqs)) == [1]  # the long one goes first and takes the budget

@@ -1,4 +1,4 @@
-"""The four declared lifecycles: agreement with `transitions`, and their key behaviours."""
+"""The declared machines: agreement with `transitions`, and their key behaviours."""
 
 from __future__ import annotations
 
@@ -260,4 +260,6 @@ def test_states_are_upper_case_and_events_lower_case_int_enums_from_zero(
 
 def test_module_level_machines_match_their_specs() -> None:
     assert [m.spec for m in ALL_MACHINES] == list(ALL_SPECS)
-    assert [m.name for m in ALL_MACHINES] == ["Sequence", "KVLoad", "KVSave", "Checkpoint"]
+    assert [m.name for m in ALL_MACHINES] == [
+        "Sequence", "KVLoad", "KVSave", "Checkpoint", "PrefillTurn"
+    ]

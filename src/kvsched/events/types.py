@@ -436,6 +436,16 @@ class DrainDeferred(Event, frozen=True, tag="drain_deferred"):
     level: int = 1
 
 
+class PrefillTurnChosen(Event, frozen=True, tag="prefill_turn"):
+    """The kind of prefill turn the policy takes from now on (the PrefillTurn machine), emitted
+    only when it changes: ``turn`` is "standard", "short_only", "long_first" or
+    "long_first_if_final"; ``fallback``: a gated turn that scheduled nothing while long
+    prefills wait gives way to a long-first turn in the same step."""
+
+    turn: str
+    fallback: bool = False
+
+
 INPUT_TYPES: tuple[type[Event], ...] = (
     RequestArrived,
     RequestAborted,
@@ -484,6 +494,7 @@ DECISION_TYPES: tuple[type[Event], ...] = (
     KVSaveStarted,
     AbortDeferred,
     DrainDeferred,
+    PrefillTurnChosen,
 )
 
 

@@ -5,9 +5,10 @@ Rules: the first prefill of a step is always admitted, others must fit the token
 chunk boundaries are multiples of ``config.chunk_tokens`` (a function of the request and the
 config, never of the cache hit), moved out of multimodal spans (``spans.py``: a span is a
 chunk of its own); at most ``max_long_chunks_per_step`` non-final chunks per
-step; FCFS and priority orders stop at the first request that does not fit, the TTFT order
-skips it. An admission that does not fit leaves no trace (its tentative match is never
-emitted).
+step, and none of a long prefill (more than a chunk of tokens left) on a gated prefill turn
+(policy/turns.py); FCFS and priority orders stop at the first request that does not fit, the
+TTFT order skips it. An admission that does not fit leaves no trace (its tentative match is
+never emitted).
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ from kvsched.policy.checkpoints import Checkpoints
 from kvsched.policy.common import Chunk, Emit, Match, StepBudget, cdiv
 from kvsched.policy.growth import Growth
 from kvsched.policy.matching import Matcher
-from kvsched.policy.ordering import order_waiting
 from kvsched.policy.transfers import Transfers
 from kvsched.reducers.sequences import Seq
 from kvsched.reducers.state import EngineState
@@ -88,7 +88,11 @@ class Admission:
             return True  # the first prefill of a step is always admitted
         return budget.tokens + chunk.end - chunk.start <= self.config.max_prefill_tokens
 
-    def long_gate_open(self, budget: StepBudget, chunk: Chunk) -> bool:
+    def long_gate_open(self, budget: StepBudget, seq: Seq, chunk: Chunk) -> bool:
+        """At most ``max_long_chunks_per_step`` non-final chunks per step; on a gated turn,
+        no chunk of a long prefill."""
+        if not budget.long_prefills and self.config.long_prefill(seq.n_tokens - chunk.start):
+            return False
         return chunk.final or budget.long_chunks < self.config.max_long_chunks_per_step
 
     def add_prefill(
@@ -152,7 +156,7 @@ class Admission:
                 continue  # preempted for an earlier sequence's chunk this step
             chunk = self.chunk_of(seq, int(table.computed[seq.row]))
             chunk = self.cut_at_branch(seq, chunk, seq.kv_hit_tokens)
-            if not (self.fits_budget(budget, chunk) and self.long_gate_open(budget, chunk)):
+            if not (self.fits_budget(budget, chunk) and self.long_gate_open(budget, seq, chunk)):
                 continue
             need = cdiv(chunk.end, self.bs) - int(table.nblocks[seq.row])
             if need > state.pool.num_available:
@@ -170,12 +174,13 @@ class Admission:
 
     # ------------------------------------------------------------------- admission
 
-    def admit_waiting(self, state: EngineState, budget: StepBudget, emit: Emit) -> None:
+    def admit_waiting(
+        self, state: EngineState, budget: StepBudget, emit: Emit, ordered: list[Seq]
+    ) -> None:
+        """Offer admission to the waiting sequences in ``ordered`` (policy/ordering.py)."""
         table = state.seqs
-        if not table.waiting:
-            return
         stop_on_failure = self.config.order != "ttft"
-        for seq in order_waiting(self.config, list(table.waiting.values()), state.clock):
+        for seq in ordered:
             if table.num_running >= self.config.max_batch:
                 return
             if seq.preempted_at == state.step:
@@ -195,7 +200,7 @@ class Admission:
                 return self._admit_with_load(state, seq, first, end, emit)
         chunk = self.chunk_of(seq, match.num_tokens)
         chunk = self.cut_at_branch(seq, chunk, match.kv_tokens)
-        if not self.long_gate_open(budget, chunk):
+        if not self.long_gate_open(budget, seq, chunk):
             return "skip"
         if not self.fits_budget(budget, chunk):
             return "stop"

@@ -50,6 +50,7 @@ class StepBudget:
     """What this step has committed so far."""
 
     busy: bool = False  # decode work is scheduled this step
+    long_prefills: bool = True  # the turn lets long prefills run (policy/turns.py)
     tokens: int = 0
     prefills: int = 0
     long_chunks: int = 0

@@ -1,42 +1,95 @@
-"""Prefill ordering policies: the order in which waiting sequences are offered admission.
+"""Prefill ordering: the order in which waiting sequences are offered admission.
 
 * ``fcfs``: arrival order.
 * ``priority``: higher priority first; waiting ages a request up one level per ``aging_s``.
-* ``ttft``: size-aware (lmdeploy's TTFT policy): one long prompt first, then short prompts by
-  size, then the other long prompts; a long prompt's rank improves with its wait, so long
-  prompts are never starved.
+* ``ttft``: size-aware, by the engine's prefill turn (``policy/turns.py``; lmdeploy's
+  ``_PrefillReorderer``). A waiting request is sized by the tokens left to compute after its
+  tentative prefix match (``Matcher.find_prefix``, a pure query: nothing is emitted); it is
+  *long* when more than a chunk of them is left (``config.long_prefill``), *short* otherwise.
+
+  - STANDARD and SHORT_ONLY: the short requests by size (then arrival), then the long lane
+    (a SHORT_ONLY turn's gate skips it).
+  - LONG_FIRST and LONG_FIRST_IF_FINAL: the head of the long lane first, then the short ones
+    by size, then the rest of the lane.
+
+  The long lane is ordered by ``long_order``: ``size`` (fewest chunks left, minus one per
+  ``aging_s`` waited, so long prompts are never starved) or ``fifo`` (arrival).
+
+  Logs before schema 4 sized by the whole context, session history included
+  (``ttft_size="context"``).
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from kvsched.config import SchedulerConfig
+from kvsched.policy.common import cdiv
+from kvsched.policy.matching import Matcher
 from kvsched.reducers.sequences import Seq
+from kvsched.reducers.state import EngineState
+from kvsched.statemachines import TurnState
 
 
-def _age_levels(config: SchedulerConfig, seq: Seq, clock: float) -> int:
-    return int(max(0.0, clock - seq.arrival_time) // config.aging_s)
+class Sized(NamedTuple):
+    """A waiting request and the prefill it needs now."""
+
+    seq: Seq
+    left: int  # tokens to compute after the tentative prefix match
+    chunks: int  # canonical chunks they span
+    long: bool  # more than a chunk of tokens left
 
 
-def order_waiting(config: SchedulerConfig, waiting: list[Seq], clock: float) -> list[Seq]:
-    if config.order == "fcfs":
-        return sorted(waiting, key=lambda s: (s.arrival_time, s.seq_id))
-    if config.order == "priority":
+def _arrival(s: Sized) -> tuple[float, int]:
+    return (s.seq.arrival_time, s.seq.seq_id)
+
+
+class PrefillOrder:
+    def __init__(self, config: SchedulerConfig, matcher: Matcher) -> None:
+        self.config = config
+        self.matcher = matcher
+        self._by_context = config.ttft_size == "context"
+
+    def sizes(self, state: EngineState, waiting: list[Seq]) -> list[Sized]:
+        """Each waiting request's prefill after its tentative prefix match (TTFT order)."""
+        chunk, config = self.config.chunk_tokens, self.config
+        out = []
+        for seq in waiting:
+            n = seq.n_tokens
+            start = 0 if self._by_context else self.matcher.find_prefix(state, seq).num_tokens
+            left = n - start
+            out.append(Sized(seq, left, cdiv(n, chunk) - start // chunk, config.long_prefill(left)))
+        return out
+
+    def order(
+        self, state: EngineState, turn: TurnState, sized: list[Sized] | None = None
+    ) -> list[Seq]:
+        """The waiting sequences in the order the turn offers them admission (``sized``:
+        their sizes when the caller has them)."""
+        config = self.config
+        if config.order == "fcfs":
+            return sorted(state.seqs.waiting.values(), key=lambda s: (s.arrival_time, s.seq_id))
+        if config.order == "priority":
+            clock = state.clock
+            return sorted(
+                state.seqs.waiting.values(),
+                key=lambda s: (-(s.priority + self._age(s, clock)), s.arrival_time, s.seq_id),
+            )
+        if sized is None:
+            sized = self.sizes(state, list(state.seqs.waiting.values()))
+        shorts = sorted((s for s in sized if not s.long), key=lambda s: (s.left, *_arrival(s)))
+        lane = self._long_lane([s for s in sized if s.long], state.clock)
+        if turn in (TurnState.LONG_FIRST, TurnState.LONG_FIRST_IF_FINAL):
+            return [s.seq for s in lane[:1] + shorts + lane[1:]]
+        return [s.seq for s in shorts + lane]
+
+    def _long_lane(self, longs: list[Sized], clock: float) -> list[Sized]:
+        if self.config.long_order == "fifo":
+            return sorted(longs, key=_arrival)
         return sorted(
-            waiting,
-            key=lambda s: (-(s.priority + _age_levels(config, s, clock)), s.arrival_time, s.seq_id),
+            longs, key=lambda s: (s.chunks - self._age(s.seq, clock), s.chunks, *_arrival(s))
         )
-    return _order_ttft(config, waiting, clock)
 
-
-def _order_ttft(config: SchedulerConfig, waiting: list[Seq], clock: float) -> list[Seq]:
-    chunk = config.chunk_tokens
-    shorts = [s for s in waiting if s.n_tokens <= chunk]
-    longs = [s for s in waiting if s.n_tokens > chunk]
-    shorts.sort(key=lambda s: (s.n_tokens, s.arrival_time, s.seq_id))
-
-    def long_key(s: Seq) -> tuple[int, int, float, int]:
-        chunks = -(-s.n_tokens // chunk)
-        return (chunks - _age_levels(config, s, clock), chunks, s.arrival_time, s.seq_id)
-
-    longs.sort(key=long_key)
-    return longs[:1] + shorts + longs[1:]
+    def _age(self, seq: Seq, clock: float) -> int:
+        """Aging levels: one per ``aging_s`` waited."""
+        return int(max(0.0, clock - seq.arrival_time) // self.config.aging_s)

@@ -23,7 +23,9 @@ from kvsched.policy.checkpoints import Checkpoints
 from kvsched.policy.common import I32, Chunk, Emit, Match, StepBudget, arr, cdiv
 from kvsched.policy.growth import Growth
 from kvsched.policy.matching import Matcher
+from kvsched.policy.ordering import PrefillOrder
 from kvsched.policy.transfers import Transfers
+from kvsched.policy.turns import PrefillTurns
 from kvsched.reducers.state import EngineState
 from kvsched.statemachines import CkptState, LoadState, SeqState
 
@@ -41,6 +43,8 @@ class Policy:
         self.admission = Admission(
             config, self.matcher, self.growth, self.checkpoints, self.transfers
         )
+        self.order = PrefillOrder(config, self.matcher)
+        self.turns = PrefillTurns(config, self.admission, self.order)
         # The parts' entry points that callers outside the policy use (benchmarks, tests),
         # bound directly: the match path is timed per request.
         self.find_prefix = self.matcher.find_prefix
@@ -268,8 +272,7 @@ class Policy:
             budget.busy = self._schedule_decode(state, decode_rows, emit)
         if prefill_turn:
             chunk_rows = chunk_rows[table.row_seq[chunk_rows] >= 0]  # not preempted by decode
-            self.admission.schedule_chunks(state, chunk_rows, budget, emit)
-            self.admission.admit_waiting(state, budget, emit)
+            self.turns.run(state, chunk_rows, budget, emit)
         if budget.seq_ids:
             emit(ev.PrefillScheduled(arr(budget.seq_ids), arr(budget.starts), arr(budget.ends)))
         elif alternate and prefill_turn and len(decode_rows):

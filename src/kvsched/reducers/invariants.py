@@ -20,6 +20,7 @@ from kvsched.reducers.seq import FREE_ROW, Seq
 from kvsched.reducers.sequences import SequenceTable
 from kvsched.reducers.sessions import SessionTable
 from kvsched.reducers.transfers import TransferTable
+from kvsched.reducers.turns import Turns
 from kvsched.reducers.work import Serving
 from kvsched.statemachines import SeqState
 
@@ -35,6 +36,7 @@ class Owners(Protocol):
     ckpts: CheckpointTable
     transfers: TransferTable
     serving: Serving
+    turns: Turns
 
     def holders(self) -> list[np.ndarray]: ...
 
@@ -57,6 +59,7 @@ def check_all(state: Owners) -> None:
         state.ckpts.check_invariants(pins),
         state.sessions.check_invariants(set(state.seqs.seqs)),
         state.serving.check_invariants(),
+        state.turns.check_invariants(),
     ):
         if problem is not None:
             raise InvariantError(problem)

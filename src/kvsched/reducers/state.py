@@ -9,7 +9,7 @@ answers a few cross-owner queries, and checks the cross-owner invariants
 
 Owner order (every event visits its owners in this order, so an owner that validates or
 reads another's data runs before the owner it reads is changed):
-serving, transfers, sessions, seqs, ckpts, pool, work, stats.
+serving, transfers, sessions, seqs, ckpts, pool, work, stats, turns.
 """
 
 from __future__ import annotations
@@ -30,11 +30,14 @@ from kvsched.reducers.sequences import Seq, SequenceTable
 from kvsched.reducers.sessions import SessionTable
 from kvsched.reducers.stats import Stats
 from kvsched.reducers.transfers import TransferTable
+from kvsched.reducers.turns import Turns
 from kvsched.reducers.work import Serving, StepWork
 
 __all__ = ["EngineState", "InvariantError", "ReplayMismatch"]
 
-OWNER_ORDER = ("serving", "transfers", "sessions", "seqs", "ckpts", "pool", "work", "stats")
+OWNER_ORDER = (
+    "serving", "transfers", "sessions", "seqs", "ckpts", "pool", "work", "stats", "turns"
+)
 
 # Inputs that change no state by themselves: the policy answers them with decisions.
 STATELESS_INPUTS: tuple[type[ev.Event], ...] = (
@@ -66,6 +69,7 @@ class EngineState:
         self.transfers = TransferTable(self.seqs)
         self.stats = Stats(block_size=bs)
         self.work = StepWork(self.seqs, self.ckpts, self.stats, config.hybrid)
+        self.turns = Turns(config, self.seqs)
         self._routes = self._build_routes()
 
     def _build_routes(self) -> dict[type[ev.Event], tuple[Handler, ...]]:
@@ -154,6 +158,7 @@ class EngineState:
             self.sessions.snapshot(),
             self.ckpts.snapshot(),
             self.transfers.snapshot(),
+            self.turns.snapshot(),
             repr(self.work.extras),
             repr(self.stats),
         )

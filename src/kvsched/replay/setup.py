@@ -267,6 +267,7 @@ def trace_config(
     max_prefill_tokens: int | None = None,
     order: str | None = None,
     hybrid: bool = False,
+    turns: dict[str, Any] | None = None,
     checkpoints: dict[str, Any] | None = None,
 ) -> SchedulerConfig:
     """The scheduler config to replay ``trace`` with: a kvsched event log's header config
@@ -293,6 +294,7 @@ def trace_config(
         "num_blocks": cache_blocks,
     }
     given = {"max_batch": max_batch, "max_prefill_tokens": max_prefill_tokens, "order": order}
+    given.update(turns or {})
     fields.update({k: v for k, v in given.items() if v is not None})
     if hybrid:
         fields["hybrid"] = True

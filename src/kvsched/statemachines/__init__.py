@@ -1,5 +1,6 @@
-"""Declarative lifecycles (Sequence, KVLoad, KVSave, Checkpoint), their compiled lookups, and
-the declared map of which event fires which trigger (``triggers.py``, checked at import).
+"""Declarative lifecycles (Sequence, KVLoad, KVSave, Checkpoint, PrefillTurn), their compiled
+lookups, and the declared map of which event fires which trigger (``triggers.py``, checked at
+import).
 
 Rendering lives in :mod:`kvsched.statemachines.diagrams` (not imported here).
 """
@@ -25,6 +26,8 @@ from kvsched.statemachines.machines import (
     KVLOAD_SPEC,
     KVSAVE,
     KVSAVE_SPEC,
+    PREFILL_TURN,
+    PREFILL_TURN_SPEC,
     SEQUENCE,
     SEQUENCE_SPEC,
     CkptEvent,
@@ -35,6 +38,8 @@ from kvsched.statemachines.machines import (
     SaveState,
     SeqEvent,
     SeqState,
+    TurnEvent,
+    TurnState,
 )
 from kvsched.statemachines.triggers import EVENT_TRIGGERS, check_triggers, fire, fire_many
 
@@ -49,6 +54,8 @@ __all__ = [
     "KVSAVE",
     "KVSAVE_SPEC",
     "NO_FACTS",
+    "PREFILL_TURN",
+    "PREFILL_TURN_SPEC",
     "SEQUENCE",
     "SEQUENCE_SPEC",
     "AmbiguousTransition",
@@ -65,6 +72,8 @@ __all__ = [
     "SeqEvent",
     "SeqState",
     "Transition",
+    "TurnEvent",
+    "TurnState",
     "build_machine",
     "check_triggers",
     "compile_spec",

@@ -83,7 +83,7 @@ def render_machine(compiled: CompiledMachine) -> str:
     """Markdown section (summary, mermaid diagram, transition table) for one machine."""
     spec = compiled.spec
     initial = ", ".join(s.name for s in spec.initial)
-    terminal = ", ".join(s.name for s in sorted(spec.terminal))
+    terminal = ", ".join(s.name for s in sorted(spec.terminal)) or "none"
     lines = [f"## {spec.name}", ""]
     if spec.description:
         lines += [spec.description, ""]

@@ -1,4 +1,5 @@
-"""The four lifecycle declarations (Sequence, KVLoad, KVSave, Checkpoint), compiled at import."""
+"""The lifecycle declarations (Sequence, KVLoad, KVSave, Checkpoint) and the engine's prefill
+turn (PrefillTurn), compiled at import."""
 
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ __all__ = [
     "KVLOAD_SPEC",
     "KVSAVE",
     "KVSAVE_SPEC",
+    "PREFILL_TURN",
+    "PREFILL_TURN_SPEC",
     "SEQUENCE",
     "SEQUENCE_SPEC",
     "CkptEvent",
@@ -25,6 +28,8 @@ __all__ = [
     "SaveState",
     "SeqEvent",
     "SeqState",
+    "TurnEvent",
+    "TurnState",
 ]
 
 T = Transition
@@ -245,11 +250,74 @@ CHECKPOINT_SPEC = MachineSpec(
 )
 
 
-ALL_SPECS: tuple[MachineSpec, ...] = (SEQUENCE_SPEC, KVLOAD_SPEC, KVSAVE_SPEC, CHECKPOINT_SPEC)
+# --------------------------------------------------------------------------- PrefillTurn
+
+
+class TurnState(IntEnum):
+    """The kind of the engine's current prefill turn (lmdeploy's _PrefillTurnPolicy)."""
+
+    STANDARD = 0
+    SHORT_ONLY = 1
+    LONG_FIRST = 2
+    LONG_FIRST_IF_FINAL = 3
+
+
+class TurnEvent(IntEnum):
+    """The policy's choice of a turn."""
+
+    no_long_work = 0
+    short_turn = 1
+    long_turn = 2
+    final_long_turn = 3
+    fall_back = 4
+
+
+_T, _TE = TurnState, TurnEvent
+
+PREFILL_TURN_SPEC = MachineSpec(
+    name="PrefillTurn",
+    states=TurnState,
+    events=TurnEvent,
+    initial=(_T.STANDARD, _T.SHORT_ONLY, _T.LONG_FIRST, _T.LONG_FIRST_IF_FINAL),
+    terminal=(),
+    transitions=(
+        T(_TE.no_long_work, _T.SHORT_ONLY, _T.STANDARD),
+        T(_TE.no_long_work, _T.LONG_FIRST, _T.STANDARD),
+        T(_TE.short_turn, _T.STANDARD, _T.SHORT_ONLY),
+        T(_TE.short_turn, _T.LONG_FIRST, _T.SHORT_ONLY),
+        T(_TE.long_turn, _T.STANDARD, _T.LONG_FIRST),
+        T(_TE.long_turn, _T.SHORT_ONLY, _T.LONG_FIRST),
+        T(_TE.long_turn, _T.LONG_FIRST_IF_FINAL, _T.LONG_FIRST),
+        T(_TE.final_long_turn, _T.LONG_FIRST, _T.LONG_FIRST_IF_FINAL),
+        T(_TE.fall_back, _T.SHORT_ONLY, _T.LONG_FIRST),
+        T(_TE.fall_back, _T.LONG_FIRST_IF_FINAL, _T.LONG_FIRST),
+    ),
+    description=(
+        "The engine's prefill turn (one per engine; `prefill_turns`, lmdeploy's "
+        "_PrefillTurnPolicy). STANDARD: no turn rule, the order policy's own order (fcfs and "
+        "priority always take it; under ttft: short prefills by size, then long ones). "
+        "SHORT_ONLY: short prefills by size; long ones (more than a chunk of tokens left "
+        "after the prefix match) are not scheduled. LONG_FIRST: one long prefill first, then "
+        "the short ones by size, then the other long ones. LONG_FIRST_IF_FINAL: that order, "
+        "long prefills not scheduled. Each policy starts in its state; `standard` and "
+        "`long_first` never leave it; `short_only` and `long_first_if_final` leave it for "
+        "LONG_FIRST when only long work waits (`long_turn`) or when their turn scheduled "
+        "nothing while long work waits (`fall_back`). `interleave` (lmdeploy's engine) "
+        "starts in STANDARD, the state without long work; with long work it takes "
+        "`short_turn`s until `short_turns_per_long` of them ran since the last long chunk, "
+        "then a `long_turn`. A turn equal to the current state is not an event."
+    ),
+)
+
+
+ALL_SPECS: tuple[MachineSpec, ...] = (
+    SEQUENCE_SPEC, KVLOAD_SPEC, KVSAVE_SPEC, CHECKPOINT_SPEC, PREFILL_TURN_SPEC
+)
 
 SEQUENCE: CompiledMachine = compile_spec(SEQUENCE_SPEC)
 KVLOAD: CompiledMachine = compile_spec(KVLOAD_SPEC)
 KVSAVE: CompiledMachine = compile_spec(KVSAVE_SPEC)
 CHECKPOINT: CompiledMachine = compile_spec(CHECKPOINT_SPEC)
+PREFILL_TURN: CompiledMachine = compile_spec(PREFILL_TURN_SPEC)
 
-ALL_MACHINES: tuple[CompiledMachine, ...] = (SEQUENCE, KVLOAD, KVSAVE, CHECKPOINT)
+ALL_MACHINES: tuple[CompiledMachine, ...] = (SEQUENCE, KVLOAD, KVSAVE, CHECKPOINT, PREFILL_TURN)

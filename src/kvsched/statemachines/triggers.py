@@ -26,16 +26,18 @@ from kvsched.statemachines.machines import (
     CHECKPOINT,
     KVLOAD,
     KVSAVE,
+    PREFILL_TURN,
     SEQUENCE,
     CkptEvent,
     LoadEvent,
     SaveEvent,
     SeqEvent,
+    TurnEvent,
 )
 
 __all__ = ["EVENT_TRIGGERS", "check_triggers", "fire", "fire_many", "triggers_of"]
 
-_S, _L, _V, _C = SeqEvent, LoadEvent, SaveEvent, CkptEvent
+_S, _L, _V, _C, _T = SeqEvent, LoadEvent, SaveEvent, CkptEvent, TurnEvent
 
 EVENT_TRIGGERS: dict[type[ev.Event], dict[CompiledMachine, tuple[IntEnum, ...]]] = {
     ev.SequenceAdmitted: {SEQUENCE: (_S.admit,)},
@@ -60,6 +62,11 @@ EVENT_TRIGGERS: dict[type[ev.Event], dict[CompiledMachine, tuple[IntEnum, ...]]]
     ev.CheckpointUnpinned: {CHECKPOINT: (_C.unpin,)},
     ev.CheckpointEvicted: {CHECKPOINT: (_C.evict,)},
     ev.CheckpointReleased: {CHECKPOINT: (_C.release,)},
+    ev.PrefillTurnChosen: {
+        PREFILL_TURN: (
+            _T.no_long_work, _T.short_turn, _T.long_turn, _T.final_long_turn, _T.fall_back
+        )
+    },
 }
 
 _ALLOWED: frozenset[tuple[type[ev.Event], CompiledMachine, IntEnum]] = frozenset(
