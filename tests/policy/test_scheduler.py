@@ -750,3 +750,24 @@ def test_a_session_keeps_the_multimodal_identity_of_its_history() -> None:
     extras = span_extras((image,), 16, 0, len(all_tokens) // 16)
     assert seq.hashes == chain_hashes(root, all_tokens, 16, 0, extras)
     assert seq.hashes != chain_hashes(root, all_tokens, 16)  # the image is part of identity
+
+
+def test_a_prefix_match_decision_keeps_its_blocks_after_their_cache_path_is_reused() -> None:
+    """Events are values: a subscriber that keeps a PrefixMatched sees the blocks it named,
+    even after the tip of that cached chain is evicted and a branch reuses its path slot."""
+    h = Harness(num_blocks=6, max_prefill_tokens=128)  # 5 usable blocks
+    first = tokens(48, seed=11)
+    h.step([request(0, first, max_tokens=1)])
+    h.run_until_idle()  # blocks 0-2 of `first` cached
+    hit = matched(h.step([request(1, np.concatenate([first, tokens(10, seed=12)]), 1)]))[1]
+    h.run_until_idle()
+    kept = hit.blocks.copy()
+    assert len(kept) == 3
+    # A branch after block 0 takes 4 new blocks at admission: 2 free ones and the evicted
+    # blocks 2 and 1 of the chain; its own blocks then enter the cache in their path slots.
+    branch = np.concatenate([first[:16], tokens(52, seed=13)])
+    h.step([request(2, branch, max_tokens=1)])
+    h.run_until_idle()
+    evicted = [b for r in h.results for e in of_type(r.decisions, ev.BlocksEvicted) for b in e.blocks]
+    assert set(kept[1:]) <= set(evicted)  # the path slots of the hit's blocks 1 and 2 reused
+    assert np.array_equal(hit.blocks, kept)

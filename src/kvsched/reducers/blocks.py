@@ -49,7 +49,9 @@ class BlockPoolError(RuntimeError):
 
 
 class _Path:
-    """A growable array of canonical blocks shared by the cached blocks of one chain."""
+    """A growable array of canonical blocks shared by the cached blocks of one chain. Entries
+    ``[0, n)`` never change once written: read-only views of them are handed out (a prefix
+    match's blocks, a checkpoint's path) and kept, events included."""
 
     __slots__ = ("arr", "n")
 
@@ -299,10 +301,9 @@ class BlockPool:
         h = self.hash_of[block]
         assert h is not None
         del self.index[h]
-        path, depth = self.path_of[block], int(self.depth_of[block])
-        assert path is not None
-        if path.n == depth + 1:
-            path.n = depth  # the tip of its chain: the slot can be reused
+        depth = int(self.depth_of[block])
+        # Its path keeps the entry: views of a path are handed out (prefix matches, checkpoint
+        # paths) and must never change, so a later block at this depth starts a new path.
         if depth:
             parent = self.parent_of[block]
             assert parent is not None
