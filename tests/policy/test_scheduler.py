@@ -768,6 +768,7 @@ def test_a_prefix_match_decision_keeps_its_blocks_after_their_cache_path_is_reus
     branch = np.concatenate([first[:16], tokens(52, seed=13)])
     h.step([request(2, branch, max_tokens=1)])
     h.run_until_idle()
-    evicted = [b for r in h.results for e in of_type(r.decisions, ev.BlocksEvicted) for b in e.blocks]
+    evictions = [e for r in h.results for e in of_type(r.decisions, ev.BlocksEvicted)]
+    evicted = [b for e in evictions for b in e.blocks]
     assert set(kept[1:]) <= set(evicted)  # the path slots of the hit's blocks 1 and 2 reused
     assert np.array_equal(hit.blocks, kept)
