@@ -34,6 +34,8 @@ PLACEMENTS: tuple[str, ...] = (
 # state, times its hits squared, aged: greedy-dual-size-frequency), declining a new checkpoint
 # worth less than every one it would replace.
 EVICTIONS: tuple[str, ...] = ("lru", "frozen_first", "value")
+# How an external load is admitted (SchedulerConfig.load_admission).
+LOAD_ADMISSIONS: tuple[str, ...] = ("soft", "whole_prompt")
 # Named checkpoint policies: kvsched's own, and baselines that behave like its peers.
 CHECKPOINT_POLICIES: dict[str, dict[str, Any]] = {
     "kvsched": {
@@ -166,6 +168,12 @@ class SchedulerConfig:
     # Disaggregation: a prefill-role engine ends each request after its first token (reason
     # "migrated") once its prompt is saved; a decode-role engine loads prompts, saves nothing.
     role: Role = "both"
+    # How an external load is admitted. "soft" (lmdeploy's): it takes no batch row and holds
+    # only the blocks it loads into (and, hybrid, a state slot); the rest of its prompt is
+    # reserved softly (a new load is admitted only if its prefill fits beside every incomplete
+    # load's reservation; ordinary work may borrow reserved blocks). "whole_prompt": it takes
+    # a batch row and every block of its prompt at once (kvsched before schema 4).
+    load_admission: str = "soft"
 
     def __attrs_post_init__(self) -> None:
         _in_range("block_size", self.block_size, 1, 1 << 16)
@@ -225,10 +233,20 @@ class SchedulerConfig:
             raise ValueError(f"unknown role {self.role!r}")
         if self.role != "both" and not self.external_kv:
             raise ValueError(f"role {self.role!r} needs external_kv (the store carries the KV)")
+        if self.load_admission not in LOAD_ADMISSIONS:
+            raise ValueError(
+                f"unknown load_admission {self.load_admission!r}; "
+                f"known: {', '.join(LOAD_ADMISSIONS)}"
+            )
 
     @property
     def external_load(self) -> bool:
         return self.external_kv
+
+    @property
+    def soft_loads(self) -> bool:
+        """External loads take no batch row, under soft reservations (load_admission)."""
+        return self.external_kv and self.load_admission == "soft"
 
     @property
     def external_save(self) -> bool:
@@ -285,13 +303,15 @@ class SchedulerConfig:
     def from_log_header(cls, data: dict[str, Any], schema_version: int) -> SchedulerConfig:
         """The config a log header records. Logs of schema 2 predate the checkpoint policies:
         they ran today's "lmdeploy" rules; logs before schema 4 hashed blocks with blake2b,
-        dropped aborted turns from sessions and reclaimed sessions by id."""
+        dropped aborted turns from sessions, reclaimed sessions by id and admitted a load
+        with a batch row and every prompt block."""
         data = dict(data)
         if schema_version < 4:
             data.setdefault("identity", "blake2b")
             data.setdefault("checkpoint_min_gain_blocks", 0)
             data.setdefault("keep_aborted_turns", False)
             data.setdefault("session_reclaim", "session_id")
+            data.setdefault("load_admission", "whole_prompt")
         if schema_version < 3:
             for key, value in CHECKPOINT_POLICIES["lmdeploy"].items():
                 data.setdefault(key, value)

@@ -185,7 +185,8 @@ class Growth:
     def release(
         self, state: EngineState, seqs: list[Seq], emit: Emit, keep_for_session: bool = False
     ) -> None:
-        """Drop every block the sequences hold (a session keeps its cached full blocks)."""
+        """Drop every block the sequences hold (a session keeps its cached full blocks; a load
+        without a row keeps none for it)."""
         table = state.seqs
         holders: list[int] = []
         counts: list[int] = []
@@ -193,10 +194,12 @@ class Growth:
         unpins: list[Seq] = []
         for seq in seqs:
             row = seq.row
-            held = table.blocks_of(row)[seq.n_pinned :]
+            held = table.blocks_held(seq)[seq.n_pinned :]
             if seq.pinned_ckpt >= 0:
                 unpins.append(seq)
-            if keep_for_session and not state.hybrid and seq.session_id in state.sessions:
+            if keep_for_session and not state.hybrid and row >= 0 and (
+                seq.session_id in state.sessions
+            ):
                 keep = int(table.registered[row])
                 if keep:
                     emit(ev.SessionBlocksHeld(seq.session_id, seq.seq_id, held[:keep].copy()))
