@@ -158,6 +158,16 @@ def test_a_soft_reservation_shrinks_as_the_loaded_prefill_takes_its_blocks() -> 
     assert reserved == [8, 6, 2, 0]
 
 
+def test_a_lookup_that_missed_reserves_nothing() -> None:
+    """(Found by the external-KV machine: a missed lookup's record, kept while its sequence
+    waits, was counted as an incomplete load, so later loads never fitted: a livelock.)"""
+    h = Store(num_blocks=13)
+    h.run(request(0, 10 * BS))
+    h.answer({})  # a miss: it is admitted without a load
+    assert h.state.transfers.load_of(0) is not None  # (the miss is remembered)
+    assert h.engine.policy.transfers.soft_reserved(h.state) == 0
+
+
 def test_a_load_that_ended_is_admitted_before_waiting_sequences_of_higher_priority() -> None:
     h = Store(max_batch=1, order="priority")
     h.run(request(0, BS, max_tokens=6))  # runs in the only row
