@@ -59,6 +59,7 @@ class Admission:
         self._branch = config.hybrid and config.places("branch")
         self._within = config.hybrid and config.mid_chunk_saves
         self._interval = config.interval_tokens if config.places("interval") else 0
+        self._soft = config.soft_loads
 
     # ---------------------------------------------------------------------- chunks
 
@@ -172,12 +173,12 @@ class Admission:
     def admit_waiting(self, state: EngineState, budget: StepBudget, emit: Emit) -> None:
         table = state.seqs
         stop_on_failure = self.config.order != "ttft"
-        if self.config.soft_loads and not self._settle_ready(state, budget, emit):
+        if self._soft and not self._settle_ready(state, budget, emit):
             return
         if not table.waiting:
             return
         for seq in order_waiting(self.config, list(table.waiting.values()), state.clock):
-            if table.num_running >= self.config.max_batch and not self.config.soft_loads:
+            if table.num_running >= self.config.max_batch and not self._soft:
                 return  # (a load takes no row: while every row runs, loads still start)
             if seq.preempted_at == state.step:
                 continue  # preempted to make room this step: not readmitted in the same step
@@ -194,7 +195,7 @@ class Admission:
             first, end = self.transfers.planned_load(state, seq, match.num_tokens)
             if end:
                 return self._admit_with_load(state, seq, first, end, emit)
-        if state.seqs.num_running >= self.config.max_batch:
+        if self._soft and state.seqs.num_running >= self.config.max_batch:
             return "skip"  # every row runs (only loads start now): it waits for a row
         chunk = self.cut_at_branch(self.chunk_of(seq, match.num_tokens), match.kv_tokens)
         if not self.long_gate_open(budget, chunk):
@@ -238,7 +239,7 @@ class Admission:
         nothing until the load settles. Soft loads: no row, only the blocks it loads into
         (and, hybrid, a state slot), if its whole prefill fits beside every incomplete load's
         soft reservation. Else (before schema 4): a row and every block of its prompt."""
-        soft = self.config.soft_loads
+        soft = self._soft
         hit = state.pool.find_blocks(seq.hashes, first)
         if soft and state.hybrid and not self.checkpoints.room_for_load(state, emit):
             return "stop"

@@ -404,15 +404,21 @@ class SequenceTable(RowTable):
     def _grow_table(self, seq_id: int, blocks: np.ndarray) -> None:
         seq = self.seq(seq_id)
         row, k = seq.row, len(blocks)
-        n = int(self.nblocks[row]) if row != FREE_ROW else len(seq.held)
-        loading = row == FREE_ROW and seq.state == SeqState.LOADING_KV
-        if (row == FREE_ROW and not loading) or n + k > self.table.shape[1]:
-            raise ReplayMismatch(f"sequence {seq_id} cannot take {k} more blocks")
-        if loading:  # a load without a row: the blocks it loads into
-            seq.held = np.concatenate((seq.held, blocks)).astype(np.int32)
+        if row == FREE_ROW:
+            self._hold_more(seq, blocks)
             return
+        n = int(self.nblocks[row])
+        if n + k > self.table.shape[1]:
+            raise ReplayMismatch(f"sequence {seq_id} cannot take {k} more blocks")
         self.table[row, n : n + k] = blocks
         self.nblocks[row] = n + k
+
+    def _hold_more(self, seq: Seq, blocks: np.ndarray) -> None:
+        """A load without a row takes the blocks it loads into."""
+        k = len(blocks)
+        if seq.state != SeqState.LOADING_KV or len(seq.held) + k > self.table.shape[1]:
+            raise ReplayMismatch(f"sequence {seq.seq_id} cannot take {k} more blocks")
+        seq.held = np.concatenate((seq.held, blocks)).astype(np.int32)
 
     def _on_freed(self, e: ev.BlocksFreed) -> RefChange | None:
         bounds = np.concatenate(([0], np.cumsum(e.counts)))
@@ -507,9 +513,10 @@ class SequenceTable(RowTable):
     # -------------------------------------------------------------------- endings
 
     def _release_row(self, seq: Seq) -> None:
-        if len(self.blocks_held(seq)):
+        row = seq.row
+        if self.nblocks[row] if row != FREE_ROW else len(seq.held):
             raise ReplayMismatch(f"sequence {seq.seq_id} left running with blocks held")
-        if seq.row != FREE_ROW:  # (a load without a row has none)
+        if row != FREE_ROW:  # (a load without a row has none)
             self.deactivate(seq)
 
     def _on_preempted(self, e: ev.SequencePreempted) -> None:
