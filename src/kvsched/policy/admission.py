@@ -173,7 +173,7 @@ class Admission:
     def admit_waiting(self, state: EngineState, budget: StepBudget, emit: Emit) -> None:
         table = state.seqs
         stop_on_failure = self.config.order != "ttft"
-        if self._soft and not self._settle_ready(state, budget, emit):
+        if self._soft and not self._settle_ready(state, budget, emit, stop_on_failure):
             return
         if not table.waiting:
             return
@@ -257,7 +257,9 @@ class Admission:
         emit(self.transfers.load_started(state, seq, first, end))
         return "admitted"
 
-    def _settle_ready(self, state: EngineState, budget: StepBudget, emit: Emit) -> bool:
+    def _settle_ready(
+        self, state: EngineState, budget: StepBudget, emit: Emit, stop_on_failure: bool
+    ) -> bool:
         """Admit the sequences whose load ended (still without a row) before anything else
         waiting (lmdeploy: remote-ready first): each takes a row with its blocks. False:
         admission stops here (fcfs and priority stop at the first that does not fit)."""
@@ -267,7 +269,7 @@ class Admission:
             if table.num_running >= self.config.max_batch:
                 return True  # (loads may still start)
             verdict = self._settle_into_row(state, seq, budget, emit)
-            if verdict == "stop" and self.config.order != "ttft":
+            if verdict == "stop" and stop_on_failure:
                 return False
         return True
 
@@ -282,7 +284,7 @@ class Admission:
             return "skip"
         if not self.fits_budget(budget, chunk):
             return "stop"
-        need = cdiv(chunk.end, self.bs) - len(seq.held)
+        need = cdiv(chunk.end, self.bs) - len(state.seqs.blocks_held(seq))
         if not self.make_fit(state, need, NO_BLOCKS, -1, emit):
             return "stop"
         slot = state.ckpts.load_slot_of(seq.seq_id)
