@@ -1,15 +1,18 @@
 """Whole-engine property test with an external KV store: a hypothesis state machine drives an
-engine with ``external_kv=True`` (attention or hybrid; roles both, prefill and decode) and a
+engine with ``external_kv=True`` (attention or hybrid; roles both, prefill and decode; loads
+admitted under soft reservations without a row, or with a row and every prompt block) and a
 fake store that works at the event level (no bytes). The fake records, from each step's
 decisions, the lookups outstanding, the loads and the saves in flight, and answers or reports
-chosen subsets of them at chosen steps, in any order, among arrivals, aborts, session ends,
-executor failures and sleep/wake.
+chosen subsets of them at chosen steps, in any order, among arrivals, bursts of loads, aborts,
+session ends, executor failures and sleep/wake.
 
 Besides every owner's invariants (checked by the engine after every step), the machine checks
 the protocol: every lookup is answered or cancelled, every load and save is reported exactly
-once, a deferred abort happens exactly once when its load settles, a deferred drain happens as
-soon as the last transfer settles, and at the end nothing is held. Deliberately broken owners
-must be caught."""
+once, a deferred abort happens exactly once when its load ends, a deferred drain happens as
+soon as the last transfer ends, a loading sequence is owed a report or waits for a row, the
+incomplete loads always fit the cache together (no load can wait on another's blocks), and
+at the end (a prompt store, no new work) the engine drains to idle and nothing is held.
+Deliberately broken owners must be caught."""
 
 from __future__ import annotations
 
