@@ -2,29 +2,53 @@
 executor: its KV and state slots hold prefix hashes, so a hit without its state is seen)
 through arrivals with shared prefixes, adapters and salts, steps, executor failures, aborts,
 session ends, memory and checkpoint pressure (counted or in bytes), every checkpoint policy,
-and sleep/wake; every owner's invariants are checked after every step. Deliberately broken
-owners must be caught."""
+alternate turns with and without their triggers, decode preallocation, and sleep (at both
+levels, the driver putting the executor to sleep and waking it) and wake; every owner's
+invariants are checked after every step. Deliberately broken owners must be caught."""
 
 from __future__ import annotations
 
+import attrs
 import numpy as np
 import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+from tests.mtp_images import IMAGES, SpansWhole, with_image
 from tests.planted import assert_machine_catches
 
 from kvsched.config import CHECKPOINT_POLICIES, PLACEMENTS, ModelSpec, SchedulerConfig
 from kvsched.engine import Engine
 from kvsched.events import types as ev
 from kvsched.gpu.fingerprint import FingerprintExecutor
+from kvsched.plan import StepPlan
 from kvsched.reducers.blocks import BlockPool
+from kvsched.replay.driver import execute_step
 from kvsched.statemachines import CkptState
 
 VOCAB = 97
 PREFIXES = [
     np.arange(1, 1 + n, dtype=np.int32) * (i + 2) % VOCAB + 1 for i, n in enumerate((8, 20, 33))
 ]
+
+
+class _Faulty:
+    """The executor as the driver runs it, raising when a fault is injected."""
+
+    def __init__(self, inner: FingerprintExecutor) -> None:
+        self.inner = inner
+        self.fail = False
+
+    def execute(self, plan: StepPlan) -> ev.StepExecuted:
+        if self.fail:
+            raise RuntimeError("injected fault")
+        return self.inner.execute(plan)
+
+    def sleep(self, level: int) -> None:
+        self.inner.sleep(level)
+
+    def wake(self) -> None:
+        self.inner.wake()
 
 
 class EngineMachine(RuleBasedStateMachine):
@@ -45,8 +69,11 @@ class EngineMachine(RuleBasedStateMachine):
         by_bytes=st.booleans(),
         keep_aborted=st.booleans(),
         session_reclaim=st.sampled_from(["last_use", "session_id"]),
+        last_chunk=st.booleans(),
+        waiting_tokens=st.booleans(),
+        prealloc=st.sampled_from([0, 0, 4, 9]),
     )
-    def start(self, hybrid, num_blocks, max_batch, chunk_blocks, decode_interval, budget, turn_mode, policy, mid_chunk, by_bytes, keep_aborted, session_reclaim):  # type: ignore[no-untyped-def]  # noqa: E501
+    def start(self, hybrid, num_blocks, max_batch, chunk_blocks, decode_interval, budget, turn_mode, policy, mid_chunk, by_bytes, keep_aborted, session_reclaim, last_chunk, waiting_tokens, prealloc):  # type: ignore[no-untyped-def]  # noqa: E501
         bs = 4
         rules = (
             {"checkpoint_placement": PLACEMENTS, "checkpoint_eviction": "value"}
@@ -71,6 +98,9 @@ class EngineMachine(RuleBasedStateMachine):
             mid_chunk_saves=mid_chunk,
             keep_aborted_turns=keep_aborted,  # an aborted session turn stays its history
             session_reclaim=session_reclaim,
+            prefill_on_last_chunk=last_chunk,  # alternate turns' triggers
+            prefill_on_waiting_tokens=waiting_tokens,
+            decode_prealloc_tokens=prealloc,  # 0, 1 or 2 blocks ahead
             **memory,
             **rules,
         )
@@ -80,6 +110,7 @@ class EngineMachine(RuleBasedStateMachine):
         self.executor = FingerprintExecutor(
             VOCAB, num_blocks, bs, self.config.num_state_slots if hybrid else 0
         )
+        self.runner = _Faulty(self.executor)
         self.outcome: list[ev.Event] = []
         self.inputs: list[ev.Event] = []
         self.next_id = 0
@@ -91,11 +122,10 @@ class EngineMachine(RuleBasedStateMachine):
         self.inputs, self.outcome = [], []
         self.clock += 0.01
         self.drained = any(isinstance(d, ev.Drained) for d in result.decisions)
-        if not result.plan.is_empty:
-            if fail:
-                self.outcome = [ev.StepFailed(result.plan.step, "injected fault")]
-            else:
-                self.outcome = [self.executor.execute(result.plan)]
+        self.runner.fail = fail
+        execute_step(self.runner, result, self.outcome, self.clock)  # (sleep and wake too)
+        for o in self.outcome:  # only injected faults: never a plan run on a sleeping executor
+            assert not isinstance(o, ev.StepFailed) or o.reason.endswith("injected fault"), o
 
     @rule(
         prefix=st.integers(0, len(PREFIXES) - 1),
@@ -137,9 +167,9 @@ class EngineMachine(RuleBasedStateMachine):
     def end_session(self, session: int) -> None:
         self.inputs.append(ev.SessionEnded(session))
 
-    @rule()
-    def sleep(self) -> None:
-        self.inputs.append(ev.DrainRequested())
+    @rule(level=st.sampled_from([1, 2]))
+    def sleep(self, level: int) -> None:
+        self.inputs.append(ev.DrainRequested(level=level))
         self._step()
 
     @rule()
@@ -149,6 +179,10 @@ class EngineMachine(RuleBasedStateMachine):
     @invariant()
     def owners_are_consistent(self) -> None:
         self.engine.state.check_invariants()
+
+    @invariant()
+    def the_executor_sleeps_exactly_while_the_engine_does(self) -> None:
+        assert self.executor.sleep_level == self.engine.state.serving.sleep_level
 
     @invariant()
     def no_hit_is_ever_taken_without_its_state_or_kv(self) -> None:
@@ -200,6 +234,55 @@ class EngineMachineWithPrivateCopies(EngineMachine):
 
 EngineMachineWithPrivateCopies.TestCase.settings = EngineMachine.TestCase.settings
 TestEngineStateMachineWithPrivateCopies = EngineMachineWithPrivateCopies.TestCase
+
+
+class EngineMachineWithMTPAndImages(EngineMachine):
+    """The same machine with MTP (a hit's last cached block recomputed privately while the
+    sequence holds the cached one) and requests with multimodal spans: no forward starts
+    or ends inside one."""
+
+    @initialize(
+        hybrid=st.booleans(),
+        num_blocks=st.integers(10, 40),
+        max_batch=st.integers(1, 4),
+        chunk_blocks=st.integers(1, 3),
+        decode_interval=st.sampled_from([0, 4, 8]),
+        budget=st.integers(1, 4),
+        turn_mode=st.sampled_from(["mixed", "alternate"]),
+        policy=st.sampled_from([*CHECKPOINT_POLICIES, "every rule"]),
+        mid_chunk=st.booleans(),
+        by_bytes=st.booleans(),
+        keep_aborted=st.booleans(),
+        session_reclaim=st.sampled_from(["last_use", "session_id"]),
+        last_chunk=st.booleans(),
+        waiting_tokens=st.booleans(),
+        prealloc=st.sampled_from([0, 0, 4, 9]),
+        mtp=st.sampled_from([1, 2]),
+    )
+    def start(self, mtp: int, **kw) -> None:  # type: ignore[no-untyped-def]
+        super().start(**kw)
+        self.config = attrs.evolve(self.config, num_speculative_tokens=mtp)
+        self.engine = Engine(self.config, check_invariants=True)
+        self.executor = SpansWhole(self.executor, self.engine.state)
+        self.runner = _Faulty(self.executor)
+
+    @rule(
+        prefix=st.integers(0, len(PREFIXES) - 1),
+        suffix=st.integers(0, 9),
+        max_tokens=st.integers(1, 12),
+        adapter=st.sampled_from(["", "lora-a"]),
+        salt=st.sampled_from(["", "tenant-b"]),
+        priority=st.integers(0, 2),
+        session=st.sampled_from([-1, -1, 0, 1]),
+        image=IMAGES,
+    )
+    def arrive(self, image, **kw) -> None:  # type: ignore[no-untyped-def]
+        super().arrive(**kw)
+        self.inputs[-1] = with_image(self.inputs[-1], image)
+
+
+EngineMachineWithMTPAndImages.TestCase.settings = EngineMachine.TestCase.settings
+TestEngineStateMachineWithMTPAndImages = EngineMachineWithMTPAndImages.TestCase
 
 
 def _run_broken(

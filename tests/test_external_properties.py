@@ -16,8 +16,9 @@ Deliberately broken owners must be caught."""
 
 from __future__ import annotations
 
-from typing import TypeVar
+from typing import Any, TypeVar
 
+import attrs
 import numpy as np
 import pytest
 from hypothesis import Phase, settings
@@ -30,6 +31,7 @@ from hypothesis.stateful import (
     rule,
     run_state_machine_as_test,
 )
+from tests.mtp_images import IMAGES, SpansWhole, with_image
 from tests.planted import assert_machine_catches
 from tests.policy.helpers import Harness
 
@@ -478,7 +480,7 @@ class ExternalKVMachine(RuleBasedStateMachine):
             if not load.admitted:
                 continue
             seq = state.seqs.seqs[seq_id]
-            blocks = state.seqs.blocks_held(seq)
+            blocks = state.seqs.block_table(seq)
             prompt = -(-seq.n_prompt // bs)
             if len(blocks) < prompt:
                 held.update(blocks.tolist())
@@ -544,11 +546,47 @@ ExternalKVMachine.TestCase.settings = settings(
 TestExternalKVStateMachine = ExternalKVMachine.TestCase
 
 
+class ExternalKVMachineWithMTPAndImages(ExternalKVMachine):
+    """The same machine with MTP (an attention model loads one block less than the store
+    has: recomputed) and requests with multimodal spans: no load, hit or chunk ends inside
+    one."""
+
+    @initialize(
+        hybrid=st.booleans(),
+        role=st.sampled_from(["both", "both", "prefill", "decode"]),
+        num_blocks=st.integers(12, 32),
+        max_batch=st.integers(1, 4),
+        chunk_blocks=st.integers(1, 3),
+        decode_interval=st.sampled_from([0, 4, 8]),
+        budget=st.integers(1, 4),
+        turn_mode=st.sampled_from(["mixed", "alternate"]),
+        order=st.sampled_from(["fcfs", "priority"]),
+        mtp=st.sampled_from([0, 1]),
+    )
+    def start(self, mtp: int, **kw) -> None:  # type: ignore[no-untyped-def]
+        super().start(**kw)
+        self.config = attrs.evolve(self.config, num_speculative_tokens=mtp)
+        self.engine = Engine(self.config, check_invariants=True)
+        self.executor = SpansWhole(self.executor, self.engine.state)
+
+    @rule(requests=st.lists(st.tuples(REQUEST, IMAGES), min_size=1, max_size=3))
+    def arrive(self, requests: list[tuple[tuple[int, int, int, str, int, int], Any]]) -> None:  # type: ignore[override]
+        for request, image in requests:
+            super().arrive([request])
+            self.inputs[-1] = with_image(self.inputs[-1], image)
+
+
+ExternalKVMachineWithMTPAndImages.TestCase.settings = ExternalKVMachine.TestCase.settings
+TestExternalKVStateMachineWithMTPAndImages = ExternalKVMachineWithMTPAndImages.TestCase
+
+
 # ------------------------------------------------------------------------ planted bugs
 
 
-def _run_broken(monkeypatch: pytest.MonkeyPatch, target: object, name: str, broken: object) -> None:
-    assert_machine_catches(monkeypatch, ExternalKVMachine, target, name, broken)
+def _run_broken(
+    monkeypatch: pytest.MonkeyPatch, target: object, name: str, broken: object, examples: int = 150
+) -> None:
+    assert_machine_catches(monkeypatch, ExternalKVMachine, target, name, broken, examples)
 
 
 def test_a_save_that_keeps_its_blocks_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -602,7 +640,7 @@ def _loaded_blocks_only(self, state, seq, first):  # type: ignore[no-untyped-def
 def test_a_load_admission_making_room_only_for_what_it_loads_is_caught(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    _run_broken(monkeypatch, Transfers, "load_need", _loaded_blocks_only)
+    _run_broken(monkeypatch, Transfers, "load_need", _loaded_blocks_only, examples=600)
 
 
 def test_without_the_fit_invariant_the_teardown_finds_loads_waiting_on_each_other(
@@ -628,7 +666,7 @@ class _WithoutTheFitCheck(ExternalKVMachine):
 def test_a_load_admission_ignoring_other_loads_reservations_is_caught(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    _run_broken(monkeypatch, Transfers, "soft_reserved", lambda self, state: 0)
+    _run_broken(monkeypatch, Transfers, "soft_reserved", lambda self, state: 0, examples=600)
 
 
 def test_a_failed_load_that_is_forgotten_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:

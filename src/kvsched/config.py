@@ -34,6 +34,8 @@ PLACEMENTS: tuple[str, ...] = (
 # state, times its hits squared, aged: greedy-dual-size-frequency), declining a new checkpoint
 # worth less than every one it would replace.
 EVICTIONS: tuple[str, ...] = ("lru", "frozen_first", "value")
+# What an MTP hit recomputes (SchedulerConfig.mtp_overlap).
+MTP_OVERLAPS: tuple[str, ...] = ("one_block", "k_blocks")
 # How an external load is admitted (SchedulerConfig.load_admission).
 LOAD_ADMISSIONS: tuple[str, ...] = ("soft", "whole_prompt")
 # Named checkpoint policies: kvsched's own, and baselines that behave like its peers.
@@ -161,13 +163,37 @@ class SchedulerConfig:
     # end a prompt's last chunk at the deepest boundary a later hit can use: for executors that
     # keep states in whole KV-cache blocks (vLLM's mamba "align" mode).
     aligned_checkpoints_only: bool = False
-    num_speculative_tokens: int = 0  # MTP: the last k cached blocks of a hit are recomputed
+    num_speculative_tokens: int = 0  # MTP: a hit's last cached block is recomputed (mtp_overlap)
     # External KV store: look up prefixes beyond the local cache and load them; save computed
     # blocks (and aligned state checkpoints) to it (roles both and prefill).
     external_kv: bool = False
     # Disaggregation: a prefill-role engine ends each request after its first token (reason
     # "migrated") once its prompt is saved; a decode-role engine loads prompts, saves nothing.
     role: Role = "both"
+    # Alternate turn mode (lmdeploy's do_prefill_default): besides a half-empty batch and
+    # prefill_interval decode turns, a prefill turn is also due when a running sequence's
+    # next chunk is its last (prefill_on_last_chunk), or when the waiting sequences' tokens
+    # fill a prefill budget, max_prefill_tokens (prefill_on_waiting_tokens). Both off:
+    # kvsched before schema 4.
+    prefill_on_last_chunk: bool = True
+    prefill_on_waiting_tokens: bool = True
+    # A decode that needs a new block takes blocks for this many more tokens too (lmdeploy:
+    # 16), only from free blocks (never evicting cached ones); these spare blocks are given
+    # back before anything else (a session hold, a checkpoint, a sequence) is given up for
+    # room. 0: one block at a time.
+    decode_prealloc_tokens: int = 0
+    # Each finished or aborted sequence reports the prompt tokens its first admission did
+    # not compute: local prefix hits, checkpoint restores, external loads (SequenceFinished,
+    # SequenceAborted). Off: kvsched before schema 4 (the events carry no counts).
+    report_cached_tokens: bool = True
+    # MTP (num_speculative_tokens > 0): what a hit recomputes for the draft model. "one_block":
+    # the last cached block, into a private block, while the sequence holds the cached one
+    # (lmdeploy); "k_blocks": the last num_speculative_tokens cached blocks, swapped for the
+    # cached copies once computed (kvsched before schema 4).
+    mtp_overlap: str = "one_block"
+    # Multimodal spans are never split: no chunk boundary, prefix hit, load or state save
+    # falls strictly inside one (lmdeploy). False: kvsched before schema 4 (hits only).
+    multimodal_safe: bool = True
     # How an external load is admitted. "soft" (lmdeploy's): it takes no batch row and holds
     # only the blocks it loads into (and, hybrid, a state slot); the rest of its prompt is
     # reserved softly (a new load is admitted only if its prefill fits beside every incomplete
@@ -189,6 +215,10 @@ class SchedulerConfig:
         _in_range("checkpoint_memory", self.checkpoint_memory, 0, 1 << 50)
         _in_range("checkpoint_interval", self.checkpoint_interval, 1, 1 << 31)
         _in_range("checkpoint_min_gain_blocks", self.checkpoint_min_gain_blocks, 0, 1 << 20)
+        _in_range("decode_prealloc_tokens", self.decode_prealloc_tokens, 0, 1 << 20)
+        for flag in ("prefill_on_last_chunk", "prefill_on_waiting_tokens", "report_cached_tokens"):
+            if not isinstance(getattr(self, flag), bool):
+                raise ValueError(f"{flag} must be a bool, got {getattr(self, flag)!r}")
         unknown = sorted(set(self.checkpoint_placement) - set(PLACEMENTS))
         if unknown or len(set(self.checkpoint_placement)) != len(self.checkpoint_placement):
             raise ValueError(
@@ -229,6 +259,10 @@ class SchedulerConfig:
             raise ValueError("decode_checkpoint_interval must be a multiple of block_size")
         if self.turn_mode not in ("mixed", "alternate"):
             raise ValueError(f"unknown turn mode {self.turn_mode!r}")
+        if self.mtp_overlap not in MTP_OVERLAPS:
+            raise ValueError(
+                f"unknown mtp_overlap {self.mtp_overlap!r}; known: {', '.join(MTP_OVERLAPS)}"
+            )
         if self.role not in ("both", "prefill", "decode"):
             raise ValueError(f"unknown role {self.role!r}")
         if self.role != "both" and not self.external_kv:
@@ -251,6 +285,17 @@ class SchedulerConfig:
     @property
     def external_save(self) -> bool:
         return self.external_kv and self.role != "decode"
+
+    @property
+    def mtp_recompute_blocks(self) -> int:
+        """Cached blocks at the end of a hit that MTP recomputes (0 without MTP)."""
+        k = self.num_speculative_tokens
+        return min(k, 1) if self.mtp_overlap == "one_block" else k
+
+    @property
+    def mtp_holds_overlap(self) -> bool:
+        """Whether a sequence holds the cached block its MTP overlap recomputes privately."""
+        return self.num_speculative_tokens > 0 and self.mtp_overlap == "one_block"
 
     @property
     def num_checkpoint_slots(self) -> int:
@@ -303,14 +348,23 @@ class SchedulerConfig:
     def from_log_header(cls, data: dict[str, Any], schema_version: int) -> SchedulerConfig:
         """The config a log header records. Logs of schema 2 predate the checkpoint policies:
         they ran today's "lmdeploy" rules; logs before schema 4 hashed blocks with blake2b,
-        dropped aborted turns from sessions, reclaimed sessions by id and admitted a load
-        with a batch row and every prompt block."""
+        dropped aborted turns from sessions, reclaimed sessions by id, had no alternate-mode
+        triggers beyond a half-empty batch and prefill_interval, no decode preallocation,
+        no cached-token counts on finished sequences, recomputed k blocks of an MTP hit,
+        let chunks and loads split multimodal spans and admitted a load with a batch row and
+        every prompt block."""
         data = dict(data)
         if schema_version < 4:
             data.setdefault("identity", "blake2b")
             data.setdefault("checkpoint_min_gain_blocks", 0)
             data.setdefault("keep_aborted_turns", False)
             data.setdefault("session_reclaim", "session_id")
+            data.setdefault("prefill_on_last_chunk", False)
+            data.setdefault("prefill_on_waiting_tokens", False)
+            data.setdefault("decode_prealloc_tokens", 0)
+            data.setdefault("report_cached_tokens", False)
+            data.setdefault("mtp_overlap", "k_blocks")
+            data.setdefault("multimodal_safe", False)
             data.setdefault("load_admission", "whole_prompt")
         if schema_version < 3:
             for key, value in CHECKPOINT_POLICIES["lmdeploy"].items():

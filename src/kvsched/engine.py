@@ -170,7 +170,7 @@ class Engine:
         elif isinstance(event, ev.SessionEnded):
             policy.end_session(state, event.session_id, emit)
         elif isinstance(event, ev.DrainRequested):
-            policy.drain(state, emit)
+            policy.drain(state, emit, event.level)
         elif isinstance(event, ev.WakeRequested):
             emit(ev.Woken())
         else:

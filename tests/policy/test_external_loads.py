@@ -44,7 +44,7 @@ class Store(Harness):
 
     def held(self, seq_id: int) -> int:
         seq = self.state.seqs.seqs[seq_id]
-        return len(self.state.seqs.blocks_held(seq))
+        return len(self.state.seqs.block_table(seq))
 
     def drive(self, steps: int = 300) -> None:
         """Run, the store finishing every load as soon as it starts, until idle."""

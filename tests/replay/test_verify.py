@@ -21,7 +21,7 @@ from kvsched.config import ModelSpec, SchedulerConfig
 from kvsched.engine import Engine, create_log
 from kvsched.events import types as ev
 from kvsched.events.codec import StepRecord, decode_record, encode
-from kvsched.events.log import read_log
+from kvsched.events.log import EventLog, read_log
 from kvsched.gpu.sim import SimulatedExecutor
 from kvsched.policy import Policy
 from kvsched.policy.scheduler import Chunk
@@ -173,6 +173,76 @@ def test_a_small_cache_run_with_preemptions_and_aborts_verifies_with_zero_diverg
     assert stats.preemptions > 0 and stats.hit_tokens > 0  # the run exercised both
     assert stats.requests_aborted == 1 and stats.requests_finished == 7
     assert result.ok and result.steps == engine.state.step
+
+
+# Config keys that logs before schema 4 did not record (from_log_header pins them).
+_SCHEMA4_KEYS = (
+    "identity", "checkpoint_min_gain_blocks", "keep_aborted_turns", "session_reclaim",
+    "mtp_overlap", "multimodal_safe",
+)
+
+
+def _mtp_images_schedule(seed: int) -> dict[int, list[ev.Event]]:
+    """Requests sharing a prefix with an image across the 64-token chunk boundary, under
+    memory pressure (preemptions), one aborted."""
+    rng = np.random.default_rng(seed)
+    shared = rng.integers(1, 1000, 100, dtype=np.int32)
+    image = (ev.MultimodalSpan(40, 90, b"image"),)
+    schedule: dict[int, list[ev.Event]] = {}
+    for i in range(10):
+        prompt = np.concatenate([shared, rng.integers(1, 1000, int(rng.integers(1, 40)))])
+        schedule.setdefault(1 + i, []).append(
+            arrive(i, prompt, 8 + 2 * i, mm_spans=image, session_id=i if i % 3 == 0 else -1)
+        )
+    schedule[12] = [ev.RequestAborted(3)]
+    return schedule
+
+
+def _mtp_config(**overrides: object) -> SchedulerConfig:
+    return attrs.evolve(CONFIG, num_blocks=20, num_speculative_tokens=2, **overrides)
+
+
+def test_a_run_with_mtp_overlaps_and_multimodal_spans_verifies_with_zero_divergences(
+    tmp_path: Path,
+):
+    path = str(tmp_path / "run.kvlog")
+    engine = record_run(path, _mtp_config(), _mtp_images_schedule(1))
+    result = verify_log(path)
+    records = [decode_record(p) for p in read_log(path).records]
+    overlaps = [
+        d for r in records for d in r.decisions
+        if isinstance(d, ev.PrefixMatched) and d.overlap_block
+    ]
+    assert overlaps and engine.state.stats.preemptions > 0  # the run exercised both
+    assert result.ok and result.steps == engine.state.step
+
+
+def test_an_mtp_log_with_images_from_before_schema_4_verifies_with_the_rules_it_ran(
+    tmp_path: Path,
+):
+    recorded = str(tmp_path / "recorded.kvlog")
+    # What kvsched before schema 4 ran: k blocks recomputed, spans split (and the rest of
+    # what from_log_header pins for old logs).
+    old_rules = SchedulerConfig.from_log_header(
+        {k: v for k, v in _mtp_config().to_dict().items() if k not in _SCHEMA4_KEYS}, 3
+    )
+    assert old_rules.mtp_overlap == "k_blocks" and not old_rules.multimodal_safe
+    record_run(recorded, old_rules, _mtp_images_schedule(2))
+    contents = read_log(recorded)
+    # (the other pinned keys stay: read as schema 4, only these two rules can differ)
+    old_header = {
+        k: v for k, v in contents.header["config"].items()
+        if k not in ("mtp_overlap", "multimodal_safe")
+    }
+    for version, ok in ((3, True), (4, False)):
+        path = str(tmp_path / f"schema{version}.kvlog")
+        with EventLog.create(
+            path, schema_version=version, kvsched_version="0", config=old_header
+        ) as log:
+            for payload in contents.records:
+                log.append(payload)
+        assert verify_log(path).ok == ok  # read as schema 4, the new rules decide otherwise
+
 
 
 # ---------------------------------------------------------- (b) changed policy

@@ -74,6 +74,30 @@ def test_a_follower_of_the_demo_stream_rebuilds_the_cache_after_every_step(hybri
 
 
 @pytest.mark.parametrize("hybrid", [False, True], ids=["attention", "hybrid"])
+def test_a_follower_rebuilds_the_tables_of_mtp_sequences_holding_their_overlap_blocks(
+    hybrid: bool,
+):
+    config = demo_config(hybrid=hybrid, checkpoint_budget=24, num_speculative_tokens=2)
+    engine = Engine(config, check_invariants=True)
+    overlaps = 0
+
+    class Counting(Follower):
+        def __call__(self, result: StepResult) -> None:
+            nonlocal overlaps
+            overlaps += sum(
+                1 for d in result.decisions
+                if isinstance(d, ev.PrefixMatched) and d.overlap_block
+            )
+            super().__call__(result)
+
+    follower = Counting(engine)
+    run(engine, SimulatedExecutor(config.model.vocab_size), chat_workload(sessions=12, turns=3,
+        seed=3), on_step=follower)
+    follower.compare()
+    assert overlaps > 10 and follower.compared > 100  # private copies beside held blocks
+
+
+@pytest.mark.parametrize("hybrid", [False, True], ids=["attention", "hybrid"])
 def test_a_follower_of_the_external_demo_stream_rebuilds_the_second_engines_cache(hybrid: bool):
     config = demo_config(num_blocks=400, hybrid=hybrid, external_kv=True)
     workload = chat_workload(sessions=8, turns=2, seed=5)
@@ -89,8 +113,12 @@ def test_a_follower_of_the_external_demo_stream_rebuilds_the_second_engines_cach
     assert engine.state.stats.external_hit_tokens > 0
 
 
-def test_a_follower_rebuilds_the_cache_through_drains_aborts_and_preemptions():
-    config = demo_config(num_blocks=40, max_batch=4, hybrid=True, checkpoint_budget=6)
+@pytest.mark.parametrize("prealloc", [0, 128], ids=["no-prealloc", "two-blocks-ahead"])
+def test_a_follower_rebuilds_the_cache_through_drains_aborts_and_preemptions(prealloc: int):
+    config = demo_config(
+        num_blocks=40, max_batch=4, hybrid=True, checkpoint_budget=6,
+        decode_prealloc_tokens=prealloc,  # spare blocks taken, and given back under pressure
+    )
     engine = Engine(config, check_invariants=True)
     follower = Follower(engine)
     executor = SimulatedExecutor(config.model.vocab_size)

@@ -14,7 +14,10 @@ checkpoint rules (``SchedulerConfig.from_log_header``). Version 4 added
 ``RequestArrived.block_hashes`` (default empty) and the ``kvs128`` block identity and plan
 digest; a header before version 4 ran ``identity="blake2b"`` (block digests and plan
 digests) and no minimum checkpoint gain, so older logs replay and verify as they were
-written.
+written. Version 4 also added sleep levels (``DrainRequested``, ``DrainDeferred``,
+``Drained``: ``level``, default 1) and cached-token counts (``SequenceFinished`` arrays and
+``SequenceAborted`` fields, empty or 0 by default); a header before version 4 ran without
+them (and without the alternate-mode triggers or decode preallocation).
 """
 
 from __future__ import annotations

@@ -79,8 +79,14 @@ class SessionEnded(Event, frozen=True, tag="session_end"):
     session_id: int
 
 
+SLEEP_LEVELS = (1, 2)  # 1: the executor releases its KV cache; 2: its weights too
+
+
 class DrainRequested(Event, frozen=True, tag="drain"):
-    """Release everything held (sleep); no admissions until ``WakeRequested``."""
+    """Release everything held (sleep); no admissions until ``WakeRequested``. ``level``
+    (``SLEEP_LEVELS``): what the executor releases once drained (``Drained.level``)."""
+
+    level: int = 1
 
 
 class WakeRequested(Event, frozen=True, tag="wake"):
@@ -154,6 +160,10 @@ class PrefixMatched(Event, frozen=True, tag="matched"):
     num_query_tokens: int
     ckpt_id: int = -1  # hybrid: the pinned checkpoint whose path covers ``blocks``
     kv_hit_tokens: int = -1  # hybrid: tokens the KV cache alone would have matched
+    # MTP: the cached block at index len(blocks) of the sequence's chain, which it recomputes
+    # into a private block (its block-table entry) and holds while it runs, so that the cached
+    # block stays shared and its later blocks chain from it (0: none)
+    overlap_block: int = 0
 
 
 class BlocksAllocated(Event, frozen=True, tag="alloc"):
@@ -238,9 +248,22 @@ class SequencePreempted(Event, frozen=True, tag="preempted"):
     reason: str = "blocks"
 
 
+def _no_counts() -> np.ndarray:
+    return np.zeros(0, np.int64)
+
+
 class SequenceFinished(Event, frozen=True, tag="finished"):
+    """Sequences retired (reason "stop", "length" or "migrated"). With
+    ``config.report_cached_tokens``, per sequence the prompt tokens its first admission took
+    without computing them (as vLLM's ``num_cached_tokens``), by source: local prefix hits
+    (KV blocks), a hybrid model's restored checkpoint, blocks loaded from the external store;
+    empty arrays otherwise (and in logs before schema 4)."""
+
     seq_ids: np.ndarray
     reasons: tuple[str, ...]
+    cached_local: np.ndarray = msgspec.field(default_factory=_no_counts)  # int64
+    cached_checkpoint: np.ndarray = msgspec.field(default_factory=_no_counts)
+    cached_external: np.ndarray = msgspec.field(default_factory=_no_counts)
 
 
 class SequenceAborted(Event, frozen=True, tag="seq_aborted"):
@@ -249,6 +272,10 @@ class SequenceAborted(Event, frozen=True, tag="seq_aborted"):
     # A session's aborted turn stays in its history (its tokens, generated ones included,
     # continue in the next turn, as lmdeploy keeps a stopped turn): config keep_aborted_turns.
     keep_history: bool = False
+    # the prompt tokens its first admission did not compute (as on SequenceFinished)
+    cached_local: int = 0
+    cached_checkpoint: int = 0
+    cached_external: int = 0
 
 
 class SessionClosed(Event, frozen=True, tag="session_closed"):
@@ -256,11 +283,14 @@ class SessionClosed(Event, frozen=True, tag="session_closed"):
 
 
 class Drained(Event, frozen=True, tag="drained"):
-    pass
+    """Nothing is held or cached: the driver now lets the executor sleep at ``level``
+    (1: release the KV cache; 2: the weights too)."""
+
+    level: int = 1
 
 
 class Woken(Event, frozen=True, tag="woken"):
-    pass
+    """Serving resumes: the driver wakes the executor before it runs this step's plan."""
 
 
 class CheckpointReserved(Event, frozen=True, tag="ckpt_reserved"):
@@ -407,7 +437,10 @@ class AbortDeferred(Event, frozen=True, tag="abort_deferred"):
 
 
 class DrainDeferred(Event, frozen=True, tag="drain_deferred"):
-    """Drain requested while loads or saves are in flight: it happens once they settle."""
+    """Drain requested while loads or saves are in flight: it happens once they settle, at
+    sleep ``level``."""
+
+    level: int = 1
 
 
 INPUT_TYPES: tuple[type[Event], ...] = (

@@ -2,7 +2,8 @@
 
 One stacked K and one stacked V tensor for the attention layers, one conv-state and one
 recurrent-state tensor for the gated-DeltaNet layers, with per-layer views and the
-block/slot copy and zero operations an executor applies from a plan.
+block/slot copy and zero operations an executor applies from a plan. ``release`` frees the
+tensors (an executor's sleep), ``allocate`` makes them again, zeroed (its wake).
 """
 
 from __future__ import annotations
@@ -37,25 +38,41 @@ class PagedCache:
             block_size,
             num_state_slots,
         )
+        self.config, self.device, self.dtype = config, device, dtype
+        self.allocate()
         c = config
+        self.layer_index = {layer: j for j, layer in enumerate(c.attention_layers)}
+        self.layer_index.update({layer: j for j, layer in enumerate(c.linear_layers)})
+
+    def allocate(self) -> None:
+        """(Re)create every tensor, zeroed."""
+        c, device, dtype = self.config, self.device, self.dtype
         na, nl = len(c.attention_layers), len(c.linear_layers)
-        kv_shape = (na, num_blocks, block_size, c.num_key_value_heads, c.head_dim)
+        kv_shape = (na, self.num_blocks, self.block_size, c.num_key_value_heads, c.head_dim)
         self.key_all = torch.zeros(kv_shape, device=device, dtype=dtype)
         self.value_all = torch.zeros(kv_shape, device=device, dtype=dtype)
         k1 = c.linear_conv_kernel_dim - 1
         self.conv_all = torch.zeros(
-            (nl, num_state_slots, c.conv_dim, k1), device=device, dtype=dtype
+            (nl, self.num_state_slots, c.conv_dim, k1), device=device, dtype=dtype
         )
         rec_shape = (
             nl,
-            num_state_slots,
+            self.num_state_slots,
             c.linear_num_value_heads,
             c.linear_key_head_dim,
             c.linear_value_head_dim,
         )
         self.recurrent_all = torch.zeros(rec_shape, device=device, dtype=torch.float32)
-        self.layer_index = {layer: j for j, layer in enumerate(c.attention_layers)}
-        self.layer_index.update({layer: j for j, layer in enumerate(c.linear_layers)})
+
+    def release(self) -> None:
+        """Drop every tensor's memory (empty tensors until ``allocate``)."""
+        self.key_all = self.value_all = torch.empty(0, device=self.device, dtype=self.dtype)
+        self.conv_all = torch.empty(0, device=self.device, dtype=self.dtype)
+        self.recurrent_all = torch.empty(0, device=self.device, dtype=torch.float32)
+
+    @property
+    def released(self) -> bool:
+        return self.key_all.numel() == 0 and self.recurrent_all.numel() == 0
 
     def kv(self, layer: int) -> tuple[Tensor, Tensor]:
         j = self.layer_index[layer]

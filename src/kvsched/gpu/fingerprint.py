@@ -33,7 +33,7 @@ import numpy as np
 
 from kvsched.connectors.errors import CorruptValueError
 from kvsched.events.types import StepExecuted
-from kvsched.gpu.sim import CostModel, _mix
+from kvsched.gpu.sim import CostModel, _mix, check_sleep_level
 from kvsched.plan import StepPlan
 
 __all__ = ["EMPTY_PREFIX", "FingerprintExecutor", "prefix_hashes"]
@@ -91,14 +91,30 @@ class FingerprintExecutor:
         # state[s]: h after the last token computed in slot s (0: never reset, not EMPTY_PREFIX)
         self.state = np.zeros(max(num_state_slots, 1), dtype=np.uint64)
         self.mismatches: list[str] = []
+        self.sleep_level = 0
 
     @property
     def num_blocks(self) -> int:
         return int(self.kv.shape[0])
 
+    # -------------------------------------------------------------------------- sleep
+
+    def sleep(self, level: int) -> None:
+        """Lose every KV block and state (at either level: it has no weights), as a real
+        executor's released memory: a hit the scheduler still took after a drain would
+        read zeros and change the tokens."""
+        self.sleep_level = max(self.sleep_level, check_sleep_level(level))
+        self.kv[:] = 0
+        self.state[:] = 0
+
+    def wake(self) -> None:
+        self.sleep_level = 0
+
     # ------------------------------------------------------------------------ execute
 
     def execute(self, plan: StepPlan) -> StepExecuted:
+        if self.sleep_level:
+            raise RuntimeError(f"the executor sleeps (level {self.sleep_level}): wake it first")
         self._check(plan)
         self._before(plan)
         last = self._forward(plan)

@@ -102,17 +102,9 @@ class HybridModel(nn.Module):
         gdn_mode: GdnMode = "chunked",
     ) -> HybridModel:
         """Load ``config.json`` and ``*.safetensors`` (Hugging Face names) from ``path``."""
-        from safetensors.torch import load_file
-
         path = Path(path)
         model = cls(HybridConfig.from_pretrained(path), gdn_mode)
-        state: dict[str, Tensor] = {}
-        files = sorted(path.glob("*.safetensors"))
-        if not files:
-            raise FileNotFoundError(f"no .safetensors files in {path}")
-        for file in files:
-            state.update(load_file(str(file)))
-        model.load_hf_state_dict(state)
+        model.load_hf_state_dict(read_checkpoint(path))
         return model.to(device=device, dtype=dtype).eval()
 
     def load_hf_state_dict(self, state: Mapping[str, Tensor]) -> None:
@@ -168,6 +160,19 @@ class HybridModel(nn.Module):
         )
 
 
+def read_checkpoint(path: str | os.PathLike[str]) -> dict[str, Tensor]:
+    """Every tensor of the ``*.safetensors`` files in ``path`` (Hugging Face names), on CPU."""
+    from safetensors.torch import load_file
+
+    files = sorted(Path(path).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no .safetensors files in {path}")
+    state: dict[str, Tensor] = {}
+    for file in files:
+        state.update(load_file(str(file)))
+    return state
+
+
 def count_parameters(model: nn.Module) -> int:
     return sum(math.prod(p.shape) for p in model.parameters())
 
@@ -188,5 +193,6 @@ __all__: Sequence[str] = [
     "gated_delta_chunked",
     "gated_delta_recurrent",
     "l2norm",
+    "read_checkpoint",
     "rms_norm_zero_centred",
 ]

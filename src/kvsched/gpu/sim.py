@@ -127,6 +127,13 @@ def sample_tokens(seq_ids: np.ndarray, pos: np.ndarray, vocab_size: int, seed: i
         return (_mix(key) % np.uint64(vocab_size - 1) + np.uint64(1)).astype(np.int32)
 
 
+def check_sleep_level(level: int) -> int:
+    """``level`` if it is a sleep level (1: release the KV cache; 2: the weights too)."""
+    if level not in (1, 2):
+        raise ValueError(f"sleep level must be 1 or 2, got {level!r}")
+    return level
+
+
 class SimulatedExecutor:
     def __init__(
         self,
@@ -141,8 +148,17 @@ class SimulatedExecutor:
         self.vocab_size = vocab_size
         self.cost = cost or CostModel()
         self.seed = seed
+        self.sleep_level = 0  # it holds no memory: sleep only records the level
+
+    def sleep(self, level: int) -> None:
+        self.sleep_level = max(self.sleep_level, check_sleep_level(level))
+
+    def wake(self) -> None:
+        self.sleep_level = 0
 
     def execute(self, plan: StepPlan) -> StepExecuted:
+        if self.sleep_level:
+            raise RuntimeError(f"the executor sleeps (level {self.sleep_level}): wake it first")
         sample = plan.sample
         seq_ids = plan.seq_ids[sample]
         tokens = sample_tokens(seq_ids, plan.ends[sample], self.vocab_size, self.seed)

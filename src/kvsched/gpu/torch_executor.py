@@ -23,7 +23,13 @@
 Copies within one list are simultaneous (all sources are read before any destination is
 written: ``PagedCache`` copies with one indexed assignment). Every index of the plan is
 validated before anything in the cache changes. The executor sees only the plan; it imports
-nothing else from kvsched.
+nothing of the scheduler.
+
+``sleep(level)`` (called by the driver after the scheduler's ``Drained``: nothing is held or
+cached then) releases device memory: level 1 the KV blocks and state slots, level 2 the
+weights too (``wake`` reloads them from the checkpoint directory the executor was built from,
+else from a CPU copy taken at sleep). ``wake`` (after ``Woken``) makes a zeroed cache again.
+A sleeping executor refuses plans.
 """
 
 from __future__ import annotations
@@ -38,7 +44,8 @@ import torch
 from kvsched.events.types import StepExecuted
 from kvsched.gpu.batch import BatchInputs
 from kvsched.gpu.cache import PagedCache
-from kvsched.gpu.model import HybridModel
+from kvsched.gpu.model import HybridModel, read_checkpoint
+from kvsched.gpu.sim import check_sleep_level
 from kvsched.plan import StepPlan
 
 _MASK64 = (1 << 64) - 1
@@ -80,13 +87,18 @@ class TorchExecutor:
         dtype: torch.dtype | None = None,
     ) -> None:
         self.device = torch.device(device) if device is not None else _default_device()
+        # where level-2 sleep reloads the weights from (None: a CPU copy taken at sleep)
+        self._source: Path | None = None
+        self._host_weights: dict[str, torch.Tensor] | None = None
+        self.sleep_level = 0  # 0 awake; 1 no cache; 2 no cache and no weights
         if isinstance(model_dir_or_model, HybridModel):
             model = model_dir_or_model.to(device=self.device)
             if dtype is not None:
                 model = model.to(dtype=dtype)
         else:
+            self._source = Path(model_dir_or_model)
             model = HybridModel.from_pretrained(
-                Path(model_dir_or_model), device=self.device, dtype=dtype or torch.float32
+                self._source, device=self.device, dtype=dtype or torch.float32
             )
         self.model = model.eval()
         self.config = model.config
@@ -178,10 +190,45 @@ class TorchExecutor:
             if len(np.unique(slots)) != len(slots):
                 raise ValueError(f"two sequences share a state slot: {slots.tolist()}")
 
+    # ------------------------------------------------------------------ sleep
+
+    def sleep(self, level: int) -> None:
+        """Release device memory: level 1 the cache, level 2 the weights too (a deeper
+        level than the current one deepens the sleep; a shallower one changes nothing)."""
+        if check_sleep_level(level) <= self.sleep_level:
+            return
+        if self.sleep_level == 0:
+            self.cache.release()
+        if level == 2:
+            if self._source is None:
+                self._host_weights = {
+                    k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()
+                }
+            self.model.to(device="meta")
+        self.sleep_level = level
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def wake(self) -> None:
+        """Restore what ``sleep`` released: the weights (level 2), then a zeroed cache."""
+        if self.sleep_level == 2:
+            self.model.to_empty(device=self.device)
+            if self._source is not None:
+                self.model.load_hf_state_dict(read_checkpoint(self._source))
+            else:
+                assert self._host_weights is not None
+                self.model.load_state_dict(self._host_weights)
+                self._host_weights = None
+        if self.sleep_level:
+            self.cache.allocate()
+        self.sleep_level = 0
+
     # ------------------------------------------------------------------ execute
 
     def execute(self, plan: StepPlan) -> StepExecuted:
         t0 = time.perf_counter()
+        if self.sleep_level:
+            raise RuntimeError(f"the executor sleeps (level {self.sleep_level}): wake it first")
         self._check(plan)
         cache, nb, ns = self.cache, self.num_blocks, self.num_state_slots
         # validate everything before touching the cache

@@ -4,7 +4,8 @@ that ended first.
 
 Rules: the first prefill of a step is always admitted, others must fit the token budget;
 chunk boundaries are multiples of ``config.chunk_tokens`` (a function of the request and the
-config, never of the cache hit); at most ``max_long_chunks_per_step`` non-final chunks per
+config, never of the cache hit), moved out of multimodal spans (``spans.py``: a span is a
+chunk of its own); at most ``max_long_chunks_per_step`` non-final chunks per
 step; FCFS and priority orders stop at the first request that does not fit, the TTFT order
 skips it. An admission that does not fit leaves no trace (its tentative match is never
 emitted).
@@ -25,6 +26,7 @@ import numpy as np
 
 from kvsched.config import SchedulerConfig
 from kvsched.events import types as ev
+from kvsched.policy import spans
 from kvsched.policy.checkpoints import Checkpoints
 from kvsched.policy.common import Chunk, Emit, Match, StepBudget, cdiv
 from kvsched.policy.growth import Growth
@@ -60,29 +62,38 @@ class Admission:
         self._within = config.hybrid and config.mid_chunk_saves
         self._interval = config.interval_tokens if config.places("interval") else 0
         self._soft = config.soft_loads
+        self._mm_safe = config.multimodal_safe
 
     # ---------------------------------------------------------------------- chunks
 
     def chunk_of(self, seq: Seq, start: int) -> Chunk:
         """The canonical chunk starting at ``start``: it ends at the next multiple of the
-        chunk length (a function of the request and the config only) or at the prompt end."""
+        chunk length (a function of the request and the config only) or at the prompt end;
+        a multimodal span is never split (``spans.chunk_end``)."""
         size = self.config.chunk_tokens
         end = min(seq.n_tokens, (start // size + 1) * size)
+        if seq.mm_spans and self._mm_safe:
+            end = spans.chunk_end(seq.mm_spans, start, end)
         if self._split_tail and end == seq.n_tokens:
             # Hybrid models saving to the store or saving aligned states only: end a chunk at
             # the deepest block boundary a lookup of this prompt (or of it plus its first
             # token) can use, so an aligned state checkpoint exists there to be saved.
             cut = self.tail_of(seq)
-            if start < cut < end:
+            if start < cut < end and self._may_cut(seq, cut):
                 end = cut
         return Chunk(start, end, end == seq.n_tokens)
 
-    def cut_at_branch(self, chunk: Chunk, branch: int) -> Chunk:
+    def cut_at_branch(self, seq: Seq, chunk: Chunk, branch: int) -> Chunk:
         """Where the executor cannot save mid-chunk, a chunk ends at a branch point (the end
         of the cached KV found at admission) so that its state is saved there."""
-        if self._branch and not self._within and chunk.start < branch < chunk.end:
+        cut = self._branch and not self._within and chunk.start < branch < chunk.end
+        if cut and self._may_cut(seq, branch):
             return Chunk(chunk.start, branch, False)
         return chunk
+
+    def _may_cut(self, seq: Seq, step: int) -> bool:
+        """Whether a chunk may end at ``step`` besides its canonical end: never in a span."""
+        return not self._mm_safe or spans.boundary_safe(seq.mm_spans, step)
 
     def fits_budget(self, budget: StepBudget, chunk: Chunk) -> bool:
         if budget.prefills == 0:
@@ -152,11 +163,12 @@ class Admission:
             if seq.state != SeqState.RUNNING:
                 continue  # preempted for an earlier sequence's chunk this step
             chunk = self.chunk_of(seq, int(table.computed[seq.row]))
-            chunk = self.cut_at_branch(chunk, seq.kv_hit_tokens)
+            chunk = self.cut_at_branch(seq, chunk, seq.kv_hit_tokens)
             if not (self.fits_budget(budget, chunk) and self.long_gate_open(budget, chunk)):
                 continue
             need = cdiv(chunk.end, self.bs) - int(table.nblocks[seq.row])
             if need > state.pool.num_available:
+                self.growth.return_spares(state, emit)
                 self.growth.reclaim_sessions(state, need, emit, keep=-1)
             if need > state.pool.num_available and state.hybrid:
                 self.checkpoints.evict_for(state, need, emit, keep=-1)
@@ -197,14 +209,14 @@ class Admission:
                 return self._admit_with_load(state, seq, first, end, emit)
         if self._soft and state.seqs.num_running >= self.config.max_batch:
             return "skip"  # every row runs (only loads start now): it waits for a row
-        chunk = self.cut_at_branch(self.chunk_of(seq, match.num_tokens), match.kv_tokens)
+        chunk = self.chunk_of(seq, match.num_tokens)
+        chunk = self.cut_at_branch(seq, chunk, match.kv_tokens)
         if not self.long_gate_open(budget, chunk):
             return "skip"
         if not self.fits_budget(budget, chunk):
             return "stop"
-        hit = match.blocks
-        need = cdiv(chunk.end, self.bs) - len(hit)
-        if not self.make_fit(state, need, hit, match.ckpt_id, emit):
+        need = cdiv(chunk.end, self.bs) - len(match.blocks)
+        if not self.make_fit(state, need, match.blocks, match.ckpt_id, emit, match.overlap):
             return "stop"
         load = state.transfers.load_of(seq.seq_id)
         if load is not None and load.open:
@@ -223,12 +235,12 @@ class Admission:
         emit(ev.SequenceAdmitted(seq.seq_id, state.seqs.peek_free_row()))
         if match.ckpt_id >= 0:
             emit(ev.CheckpointPinned(match.ckpt_id, seq.seq_id))
-        if match.num_tokens or first:
+        if match.num_tokens or match.overlap or first:
             query = seq.n_prompt if first else 0
             emit(
                 ev.PrefixMatched(
                     seq.seq_id, match.blocks, match.num_tokens, query, match.ckpt_id,
-                    match.kv_tokens,
+                    match.kv_tokens, match.overlap,
                 )
             )
 
@@ -278,13 +290,14 @@ class Admission:
         ones are cached now) and its first chunk is scheduled, or it waits ('skip', 'stop')."""
         load = state.transfers.load_of(seq.seq_id)
         assert load is not None
-        kept = self.transfers.kept_blocks(state, load)
-        chunk = self.cut_at_branch(self.chunk_of(seq, kept * self.bs), seq.kv_hit_tokens)
+        kept = self.transfers.kept_blocks(state, seq, load)
+        chunk = self.chunk_of(seq, kept * self.bs)
+        chunk = self.cut_at_branch(seq, chunk, seq.kv_hit_tokens)
         if not self.long_gate_open(budget, chunk):
             return "skip"
         if not self.fits_budget(budget, chunk):
             return "stop"
-        need = cdiv(chunk.end, self.bs) - len(state.seqs.blocks_held(seq))
+        need = cdiv(chunk.end, self.bs) - len(state.seqs.block_table(seq))
         if not self.make_fit(state, need, NO_BLOCKS, -1, emit):
             return "stop"
         slot = state.ckpts.load_slot_of(seq.seq_id)
@@ -297,23 +310,37 @@ class Admission:
         return "admitted"
 
     def make_fit(
-        self, state: EngineState, need: int, hit: np.ndarray, keep: int, emit: Emit
+        self,
+        state: EngineState,
+        need: int,
+        hit: np.ndarray,
+        keep: int,
+        emit: Emit,
+        overlap: int = 0,
     ) -> bool:
-        """Make ``need`` blocks available besides the ``hit`` an admission attaches, by
-        releasing other sessions' holds or evicting checkpoints (never ``keep``, the one it
-        restores) only when that makes the admission fit. False: it cannot fit."""
+        """Make ``need`` blocks available besides the ``hit`` an admission attaches (and the
+        MTP ``overlap`` block it holds), by releasing other sessions' holds or evicting
+        checkpoints (never ``keep``, the one it restores) only when that makes the admission
+        fit. False: it cannot fit."""
         pool = state.pool
         unheld = 0 if self._path_held(state, keep, hit) else pool.count_unheld(hit)
+        if overlap:
+            unheld += int(pool.ref[overlap] == 0)
+            hit = np.append(hit, np.int32(overlap)).astype(np.int32)
         shortfall = need - (pool.num_available - unheld)
         if shortfall <= 0:
             return True
+        # Decode rows' spare blocks go back first (none unless decode_prealloc_tokens).
+        spare = self.growth.num_spares(state)
         if state.hybrid:
             # Unheld hit blocks count as available but are attached, not taken.
-            if not self.checkpoints.evict_for(state, need + unheld, emit, keep=keep):
+            if not self.checkpoints.evict_for(state, need + unheld - spare, emit, keep=keep):
                 return False
-        elif shortfall > self.growth.reclaim_gain(state, -1, hit):
+            self.growth.return_spares(state, emit)
+        elif shortfall > spare + self.growth.reclaim_gain(state, -1, hit):
             return False
         else:
+            self.growth.return_spares(state, emit)
             # Any session's hold may go, the admitted sequence's own too: the admission
             # releases it anyway (after attaching what the hit shares with it).
             self.growth.reclaim_sessions(state, need, emit, -1, hit)

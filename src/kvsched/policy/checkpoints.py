@@ -31,6 +31,7 @@ import numpy as np
 
 from kvsched.config import SchedulerConfig
 from kvsched.events import types as ev
+from kvsched.policy import spans
 from kvsched.policy.common import Emit
 from kvsched.policy.growth import Growth
 from kvsched.reducers.checkpoints import Checkpoint
@@ -68,6 +69,7 @@ class Checkpoints:
         self.growth = growth
         self.by_value = config.checkpoint_eviction == "value"
         self.min_gain = config.checkpoint_min_gain_blocks * config.block_size
+        self.mm_safe = config.multimodal_safe
 
     # ------------------------------------------------------------------- placement
 
@@ -87,6 +89,8 @@ class Checkpoints:
             return  # (an executor that keeps states in whole blocks only: vLLM's align mode)
         if seq.num_hit_tokens and step - seq.num_hit_tokens < self.min_gain:
             return  # barely past the state it restored: a hit on it would save almost nothing
+        if self.mm_safe and not spans.boundary_safe(seq.mm_spans, step):
+            return  # inside a multimodal span: no hit may ever restore it
         ckpts = state.ckpts
         key, anchor = state.seqs.identity_at(seq, step)
         if ckpts.find(key) is not None or ckpts.reserved_now(key):

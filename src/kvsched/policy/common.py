@@ -30,6 +30,9 @@ class Match(NamedTuple):
     blocks: np.ndarray
     ckpt_id: int = -1
     kv_tokens: int = -1  # hybrid: what the KV cache alone matched
+    # MTP: the cached block after the hit, which the sequence recomputes into a private block
+    # while it holds this one (0: none)
+    overlap: int = 0
 
 
 NO_MATCH = Match(0, np.zeros(0, dtype=np.int32))

@@ -52,6 +52,56 @@ class Growth:
             blocks = self.take_blocks(state, need, emit)
             emit(ev.BlocksAllocated(arr([seq_id]), arr([need], I32), blocks))
 
+    # ------------------------------------------------------- decode preallocation
+
+    def decode_spares(self, state: EngineState, rows: np.ndarray) -> np.ndarray:
+        """Blocks each decoding row that must grow by one takes besides it, to hold its next
+        ``decode_prealloc_tokens`` tokens too (never past the last position it can write):
+        only from free blocks left after every row's one, so no cached block is evicted for
+        them; rows in order while they last."""
+        t, bs = state.seqs, self.bs
+        limit = np.minimum(t.n_prompt[rows] + t.max_tokens[rows], self.config.model.max_context)
+        last = np.minimum(t.computed[rows] + self.config.decode_prealloc_tokens, limit - 2)
+        extra = np.maximum(0, last // bs - t.nblocks[rows])
+        budget = state.pool.num_free - len(rows)
+        if budget <= 0 or not extra.any():
+            return np.zeros(len(rows), I32)
+        taken = np.minimum(np.cumsum(extra), budget)
+        spares: np.ndarray = np.diff(taken, prepend=0).astype(I32)
+        return spares
+
+    def _spares(self, state: EngineState) -> tuple[np.ndarray, np.ndarray]:
+        """(rows, blocks each keeps) of the running rows holding spare blocks: preallocated
+        past the block of their newest token, never written."""
+        t = state.seqs
+        rows = t.running_rows()
+        keep = -(-t.ntokens[rows] // self.bs)
+        spare = t.nblocks[rows] > keep
+        return rows[spare], keep[spare]
+
+    def num_spares(self, state: EngineState) -> int:
+        """Spare blocks that ``return_spares`` would give back (pure query)."""
+        if not self.config.decode_prealloc_tokens:
+            return 0
+        rows, keep = self._spares(state)
+        return int((state.seqs.nblocks[rows] - keep).sum())
+
+    def return_spares(self, state: EngineState, emit: Emit) -> None:
+        """Give back every running row's spare blocks. Callers short of room do this before
+        giving anything else up (a session hold, a checkpoint, a sequence), so preallocation
+        causes no preemption or eviction of its own."""
+        if not self.config.decode_prealloc_tokens:
+            return
+        rows, keep = self._spares(state)
+        if not len(rows):
+            return
+        t = state.seqs
+        spares = [t.table[row, k : t.nblocks[row]] for row, k in zip(
+            rows.tolist(), keep.tolist(), strict=True
+        )]
+        counts = arr([len(s) for s in spares], I32)
+        emit(ev.BlocksFreed(t.row_seq[rows].copy(), counts, np.concatenate(spares)))
+
     # --------------------------------------------------------------------- caching
 
     def cache_computed(
@@ -88,9 +138,12 @@ class Growth:
         swap = self.config.dedup_cached_blocks
         if any(c is not None for c in canonical) or len(set(hashes)) < len(hashes):
             self._deduplicate(hashes, canonical, blocks, replaced, swap)
+        path = blocks
+        if self.config.mtp_holds_overlap:
+            path = self._keep_overlaps(t, grown, firsts, lasts, blocks, replaced)
         if not swap:
             self._detach_after_private(t, grown, firsts, lasts, replaced, index)
-        marks, experts = self._cached_experts(state, grown, firsts, lasts, blocks)
+        marks, experts = self._cached_experts(state, grown, firsts, lasts, path)
         emit(
             ev.BlocksCached(
                 seq_ids.copy(), (lasts - firsts).astype(I32), firsts.astype(I32), blocks,
@@ -121,6 +174,34 @@ class Growth:
                 replaced[j] = ev.PRIVATE_COPY
 
     @staticmethod
+    def _keep_overlaps(
+        t: SequenceTable,
+        rows: np.ndarray,
+        firsts: np.ndarray,
+        lasts: np.ndarray,
+        blocks: np.ndarray,
+        replaced: np.ndarray,
+    ) -> np.ndarray:
+        """MTP: a sequence's private recompute of a cached block it holds (its overlap) is
+        kept, not swapped for the cached block nor indexed (``PRIVATE_COPY``): its chain runs
+        through the cached block. Returns the entries' chain blocks (the cached block for
+        such a copy)."""
+        chain = blocks
+        j = 0
+        for row, first, last in zip(rows.tolist(), firsts.tolist(), lasts.tolist(), strict=True):
+            seq = t.objs[row]
+            assert seq is not None
+            if seq.overlap_block and first <= seq.overlap_at < last:
+                k = j + seq.overlap_at - first
+                if chain is blocks:
+                    chain = blocks.copy()
+                blocks[k] = int(t.table[row, seq.overlap_at])
+                replaced[k] = ev.PRIVATE_COPY
+                chain[k] = seq.overlap_block
+            j += last - first
+        return chain
+
+    @staticmethod
     def _detach_after_private(
         t: SequenceTable,
         rows: np.ndarray,
@@ -135,11 +216,13 @@ class Growth:
         for row, first, last in zip(rows.tolist(), firsts.tolist(), lasts.tolist(), strict=True):
             seq = t.objs[row]
             assert seq is not None
-            detached = bool(first) and index.get(seq.hashes[first - 1]) != t.table[row, first - 1]
+            own = t.path_blocks(seq, first - 1, first)[0] if first else 0  # (chain block)
+            detached = bool(first) and index.get(seq.hashes[first - 1]) != own
             for k in range(j, j + last - first):
                 if detached and replaced[k] == 0:
                     replaced[k] = ev.UNINDEXED
-                detached = detached or replaced[k] != 0
+                overlap = seq.overlap_at == first + k - j  # (its chain is the cached block)
+                detached = detached or (replaced[k] != 0 and not overlap)
             j += last - first
 
     def _cached_experts(
@@ -194,7 +277,7 @@ class Growth:
         unpins: list[Seq] = []
         for seq in seqs:
             row = seq.row
-            held = table.blocks_held(seq)[seq.n_pinned :]
+            held = table.held_blocks(seq)
             if seq.pinned_ckpt >= 0:
                 unpins.append(seq)
             if keep_for_session and not state.hybrid and row >= 0 and (
@@ -202,8 +285,10 @@ class Growth:
             ):
                 keep = int(table.registered[row])
                 if keep:
-                    emit(ev.SessionBlocksHeld(seq.session_id, seq.seq_id, held[:keep].copy()))
-                    held = table.blocks_of(row)
+                    # (the cached chain: an MTP overlap block, not its private copy)
+                    chain = table.path_blocks(seq, 0, keep)
+                    emit(ev.SessionBlocksHeld(seq.session_id, seq.seq_id, chain))
+                    held = table.held_blocks(seq)
             if len(held):
                 holders.append(seq.seq_id)
                 counts.append(len(held))

@@ -1,17 +1,26 @@
 """Prefix and checkpoint matching: the longest usable cached prefix of a request (pure queries).
 
-A hit never covers the last known token (it is recomputed for the next logits). An attention
-model's hit is the cached prefix of the request's hash chain (binary search of the prefix
-index). A hybrid model's hit is usable only up to the deepest published state checkpoint on
-the chain: KV without a state is a miss. With MTP (k speculative tokens) the last k cached
-blocks of a hit are recomputed; a request that asks for routed-expert ids stops at the first
-cached block without them.
+A hit never covers the last known token (it is recomputed for the next logits), and never
+ends inside a multimodal span (``spans.py``: it is rewound out of the span and rounded down
+to a block). An attention model's hit is the cached prefix of the request's hash chain
+(binary search of the prefix index). A hybrid model's hit is usable only up to the deepest
+published state checkpoint on the chain: KV without a state is a miss. A request that asks
+for routed-expert ids stops at the first cached block without them.
+
+MTP (``num_speculative_tokens`` > 0): the draft model's KV row of a hit's last cached
+position depends on the token after it, which the request need not share with the block's
+producer, so the last cached block of a hit is recomputed (``mtp_overlap`` "one_block", as
+lmdeploy): into a private block, while the sequence holds the cached block (``Match.overlap``)
+so that it stays shared and cached, and the sequence's later blocks chain from it. A hybrid
+hit needs cached KV one block beyond its checkpoint (that block is the overlap). Logs before
+schema 4 recomputed the last k blocks instead ("k_blocks").
 """
 
 from __future__ import annotations
 
 from kvsched.config import SchedulerConfig
 from kvsched.identity import partial_key, tail_extra
+from kvsched.policy import spans
 from kvsched.policy.common import NO_MATCH, Match
 from kvsched.reducers.checkpoints import Checkpoint
 from kvsched.reducers.sequences import Seq
@@ -29,23 +38,53 @@ class Matcher:
             return NO_MATCH
         if state.hybrid:
             return self._find_checkpoint(state, seq)
+        if not self.config.multimodal_safe:
+            return self._find_prefix_before_schema4(state, seq)
         pool, bs = state.pool, self.bs
         depth = pool.find_prefix_len(seq.hashes, (seq.n_tokens - 1) // bs)
+        if seq.want_experts:  # a block without routed-expert ids ends the match
+            depth = pool.count_with_experts(pool.find_blocks(seq.hashes, depth))
+        depth = self.safe_depth(seq, depth)
+        hit = depth
+        if self.config.num_speculative_tokens and depth:
+            hit = self.safe_depth(seq, depth - self.config.mtp_recompute_blocks)
+        blocks = pool.find_blocks(seq.hashes, depth)
+        overlap = int(blocks[hit]) if hit < depth and self.config.mtp_holds_overlap else 0
+        return Match(hit * bs, blocks[:hit], overlap=overlap)
+
+    def _find_prefix_before_schema4(self, state: EngineState, seq: Seq) -> Match:
+        """Logs before schema 4: a hit may end inside a multimodal span."""
+        pool, bs = state.pool, self.bs
+        cached = pool.find_prefix_len(seq.hashes, (seq.n_tokens - 1) // bs)
         # MTP: the last k cached blocks are recomputed (into private blocks, which caching
         # then swaps for the canonical ones) so a draft head gets hidden states.
-        depth = max(0, depth - self.config.num_speculative_tokens)
+        depth = max(0, cached - self.config.mtp_recompute_blocks)
         blocks = pool.find_blocks(seq.hashes, depth)
         if seq.want_experts:  # a block without routed-expert ids ends the match
             depth = pool.count_with_experts(blocks)
             blocks = blocks[:depth]
-        return Match(depth * bs, blocks)
+        overlap = self._overlap(state, seq, depth) if depth < cached else 0
+        return Match(depth * bs, blocks, overlap=overlap)
+
+    def safe_depth(self, seq: Seq, depth: int) -> int:
+        """``depth`` blocks, rewound out of multimodal spans (``multimodal_safe``)."""
+        if not seq.mm_spans or not self.config.multimodal_safe:
+            return depth
+        return spans.safe_depth(seq.mm_spans, depth, self.bs)
+
+    def _overlap(self, state: EngineState, seq: Seq, depth: int) -> int:
+        """MTP: the cached block after a hit of ``depth`` blocks that the sequence recomputes
+        privately and holds (0 when it holds none)."""
+        if not self.config.mtp_holds_overlap or depth >= len(seq.hashes):
+            return 0
+        return state.pool.index.get(seq.hashes[depth], 0)
 
     def _find_checkpoint(self, state: EngineState, seq: Seq) -> Match:
-        """The deepest usable checkpoint. With MTP (k speculative tokens), the cached KV must
-        reach k blocks beyond the checkpoint's anchor: those blocks are recomputed."""
+        """The deepest usable checkpoint. With MTP, the cached KV must reach beyond the
+        checkpoint's anchor by the blocks MTP recomputes."""
         limit = seq.n_tokens - 1
         top = limit // self.bs
-        k = self.config.num_speculative_tokens
+        k = self.config.mtp_recompute_blocks
         fast = not k and not seq.want_experts
         hit = self.checkpoint_at(state, seq, top, limit) if fast else None
         kv_depth = top
@@ -62,7 +101,8 @@ class Matcher:
                     break
         if hit is None:
             return Match(0, NO_MATCH.blocks, -1, kv_depth * self.bs)
-        return Match(hit.step, hit.path, hit.ckpt_id, kv_depth * self.bs)
+        overlap = self._overlap(state, seq, hit.step // self.bs)
+        return Match(hit.step, hit.path, hit.ckpt_id, kv_depth * self.bs, overlap)
 
     def checkpoint_at(
         self, state: EngineState, seq: Seq, depth: int, limit: int
@@ -72,18 +112,16 @@ class Matcher:
         anchor = seq.hashes[depth - 1] if depth else seq.root
         tails = ckpts.find_partials(anchor) if not seq.want_experts else {}
         for step in sorted(tails, reverse=True) if tails else ():
-            if step <= limit and boundary_safe(seq, step):
+            if step <= limit and spans.boundary_safe(seq.mm_spans, step):
                 extra = tail_extra(seq.mm_spans, depth * bs, step)
                 partial = ckpts.find(partial_key(anchor, seq.tokens[depth * bs : step], extra))
                 if partial is not None:
                     return partial
         if depth:
             aligned = ckpts.find(anchor)
-            if aligned is not None and (not seq.mm_spans or boundary_safe(seq, aligned.step)):
+            if aligned is not None and (
+                not seq.mm_spans or spans.boundary_safe(seq.mm_spans, aligned.step)
+            ):
                 return aligned
         return None
 
-
-def boundary_safe(seq: Seq, step: int) -> bool:
-    """A checkpoint never sits inside a multimodal span."""
-    return all(not span.start < step < span.end for span in seq.mm_spans)

@@ -129,7 +129,14 @@ class Policy:
                 for seq in seqs:
                     self.checkpoints.save_sequence_end(state, seq, emit)
             self.growth.release(state, seqs, emit, keep_for_session=True)
-            emit(ev.SequenceFinished(outcome.seq_ids[done].copy(), reasons))
+            ids = outcome.seq_ids[done].copy()
+            if self.config.report_cached_tokens:
+                local, ckpt, external = np.asarray(
+                    [s.cached_tokens for s in seqs], dtype=np.int64
+                ).reshape(-1, 3).T.copy()
+                emit(ev.SequenceFinished(ids, reasons, local, ckpt, external))
+            else:
+                emit(ev.SequenceFinished(ids, reasons))
 
     def abort(
         self, state: EngineState, seq_id: int, reason: str, emit: Emit, close_session: bool = False
@@ -152,7 +159,8 @@ class Policy:
             self.checkpoints.save_sequence_end(state, seq, emit)
         if seq.state != SeqState.WAITING:  # running, or a load that ended without a row
             self.growth.release(state, [seq], emit, keep_for_session=keep)
-        emit(ev.SequenceAborted(seq_id, reason, keep))
+        cached = seq.cached_tokens if self.config.report_cached_tokens else (0, 0, 0)
+        emit(ev.SequenceAborted(seq_id, reason, keep, *cached))
         return True
 
     def end_session(self, state: EngineState, session_id: int, emit: Emit) -> None:
@@ -167,7 +175,8 @@ class Policy:
 
     def settle_load(self, state: EngineState, seq_id: int, emit: Emit) -> None:
         """After a load finished or failed, the sequence runs from its good blocks: an
-        attention model keeps a failed load's good leading blocks (and recomputes the rest);
+        attention model keeps a failed load's good leading blocks up to a multimodal-safe
+        boundary (and recomputes the rest);
         a hybrid model has no state past its local prefix, so it is preempted and recomputes
         from there (it will not try the store again). A load holding a row is settled now; one
         without a row when it is admitted into one (``Admission``, first of all waiting
@@ -177,7 +186,7 @@ class Policy:
         seq = state.seq(seq_id)
         failed = load.state == LoadState.FAILED
         if seq.row >= 0:
-            emit(ev.KVLoadSettled(seq_id, self.transfers.kept_blocks(state, load)))
+            emit(ev.KVLoadSettled(seq_id, self.transfers.kept_blocks(state, seq, load)))
             self.growth.cache_computed(state, emit, np.asarray([seq.row]))
         if failed and state.hybrid:
             self.growth.preempt(state, seq, emit, f"kv load failed: {load.failure}")
@@ -188,20 +197,23 @@ class Policy:
             if close:
                 self.end_session(state, session_id, emit)
 
-    def drain(self, state: EngineState, emit: Emit) -> None:
+    def drain(self, state: EngineState, emit: Emit, level: int = 1) -> None:
         """Preempt everything running, drop session holds and checkpoints, clear the prefix
-        cache (sleep releases the device memory): afterwards nothing is held or cached.
+        cache (sleep releases the device memory): afterwards nothing is held or cached, and
+        ``Drained(level)`` tells the driver to let the executor sleep at that level.
 
         Lookups are cancelled (they are asked again after waking). Loads and saves in flight
-        write or read device memory: the drain waits until they end (``DrainDeferred``);
-        meanwhile nothing is scheduled. Loads that ended without a row lose their blocks with
-        the device memory: they are preempted like running sequences."""
+        write or read device memory: the drain waits until they end (``DrainDeferred``, at
+        the deepest level asked for); meanwhile nothing is scheduled. Loads that ended
+        without a row lose their blocks with the device memory: they are preempted like
+        running sequences."""
         for seq_id, load in sorted(state.transfers.loads.items()):
             if load.open:
                 emit(ev.KVLoadCancelled(seq_id, "drain"))
         if state.transfers.transferring:
-            if not state.serving.drain_pending:
-                emit(ev.DrainDeferred())
+            serving = state.serving
+            if not serving.drain_pending or level > serving.drain_level:
+                emit(ev.DrainDeferred(max(level, serving.drain_level)))
             return
         for seq_id in state.transfers.ready_loads():
             self.growth.preempt(state, state.seq(seq_id), emit, reason="drain")
@@ -218,7 +230,7 @@ class Policy:
                 emit(ev.CheckpointReleased(ckpt_id, "drain"))
         if state.pool.num_cached:
             emit(ev.CacheCleared())  # the device memory goes away, and the cache with it
-        emit(ev.Drained())
+        emit(ev.Drained(max(level, state.serving.sleep_level)))  # (a sleep only deepens)
 
     def after_failed_step(self, state: EngineState, reason: str, emit: Emit) -> None:
         """After a forward raised: its checkpoint saves never happened; a sequence that
@@ -244,14 +256,14 @@ class Policy:
             return
         if state.serving.drain_pending:
             if not state.transfers.transferring:
-                self.drain(state, emit)
+                self.drain(state, emit, state.serving.drain_level)
             return
         table = state.seqs
         rows = table.schedulable_rows()
         decode_mask = table.computed[rows] == table.ntokens[rows] - 1
         decode_rows, chunk_rows = rows[decode_mask], rows[~decode_mask]
         alternate = self.config.turn_mode == "alternate"
-        prefill_turn = self._is_prefill_turn(state, len(decode_rows), len(chunk_rows))
+        prefill_turn = self._is_prefill_turn(state, len(decode_rows), chunk_rows)
         budget = StepBudget()
         if len(decode_rows) and not (alternate and prefill_turn):
             budget.busy = self._schedule_decode(state, decode_rows, emit)
@@ -265,17 +277,49 @@ class Policy:
             # The prefill turn found nothing it could run: decode rather than idle.
             self._schedule_decode(state, decode_rows[table.row_seq[decode_rows] >= 0], emit)
 
-    def _is_prefill_turn(self, state: EngineState, n_decode: int, n_chunks: int) -> bool:
-        if self.config.turn_mode == "mixed" or n_decode == 0:
+    def _is_prefill_turn(self, state: EngineState, n_decode: int, chunk_rows: np.ndarray) -> bool:
+        """Mixed mode: always (decodes and prefills share every step). Alternate mode (as
+        lmdeploy's do_prefill_default): a prefill turn when there is prefill work and, after
+        at least one decode turn, the batch is less than half full, ``prefill_interval``
+        decode turns have passed, a running sequence's last chunk is pending
+        (``prefill_on_last_chunk``) or the waiting tokens fill a prefill budget
+        (``prefill_on_waiting_tokens``)."""
+        config = self.config
+        if config.turn_mode == "mixed" or n_decode == 0:
             return True
-        if not state.seqs.waiting and not n_chunks and not state.transfers.ready_loads():
+        if not state.seqs.waiting and not len(chunk_rows) and not state.transfers.ready_loads():
             return False
         # Every prefill turn is followed by at least one decode turn, so decoding sequences
         # always progress (otherwise admissions could starve them and thrash preemption).
-        if state.serving.decode_turns == 0:
+        decode_turns = state.serving.decode_turns
+        if decode_turns == 0:
             return False
-        half_empty = state.seqs.num_running < 0.5 * self.config.max_batch
-        return half_empty or state.serving.decode_turns >= self.config.prefill_interval
+        half_empty = state.seqs.num_running < 0.5 * config.max_batch
+        if half_empty or decode_turns >= config.prefill_interval:
+            return True
+        if config.prefill_on_last_chunk and self._last_chunk_pending(state, chunk_rows):
+            return True
+        return config.prefill_on_waiting_tokens and self._waiting_fill_budget(state)
+
+    def _last_chunk_pending(self, state: EngineState, chunk_rows: np.ndarray) -> bool:
+        """Whether a running sequence's next chunk ends its prompt."""
+        table = state.seqs
+        for row in chunk_rows.tolist():
+            seq = table.objs[row]
+            assert seq is not None
+            if self.chunk_of(seq, int(table.computed[row])).final:
+                return True
+        return False
+
+    def _waiting_fill_budget(self, state: EngineState) -> bool:
+        """Whether the waiting sequences' tokens reach ``max_prefill_tokens`` (their cached
+        prefixes are not known before admission: every token counts, as in lmdeploy)."""
+        total, budget = 0, self.config.max_prefill_tokens
+        for seq in state.seqs.waiting.values():
+            total += seq.n_tokens
+            if total >= budget:
+                return True
+        return False
 
     def _schedule_decode(self, state: EngineState, rows: np.ndarray, emit: Emit) -> bool:
         """Grow and schedule the decoding rows; returns whether any decode was scheduled."""
@@ -286,7 +330,10 @@ class Policy:
             rows = rows[table.row_seq[rows] >= 0]
         if len(needing):
             seq_ids = table.row_seq[needing].copy()
-            self.growth.allocate(state, seq_ids, np.ones(len(needing), I32), emit)
+            counts = np.ones(len(needing), I32)
+            if self.config.decode_prealloc_tokens:
+                counts += self.growth.decode_spares(state, needing)
+            self.growth.allocate(state, seq_ids, counts, emit)
         if len(rows):
             emit(ev.DecodeScheduled(table.row_seq[rows].copy()))
             if state.hybrid:
@@ -299,6 +346,7 @@ class Policy:
         Victims: lowest priority first, then latest arrival; not necessarily a row that needs
         the block. Returns the rows that still need (and can now get) a block.
         """
+        self.growth.return_spares(state, emit)
         self.growth.reclaim_sessions(state, len(need_rows), emit, keep=-1)
         if state.hybrid:
             self.checkpoints.evict_for(state, len(need_rows), emit, keep=-1)

@@ -30,8 +30,13 @@ class Transfers:
     def lookup_range(self, state: EngineState, seq: Seq) -> tuple[int, int]:
         """(first, end): the chain blocks the store could add beyond the local match. A hit
         never covers the last known token; for a hybrid model the local part is what a
-        checkpoint serves."""
-        end = (seq.n_tokens - 1) // self.bs - self.config.num_speculative_tokens
+        checkpoint serves. MTP: an attention model asks for the whole prompt and loads one
+        block less than the store has (``planned_load``); a hybrid model's state cannot be
+        trimmed, so its lookup stops short of the blocks MTP recomputes."""
+        trim = self.config.mtp_recompute_blocks
+        if self.config.mtp_holds_overlap and not state.hybrid:
+            trim = 0
+        end = (seq.n_tokens - 1) // self.bs - trim
         match = self.matcher.find_prefix(state, seq)
         return match.num_tokens // self.bs, end
 
@@ -52,11 +57,12 @@ class Transfers:
     def planned_load(self, state: EngineState, seq: Seq, hit_tokens: int) -> tuple[int, int]:
         """(first, end) of a usable planned load, else (0, 0). The local part is the cached
         KV chain (for a hybrid model the loaded state replaces a local checkpoint); it must
-        still reach the block the lookup started from."""
+        still reach the block the lookup started from. Neither ends inside a multimodal
+        span; MTP recomputes the last block the store has (attention)."""
         load = state.transfers.load_of(seq.seq_id)
         if load is None or load.state != LoadState.PLANNED:
             return 0, 0
-        end = load.num_blocks
+        end = self._load_end(state, seq, load.num_blocks)
         if end * self.bs <= hit_tokens:
             return 0, 0  # the local cache now serves as much
         local = state.pool.find_prefix_len(seq.hashes, end)
@@ -64,13 +70,26 @@ class Transfers:
             return 0, 0  # the local part the lookup relied on was evicted meanwhile
         if local >= end and not state.hybrid:
             return 0, 0  # nothing to load (a hybrid model may still load the state at end)
+        if not state.hybrid:
+            local = self.matcher.safe_depth(seq, local)  # (the lookup's first is safe)
         return local, end
+
+    def _load_end(self, state: EngineState, seq: Seq, stored: int) -> int:
+        """Where a load of the ``stored`` blocks the store has ends: an attention model's
+        moves out of multimodal spans (and, with MTP, one block back: recomputed); a hybrid
+        model's state inside a span is of no use."""
+        if state.hybrid:
+            safe = self.matcher.safe_depth(seq, stored) == stored
+            return stored if safe else 0
+        if self.config.mtp_holds_overlap:
+            stored = max(0, stored - self.config.mtp_recompute_blocks)
+        return self.matcher.safe_depth(seq, stored)
 
     def load_started(self, state: EngineState, seq: Seq, first: int, end: int) -> ev.KVLoadStarted:
         """The load of chain blocks [first, end) into the sequence's blocks (and, for a hybrid
         model, the state stored at block end - 1 into its runtime slot, or, without a row,
         into the next free checkpoint slot, which the load then owns)."""
-        blocks = state.seqs.blocks_held(seq)[first:end].copy()
+        blocks = state.seqs.block_table(seq)[first:end].copy()
         hashes = seq.hashes.packed(first, end)
         if not state.hybrid:
             return ev.KVLoadStarted(seq.seq_id, blocks, first, seq.root, hashes)
@@ -78,13 +97,16 @@ class Transfers:
         anchor = seq.hashes[end - 1]
         return ev.KVLoadStarted(seq.seq_id, blocks, first, seq.root, hashes, slot, anchor)
 
-    @staticmethod
-    def kept_blocks(state: EngineState, load: KVLoad) -> int:
+    def kept_blocks(self, state: EngineState, seq: Seq, load: KVLoad) -> int:
         """The chain blocks a sequence keeps when its load settles: every loaded block, or
-        a failed load's good leading ones (attention); a hybrid model has no state past its
-        local prefix after a failure, so it keeps none past it."""
-        failed = load.state == LoadState.FAILED
-        return load.first_block + (0 if failed and state.hybrid else load.good_blocks)
+        a failed load's good leading ones up to a multimodal-safe boundary (attention); a
+        hybrid model has no state past its local prefix after a failure, so it keeps none
+        past it."""
+        if load.state != LoadState.FAILED:
+            return load.first_block + load.good_blocks
+        good = 0 if state.hybrid else load.good_blocks
+        # (never inside a multimodal span; the load's first block is outside)
+        return max(load.first_block, self.matcher.safe_depth(seq, load.first_block + good))
 
     def load_need(self, state: EngineState, seq: Seq, first: int) -> int:
         """The blocks a load admission must find available besides the local prefix it
@@ -102,7 +124,7 @@ class Transfers:
         for seq_id, load in state.transfers.loads.items():
             if load.admitted:
                 seq = table.seqs[seq_id]
-                total += max(0, cdiv(seq.n_prompt, self.bs) - len(table.blocks_held(seq)))
+                total += max(0, cdiv(seq.n_prompt, self.bs) - len(table.block_table(seq)))
         return total
 
     def start_saves(
@@ -136,7 +158,7 @@ class Transfers:
         lo = int(state.seqs.saved[row])
         if end <= lo:
             return
-        blocks = state.seqs.table[row, lo:end].copy()
+        blocks = state.seqs.path_blocks(seq, lo, end)  # the cached chain (no MTP private copy)
         hashes = seq.hashes.packed(lo, end)
         save_id = state.transfers.next_save_id
         emit(ev.KVSaveStarted(save_id, seq.seq_id, blocks, lo, seq.root, hashes, ckpt, slot))

@@ -108,6 +108,12 @@ class BlockPool:
         return len(self.free) + self.num_evictable
 
     @property
+    def num_free(self) -> int:
+        """Blocks with no identity and no holder (an allocation of at most these evicts
+        nothing)."""
+        return len(self.free)
+
+    @property
     def num_cached(self) -> int:
         return len(self.index)
 

@@ -211,6 +211,8 @@ def _check_fields(event: ev.Event) -> str | None:
         return f"temperature={event.temperature} does not fit the sampling parameters (float32)"
     if isinstance(event, ev.RequestArrived) and len(event.block_hashes) % ev.HASH_SIZE:
         return f"block_hashes must be whole {ev.HASH_SIZE}-byte digests"
+    if isinstance(event, ev.DrainRequested) and event.level not in ev.SLEEP_LEVELS:
+        return f"level must be 1 (release the KV cache) or 2 (and the weights), got {event.level}"
     return None
 
 

@@ -20,6 +20,7 @@ from kvsched.reducers.seq import FREE_ROW, Seq
 from kvsched.reducers.sequences import SequenceTable
 from kvsched.reducers.sessions import SessionTable
 from kvsched.reducers.transfers import TransferTable
+from kvsched.reducers.work import Serving
 from kvsched.statemachines import SeqState
 
 
@@ -34,6 +35,7 @@ class Owners(Protocol):
     sessions: SessionTable
     ckpts: CheckpointTable
     transfers: TransferTable
+    serving: Serving
 
     def holders(self) -> list[np.ndarray]: ...
 
@@ -55,6 +57,7 @@ def check_all(state: Owners) -> None:
     for problem in (
         state.ckpts.check_invariants(pins),
         state.sessions.check_invariants(set(state.seqs.seqs)),
+        state.serving.check_invariants(),
     ):
         if problem is not None:
             raise InvariantError(problem)
@@ -106,15 +109,24 @@ def _check_seq(state: Owners, seq: Seq) -> None:
     private_ok = not state.config.dedup_cached_blocks  # a duplicate kept as a private copy
     for i in range(int(t.registered[row])):
         h = hash_of[int(t.table[row, i])]
+        if i == seq.overlap_at and h is None:  # an MTP private copy: the overlap is cached
+            h = hash_of[seq.overlap_block]
         if h != seq.hashes[i] and not (private_ok and h is None):
             raise InvariantError(f"sequence {seq.seq_id}: block {i} has another identity")
+    if seq.overlap_block and not (
+        seq.n_pinned <= seq.overlap_at < nblocks
+        and hash_of[seq.overlap_block] == seq.hashes[seq.overlap_at]
+    ):
+        raise InvariantError(f"sequence {seq.seq_id}: its MTP overlap block is not its chain's")
 
 
 def _check_rowless(state: Owners, seq: Seq) -> None:
-    """A load without a batch row: LOADING_KV, not queued, no pin; it holds its local prefix
-    (cached, its own identities) and then the blocks it loads into, within its prompt."""
+    """A load without a batch row: LOADING_KV, not queued, no pin, no MTP overlap; it holds
+    its local prefix (cached, its own identities) and then the blocks it loads into, within
+    its prompt."""
     t, bs = state.seqs, state.block_size
-    if seq.state != SeqState.LOADING_KV or seq.seq_id in t.waiting or seq.pinned_ckpt >= 0:
+    pinned = seq.pinned_ckpt >= 0 or seq.overlap_block
+    if seq.state != SeqState.LOADING_KV or seq.seq_id in t.waiting or pinned:
         raise InvariantError(f"sequence {seq.seq_id} holds no row in state {seq.state.name}")
     held = seq.held
     if len(held) > -(-seq.n_tokens // bs) or not 0 <= seq.held_cached <= len(held):

@@ -40,6 +40,10 @@ class Seq:
     n_experts: int = 0  # leading tokens whose expert ids are known
     pinned_ckpt: int = -1  # hybrid: checkpoint restored at admission, pinned while running
     n_pinned: int = 0  # leading blocks of the block table covered by that pin (no own refs)
+    # MTP: the cached block of chain index overlap_at that the sequence recomputed into the
+    # private block of its block table there; it holds a reference on the cached one (0: none)
+    overlap_block: int = 0
+    overlap_at: int = -1
     num_failures: int = 0  # consecutive failed steps that computed this sequence
     num_preemptions: int = 0
     preempted_at: int = -1  # the step of the latest preemption
@@ -52,10 +56,20 @@ class Seq:
     # (its local prefix, then the blocks it loads into), the leading ones of which are cached.
     held: np.ndarray = NO_BLOCKS
     held_cached: int = 0
+    # Prompt tokens the first admission did not compute (vLLM's num_cached_tokens), by
+    # source: a local KV prefix hit, a restored checkpoint (hybrid), an external load.
+    cached_local: int = 0
+    cached_checkpoint: int = 0
+    cached_external: int = 0
 
     @property
     def n_output(self) -> int:
         return self.n_tokens - self.n_prompt
+
+    @property
+    def cached_tokens(self) -> tuple[int, int, int]:
+        """(local, checkpoint, external) prompt tokens its first admission did not compute."""
+        return (self.cached_local, self.cached_checkpoint, self.cached_external)
 
     def ensure_tokens(self, n: int) -> None:
         if len(self.tokens) < n:

@@ -117,9 +117,9 @@ class SequenceTable(RowTable):
             self._roots[key] = root
         return root
 
-    def blocks_held(self, seq: Seq) -> np.ndarray:
-        """The blocks a live sequence holds: its row's block table, or, while it loads without
-        a row, its own list (``Seq.held``)."""
+    def block_table(self, seq: Seq) -> np.ndarray:
+        """A live sequence's block table: its row's, or, while it loads without a row, the
+        blocks it holds (``Seq.held``)."""
         return self.blocks_of(seq.row) if seq.row != FREE_ROW else seq.held
 
     def rowless_holders(self) -> list[np.ndarray]:
@@ -129,6 +129,24 @@ class SequenceTable(RowTable):
     def history_len(self, session_id: int) -> int:
         history = self.history.get(session_id)
         return 0 if history is None else len(history.tokens)
+
+    def path_blocks(self, seq: Seq, lo: int, hi: int) -> np.ndarray:
+        """Blocks [lo, hi) of the sequence's chain: its block table, with the cached block in
+        place of its MTP private copy (a copy of the table entries)."""
+        blocks = self.table[seq.row, lo:hi].copy()
+        if seq.overlap_block and lo <= seq.overlap_at < hi:
+            blocks[seq.overlap_at - lo] = seq.overlap_block
+        return blocks
+
+    def held_blocks(self, seq: Seq) -> np.ndarray:
+        """Every block the sequence holds a reference on, in chain order (a cached MTP overlap
+        block just before its private copy; none of a pinned checkpoint's path)."""
+        if seq.row == FREE_ROW:
+            return seq.held  # (a load without a row)
+        held = self.blocks_of(seq.row)[seq.n_pinned :]
+        if not seq.overlap_block:
+            return held
+        return np.insert(held, seq.overlap_at - seq.n_pinned, seq.overlap_block)
 
     def identity_at(self, seq: Seq, step: int) -> tuple[bytes, bytes]:
         """(identity, anchor) of the state after ``step`` tokens of ``seq``."""
@@ -318,6 +336,8 @@ class SequenceTable(RowTable):
         seq.fire(e, SeqEvent.load_settled)
         self.row_state[row] = seq.state
         self.loading[row] = False
+        if seq.num_preemptions == 0:  # what the store brought past the local prefix
+            seq.cached_external = max(0, e.num_blocks * self.block_size - int(self.computed[row]))
         self.computed[row] = e.num_blocks * self.block_size
         # Blocks the load could not bring are recomputed, and saved again.
         self.saved[row] = min(int(self.saved[row]), e.num_blocks)
@@ -329,6 +349,8 @@ class SequenceTable(RowTable):
         if e.row == FREE_ROW or not cached <= e.num_blocks <= len(held):
             raise ReplayMismatch(f"sequence {e.seq_id}: load settled beyond its blocks")
         self.activate(seq, e.row, e, SeqEvent.load_settled)
+        if seq.num_preemptions == 0:  # what the store brought past the local prefix
+            seq.cached_external = (e.num_blocks - cached) * self.block_size
         row, n = e.row, len(held)
         self.table[row, :n] = held
         self.nblocks[row] = n
@@ -352,6 +374,8 @@ class SequenceTable(RowTable):
             seq.n_pinned = k  # covered by the checkpoint's references
         elif k:
             change = RefChange(attach=(e.blocks,))
+        if e.overlap_block:
+            change = self._hold_overlap(seq, k, e.overlap_block, change)
         self.table[row, :k] = e.blocks
         if seq.want_experts and k:
             seq.n_experts = 0
@@ -363,6 +387,11 @@ class SequenceTable(RowTable):
         self.saved[row] = max(int(self.saved[row]), k)  # matched blocks need no save
         seq.num_hit_tokens = e.num_tokens
         seq.kv_hit_tokens = max(e.kv_hit_tokens, 0)
+        if e.num_query_tokens:  # the first admission (re-admissions query nothing)
+            if e.ckpt_id >= 0:
+                seq.cached_checkpoint = e.num_tokens
+            else:
+                seq.cached_local = e.num_tokens
         return change
 
     def _check_prefix(self, seq: Seq, blocks: np.ndarray) -> None:
@@ -372,14 +401,27 @@ class SequenceTable(RowTable):
 
     def _hold_prefix(self, seq: Seq, e: ev.PrefixMatched) -> RefChange | None:
         """A load without a row attaches its local prefix to itself (``Seq.held``)."""
-        if seq.state != SeqState.LOADING_KV or len(seq.held) or e.ckpt_id >= 0:
+        loading = seq.state == SeqState.LOADING_KV
+        if not loading or len(seq.held) or e.ckpt_id >= 0 or e.overlap_block:
             raise ReplayMismatch(f"sequence {e.seq_id}: prefix match outside admission")
         self._check_prefix(seq, e.blocks)
         seq.held = np.array(e.blocks, dtype=np.int32)
         seq.held_cached = len(e.blocks)
         seq.num_hit_tokens = e.num_tokens
         seq.kv_hit_tokens = max(e.kv_hit_tokens, 0)
+        if e.num_query_tokens:  # the first admission (re-admissions query nothing)
+            seq.cached_local = e.num_tokens
         return RefChange(attach=(e.blocks,)) if len(e.blocks) else None
+    def _hold_overlap(
+        self, seq: Seq, at: int, block: int, change: RefChange | None
+    ) -> RefChange:
+        """MTP: the sequence holds the cached block ``block`` of chain index ``at``, which it
+        recomputes into a private block."""
+        if at >= len(seq.hashes) or self._pool.hash_of[block] != seq.hashes[at]:
+            raise ReplayMismatch(f"sequence {seq.seq_id}: overlap block {block} of another chain")
+        seq.overlap_block, seq.overlap_at = block, at
+        attach = (np.asarray([block], dtype=np.int32),)
+        return RefChange(attach=(change.attach if change else ()) + attach)
 
     # ------------------------------------------------------------------ block folds
 
@@ -431,18 +473,36 @@ class SequenceTable(RowTable):
         return RefChange(release=tuple(released)) if released else None
 
     def _drop_tail(self, seq: Seq, blocks: np.ndarray) -> None:
-        row, k = seq.row, len(blocks)
-        held = self.blocks_held(seq)
-        n = len(held)
-        if k > n or not np.array_equal(held[n - k :], blocks):
-            raise ReplayMismatch(f"sequence {seq.seq_id} does not hold {blocks} at its tail")
-        if row == FREE_ROW:  # a load without a row
-            seq.held = seq.held[: n - k].copy()
-            seq.held_cached = min(seq.held_cached, n - k)
+        row = seq.row
+        if row == FREE_ROW:
+            self._drop_held(seq, blocks)
             return
+        if seq.overlap_block and seq.overlap_block in blocks.tolist():
+            blocks = self._drop_overlap(seq, blocks)
+        n, k = int(self.nblocks[row]), len(blocks)
+        if k > n or not np.array_equal(self.table[row, n - k : n], blocks):
+            raise ReplayMismatch(f"sequence {seq.seq_id} does not hold {blocks} at its tail")
         self.set_nblocks(row, n - k)
         self.registered[row] = min(int(self.registered[row]), n - k)
         self.computed[row] = min(int(self.computed[row]), (n - k) * self.block_size)
+
+    @staticmethod
+    def _drop_held(seq: Seq, blocks: np.ndarray) -> None:
+        """A load without a row drops the tail of the blocks it holds."""
+        n, k = len(seq.held), len(blocks)
+        if k > n or not np.array_equal(seq.held[n - k :], blocks):
+            raise ReplayMismatch(f"sequence {seq.seq_id} does not hold {blocks} at its tail")
+        seq.held = seq.held[: n - k].copy()
+        seq.held_cached = min(seq.held_cached, n - k)
+
+    def _drop_overlap(self, seq: Seq, blocks: np.ndarray) -> np.ndarray:
+        """A release that includes the sequence's MTP overlap block, just before its private
+        copy in chain order: the table entries it releases (the overlap is held no more)."""
+        at = seq.overlap_at - (int(self.nblocks[seq.row]) - (len(blocks) - 1))
+        if not 0 <= at < len(blocks) or blocks[at] != seq.overlap_block:
+            raise ReplayMismatch(f"sequence {seq.seq_id}: overlap released out of chain order")
+        seq.overlap_block, seq.overlap_at = 0, -1
+        return np.delete(blocks, at)
 
     def _on_cached(self, e: ev.BlocksCached) -> RefChange:
         """Each sequence's next computed blocks enter the index (a duplicate's table entry is
@@ -474,13 +534,20 @@ class SequenceTable(RowTable):
         return RefChange(attach=attach, release=(e.replaced[swapped],))
 
     def _on_session_held(self, e: ev.SessionBlocksHeld) -> None:
+        """The session takes the sequence's first blocks (the cached chain: an MTP overlap
+        block instead of its private copy, which stays at the head of the table, to be
+        freed with the rest)."""
         seq = self.seq(e.seq_id)
         row, k = seq.row, len(e.blocks)
         n = int(self.nblocks[row])
-        if row == FREE_ROW or not np.array_equal(self.table[row, :k], e.blocks):
+        if row == FREE_ROW or k > n or not np.array_equal(self.path_blocks(seq, 0, k), e.blocks):
             raise ReplayMismatch(f"sequence {e.seq_id} does not hold {e.blocks} at its head")
-        self.table[row, : n - k] = self.table[row, k:n].copy()
-        self.set_nblocks(row, n - k)
+        rest = self.table[row, k:n].copy()
+        if seq.overlap_block and seq.overlap_at < k:
+            rest = np.insert(rest, 0, self.table[row, seq.overlap_at])
+            seq.overlap_block, seq.overlap_at = 0, -1
+        self.table[row, : len(rest)] = rest
+        self.set_nblocks(row, len(rest))
         self.registered[row] = max(0, int(self.registered[row]) - k)
 
     # ------------------------------------------------------------- scheduling folds
@@ -514,7 +581,7 @@ class SequenceTable(RowTable):
 
     def _release_row(self, seq: Seq) -> None:
         row = seq.row
-        if self.nblocks[row] if row != FREE_ROW else len(seq.held):
+        if (self.nblocks[row] or seq.overlap_block) if row != FREE_ROW else len(seq.held):
             raise ReplayMismatch(f"sequence {seq.seq_id} left running with blocks held")
         if row != FREE_ROW:  # (a load without a row has none)
             self.deactivate(seq)
@@ -528,8 +595,14 @@ class SequenceTable(RowTable):
         seq.preempted_at = self.step
 
     def _on_finished(self, e: ev.SequenceFinished) -> None:
-        for seq_id, reason in zip(e.seq_ids.tolist(), e.reasons, strict=True):
+        counts = (e.cached_local, e.cached_checkpoint, e.cached_external)
+        reported = any(len(c) for c in counts)
+        if reported and any(len(c) != len(e.seq_ids) for c in counts):
+            raise ReplayMismatch("cached-token counts for another number of sequences")
+        for i, (seq_id, reason) in enumerate(zip(e.seq_ids.tolist(), e.reasons, strict=True)):
             seq = self.seq(seq_id)
+            if reported and seq.cached_tokens != tuple(int(c[i]) for c in counts):
+                raise ReplayMismatch(f"sequence {seq_id}: cached-token counts not its own")
             seq.fire(e, SeqEvent.finish)
             seq.finish_reason = reason
             self._release_row(seq)
@@ -539,6 +612,9 @@ class SequenceTable(RowTable):
 
     def _on_aborted(self, e: ev.SequenceAborted) -> None:
         seq = self.seq(e.seq_id)
+        counts = (e.cached_local, e.cached_checkpoint, e.cached_external)
+        if any(counts) and counts != seq.cached_tokens:
+            raise ReplayMismatch(f"sequence {e.seq_id}: cached-token counts not its own")
         if seq.state != SeqState.WAITING:  # running, or a load whose transfer ended
             self._release_row(seq)
         seq.fire(e, SeqEvent.abort)
@@ -607,7 +683,8 @@ class SequenceTable(RowTable):
             (
                 s.seq_id, s.state, s.row, s.n_tokens, s.token_view().tobytes(), s.hashes.packed(),
                 s.pinned_ckpt, s.n_pinned, s.num_failures, s.num_preemptions, s.preempted_at,
-                s.num_hit_tokens, s.n_experts, s.held.tobytes(), s.held_cached,
+                s.num_hit_tokens, s.n_experts, s.cached_tokens, s.overlap_block, s.overlap_at,
+                s.held.tobytes(), s.held_cached,
             )
             for s in self.seqs.values()
         )

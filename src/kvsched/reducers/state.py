@@ -125,7 +125,7 @@ class EngineState:
         for row in t.running_rows().tolist():
             seq = t.objs[row]
             assert seq is not None
-            held.append(t.blocks_of(row)[seq.n_pinned :])
+            held.append(t.held_blocks(seq))
         held.extend(self.seqs.rowless_holders())
         held.extend(self.sessions.holders())
         held.extend(self.ckpts.holders())

@@ -221,7 +221,7 @@ class TransferTable:
         load = self._load(e.seq_id)
         seq = self._seqs.seq(e.seq_id)
         lo, hi = load.first_block, load.num_blocks
-        held = self._seqs.blocks_held(seq)[lo:hi]
+        held = self._seqs.block_table(seq)[lo:hi]
         if e.first_block != lo or not np.array_equal(held, e.blocks):
             raise ReplayMismatch(f"sequence {e.seq_id}: load into blocks it does not hold")
         load.fire(e, LoadEvent.start)
@@ -287,13 +287,13 @@ class TransferTable:
         t, row, hi = self._seqs, seq.row, e.first_block + len(e.blocks)
         if row == FREE_ROW or hi > t.registered[row]:
             raise ReplayMismatch(f"save {e.save_id}: blocks of {e.seq_id} are not computed")
-        if not np.array_equal(t.table[row, e.first_block : hi], e.blocks):
+        held = t.path_blocks(seq, 0, hi)  # (an MTP private copy's cached block instead)
+        if not np.array_equal(held[e.first_block :], e.blocks):
             raise ReplayMismatch(f"save {e.save_id}: blocks not held by sequence {e.seq_id}")
         if e.save_id != self.next_save_id:
             raise ReplayMismatch(f"save id {e.save_id}, expected {self.next_save_id}")
         # The lease holds the whole prefix up to the saved blocks, not only them: a cached
         # block must never outlive its parent (the prefix index stays prefix-closed).
-        held = t.table[row, :hi].copy()
         lease = Lease(e.save_id, e.seq_id, held, len(e.blocks), e.ckpt_id)
         lease.fire(e, SaveEvent.start)
         self.leases[e.save_id] = lease

@@ -103,14 +103,17 @@ class StepWork:
 
 
 class Serving:
-    """The step counter and clock, sleep (after a drain) and a deferred drain, and the count
-    of consecutive decode-only steps (alternate turn mode)."""
+    """The step counter and clock, sleep (after a drain) at its level and a deferred drain
+    with the level it will sleep at, and the count of consecutive decode-only steps
+    (alternate turn mode)."""
 
     def __init__(self) -> None:
         self.step = 0
         self.clock = 0.0
         self.sleeping = False
+        self.sleep_level = 0  # while sleeping: ev.SLEEP_LEVELS
         self.drain_pending = False
+        self.drain_level = 0  # while a drain is deferred: the level it sleeps at
         self.decode_turns = 0
 
     def folds(self) -> Folds:
@@ -128,13 +131,16 @@ class Serving:
 
     def _on_drained(self, e: ev.Drained) -> None:
         self.sleeping, self.drain_pending = True, False
+        self.sleep_level, self.drain_level = e.level, 0
 
     def _on_woken(self, e: ev.Woken) -> None:
-        self.sleeping = False
+        self.sleeping, self.sleep_level = False, 0
         self.drain_pending = False  # a wake before a deferred drain cancels it
+        self.drain_level = 0
 
     def _on_drain_deferred(self, e: ev.DrainDeferred) -> None:
         self.drain_pending = True
+        self.drain_level = e.level
 
     def _on_prefill(self, e: ev.PrefillScheduled) -> None:
         self.decode_turns = 0
@@ -142,5 +148,16 @@ class Serving:
     def _on_decode(self, e: ev.DecodeScheduled) -> None:
         self.decode_turns += 1
 
+    def check_invariants(self) -> str | None:
+        """A sleep level exactly while sleeping, a drain level exactly while one is deferred."""
+        if (self.sleep_level in ev.SLEEP_LEVELS) != self.sleeping:
+            return f"sleep level {self.sleep_level} while sleeping is {self.sleeping}"
+        if (self.drain_level in ev.SLEEP_LEVELS) != self.drain_pending:
+            return f"drain level {self.drain_level} while a drain pending is {self.drain_pending}"
+        return None
+
     def snapshot(self) -> tuple[object, ...]:
-        return (self.step, self.clock, self.sleeping, self.drain_pending, self.decode_turns)
+        return (
+            self.step, self.clock, self.sleeping, self.sleep_level, self.drain_pending,
+            self.drain_level, self.decode_turns,
+        )

@@ -1,14 +1,17 @@
 """The driver: feeds a workload into an engine, runs the executor, advances the clock.
 
 The clock is owned here (simulated: it advances by each step's cost-model duration, and jumps
-to the next arrival when idle), never inside the engine.
+to the next arrival when idle), never inside the engine. The driver also puts the executor
+to sleep and wakes it as the engine decides (``execute_step``): after a step whose last
+lifecycle decision is ``Drained`` has run, ``executor.sleep(level)``; before running a step
+that ``Woken`` ends, ``executor.wake()``.
 """
 
 from __future__ import annotations
 
 import heapq
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Protocol
 
 import attrs
@@ -23,6 +26,13 @@ from kvsched.replay.workload import Turn, Workload
 
 class Executor(Protocol):
     def execute(self, plan: StepPlan) -> ev.StepExecuted: ...
+
+    def sleep(self, level: int) -> None:
+        """Release device memory (nothing is held or cached then): level 1 the KV cache,
+        level 2 the weights too. No plan runs until ``wake``."""
+
+    def wake(self) -> None:
+        """Restore what ``sleep`` released (a no-op when awake)."""
 
 
 @attrs.define
@@ -78,6 +88,7 @@ def run(
     on_executed: Callable[[StepResult, ev.StepExecuted, float], None] | None = None,
     resume: Resume | None = None,
     external: ExternalKV | None = None,
+    controls: Sequence[tuple[float, ev.Event]] = (),
 ) -> RunSummary:
     """Run a workload to completion; returns totals.
 
@@ -86,7 +97,9 @@ def run(
     the simulated clock at the end of the step (when its sampled tokens exist). An executor
     that raises becomes a ``StepFailed`` input of the next step. ``resume`` continues a run
     recovered from its event log (see ``replay.recovery``). ``external`` connects the engine
-    to a KV store (lookups, loads and saves; see ``replay.external``).
+    to a KV store (lookups, loads and saves; see ``replay.external``). ``controls``: inputs
+    given at the first step whose clock reaches their time (e.g. a sleep:
+    ``DrainRequested(level)``, later ``WakeRequested()``).
     """
     wall = time.perf_counter()
     followers: dict[int, list[Turn]] = {}
@@ -103,6 +116,7 @@ def run(
             heapq.heappush(queue, (ended[turn.follows] + turn.think_s, seq_id, turn))
         else:
             followers.setdefault(turn.follows, []).append(turn)
+    pending = sorted(controls, key=lambda c: c[0])  # (stable: same-time controls in order)
     clock = resume.clock if resume is not None else 0.0
     outcome: list[ev.Event] = []
     if resume is not None and not resume.plan.is_empty:
@@ -114,14 +128,16 @@ def run(
         transfers = external.inputs() if external is not None else []
         outcome.extend(transfers)
         busy = engine.has_work or bool(outcome)
-        if not queue and not busy:
+        if not queue and not pending and not busy:
             break
-        if not busy and queue[0][0] > clock:
-            clock = queue[0][0]  # idle: jump to the next arrival
+        if not busy:  # idle: jump to the next arrival or control
+            clock = max(clock, min([q[0] for q in queue[:1]] + [c[0] for c in pending[:1]]))
         inputs: list[ev.Event] = list(outcome)
         while queue and queue[0][0] <= clock:
             at, _, turn = heapq.heappop(queue)
             inputs.append(_replace_arrival(turn, at))
+        while pending and pending[0][0] <= clock:
+            inputs.append(pending.pop(0)[1])
         result = engine.step(inputs, clock)
         if on_step is not None:
             on_step(result)
@@ -129,16 +145,42 @@ def run(
             for turn in followers.pop(done, ()):
                 heapq.heappush(queue, (clock + turn.think_s, turn.request.seq_id, turn))
         outcome = []
-        if not result.plan.is_empty:
-            clock = _execute(executor, result.plan, outcome, clock)
-            if on_executed is not None and isinstance(outcome[0], ev.StepExecuted):
-                on_executed(result, outcome[0], clock)
+        clock = execute_step(executor, result, outcome, clock)
+        if outcome and on_executed is not None and isinstance(outcome[0], ev.StepExecuted):
+            on_executed(result, outcome[0], clock)
         if external is not None:
             external.after_step(result.decisions)
             if result.plan.is_empty and not outcome:
                 external.wait()  # only transfers are outstanding: do not spin
     _fill(summary, engine, clock, time.perf_counter() - wall)
     return summary
+
+
+def execute_step(
+    executor: Executor, result: StepResult, outcome: list[ev.Event], clock: float
+) -> float:
+    """Run a step's plan (unless empty; its outcome, or failure, goes to ``outcome``) with the
+    executor's sleep and wake in the order of the step's ``Drained`` / ``Woken`` decisions:
+    those before the last one, and the last one if it is ``Woken``, before the plan runs (a
+    woken step's admissions need the cache); a last ``Drained`` after it (the step's plan,
+    e.g. a finished sequence's final state save, runs before the memory goes). Returns the
+    new clock."""
+    changes = [d for d in result.decisions if isinstance(d, (ev.Drained, ev.Woken))]
+    ends_asleep = bool(changes) and isinstance(changes[-1], ev.Drained)
+    _sleep_or_wake(executor, changes[:-1] if ends_asleep else changes)
+    if not result.plan.is_empty:
+        clock = _execute(executor, result.plan, outcome, clock)
+    if ends_asleep:
+        _sleep_or_wake(executor, changes[-1:])
+    return clock
+
+
+def _sleep_or_wake(executor: Executor, changes: Sequence[ev.Drained | ev.Woken]) -> None:
+    for change in changes:
+        if isinstance(change, ev.Drained):
+            executor.sleep(change.level)
+        else:
+            executor.wake()
 
 
 def _execute(executor: Executor, plan: StepPlan, outcome: list[ev.Event], clock: float) -> float:

@@ -32,6 +32,8 @@ __all__ = ["CacheView", "SeqView"]
 class SeqView:
     state: str = "WAITING"
     blocks: list[int] = attrs.field(factory=list)
+    overlap: int = 0  # MTP: the cached block it holds besides its table (PrefixMatched)
+    overlap_at: int = -1
 
 
 @attrs.define
@@ -148,7 +150,9 @@ class CacheView:
         self.counters.aborted += 1
 
     def _on_PrefixMatched(self, e: ev.PrefixMatched) -> None:
-        self._seq(e.seq_id).blocks = e.blocks.tolist()
+        seq = self._seq(e.seq_id)
+        seq.blocks = e.blocks.tolist()
+        seq.overlap, seq.overlap_at = e.overlap_block, len(e.blocks) if e.overlap_block else -1
         if e.num_query_tokens:
             self.counters.query_tokens += e.num_query_tokens
             self.counters.hit_tokens += e.num_tokens
@@ -161,11 +165,19 @@ class CacheView:
     def _on_BlocksFreed(self, e: ev.BlocksFreed) -> None:
         for holder, (lo, hi) in zip(e.seq_ids.tolist(), _segments(e.counts), strict=True):
             if holder >= 0:  # a sequence drops its tail (a session's hold is not a table)
-                table = self.seqs[holder].blocks
-                del table[len(table) - (hi - lo) :]
+                seq = self.seqs[holder]
+                n = hi - lo
+                if seq.overlap and seq.overlap in e.blocks[lo:hi].tolist():
+                    n -= 1  # (its MTP overlap block is not in its table)
+                    seq.overlap, seq.overlap_at = 0, -1
+                del seq.blocks[len(seq.blocks) - n :]
 
     def _on_SessionBlocksHeld(self, e: ev.SessionBlocksHeld) -> None:
-        del self.seqs[e.seq_id].blocks[: len(e.blocks)]
+        seq = self.seqs[e.seq_id]
+        private = [seq.blocks[seq.overlap_at]] if 0 <= seq.overlap_at < len(e.blocks) else []
+        if private:  # the session holds the MTP overlap; its private copy stays, to be freed
+            seq.overlap, seq.overlap_at = 0, -1
+        seq.blocks[: len(e.blocks)] = private
 
     def _on_BlocksCached(self, e: ev.BlocksCached) -> None:
         hashes, parents = ev.split_hashes(e.hashes), ev.split_hashes(e.parents)
@@ -253,7 +265,7 @@ def engine_view(state: Any) -> dict[str, Any]:
     t, pool = state.seqs, state.pool
     seqs = {}
     for seq_id, seq in sorted(t.seqs.items()):
-        blocks = t.blocks_held(seq).tolist()  # (a load without a row holds its own)
+        blocks = t.block_table(seq).tolist()  # (a load without a row holds its own)
         seqs[str(seq_id)] = [seq.state.name, blocks]
     return {
         "prefix": {h.hex(): b for h, b in sorted(pool.index.items())},

@@ -111,6 +111,7 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # (vLLM is untyped h
         self._prev_scheduled: Any = set()  # names scheduled in the last step
         self._finished_ids: set[str] = set()  # for the next SchedulerOutput
         self._expected: dict[int, str] = {}  # finishes vLLM reported, kvsched retires next
+        self._cached: dict[int, int] = {}  # num_cached_tokens given to vLLM per sequence
         self._errors: list[tuple[Request, str]] = []  # refused: reported at the next update
         self._last: StepResult | None = None
         self._prefix_stats = PrefixCacheStats()
@@ -263,9 +264,14 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # (vLLM is untyped h
             self._events += self._kv_events.translate(result.decisions, self._req_of.__getitem__)
         for d in result.decisions:
             if isinstance(d, ev.SequenceFinished):
+                self._check_cached(d.seq_ids.tolist(), d.cached_local, d.cached_checkpoint,
+                                   d.cached_external)
                 for seq_id, reason in zip(d.seq_ids.tolist(), d.reasons, strict=True):
                     self._retire(seq_id, reason)
             elif isinstance(d, ev.SequenceAborted):
+                self._check_cached(
+                    [d.seq_id], [d.cached_local], [d.cached_checkpoint], [d.cached_external]
+                )
                 self._retire(d.seq_id, "aborted")
             elif isinstance(d, ev.RequestRejected):
                 request = self._forget(d.seq_id)
@@ -285,13 +291,29 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # (vLLM is untyped h
             elif isinstance(d, ev.PrefixMatched) and d.num_query_tokens:
                 request = self._req_of[d.seq_id]
                 self._prefix_stats.record(d.num_query_tokens, d.num_tokens, False)
+                # vLLM's num_cached_tokens: the sequence's cached-token counts, as its
+                # SequenceFinished reports them (no external KV under vLLM: no connector).
+                local, ckpt, _ = self.engine.state.seq(d.seq_id).cached_tokens
+                self._cached[d.seq_id] = local + ckpt
                 if request.prefill_stats is not None:
-                    request.prefill_stats.set(request.num_prompt_tokens, d.num_tokens, 0)
+                    request.prefill_stats.set(request.num_prompt_tokens, local + ckpt, 0)
         if self._expected:
             raise AdapterMismatch(
                 f"vLLM finished {sorted(self._expected.values())} but kvsched did not"
             )
         return preempted
+
+    def _check_cached(self, seq_ids: list[int], *counts: Any) -> None:
+        """A retired sequence's cached-token counts are those vLLM was given at admission."""
+        if not self.config.report_cached_tokens:
+            return
+        for i, seq_id in enumerate(seq_ids):
+            total = sum(int(c[i]) for c in counts)
+            given = self._cached.pop(seq_id, 0)
+            if total != given:
+                raise AdapterMismatch(
+                    f"sequence {seq_id}: {total} cached tokens retired, {given} given to vLLM"
+                )
 
     def _retire(self, seq_id: int, reason: str) -> None:
         request = self._forget(seq_id)

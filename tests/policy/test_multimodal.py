@@ -1,0 +1,158 @@
+"""Multimodal spans are never split: chunk boundaries (canonical: the same whatever the hit),
+attention prefix hits, loads from the store and saved states stay outside every span; a span
+longer than the chunk budget is a chunk of its own. Logs before schema 4 did not keep this."""
+
+import numpy as np
+import pytest
+from tests.policy.helpers import Harness, matched, of_type, prefills, request, tokens
+
+from kvsched.config import CHECKPOINT_POLICIES, SchedulerConfig
+from kvsched.events import types as ev
+
+
+def _span(start: int, end: int, content: bytes = b"image") -> ev.MultimodalSpan:
+    return ev.MultimodalSpan(start, end, content)
+
+
+def _chunks(h: Harness, seq_id: int) -> list[tuple[int, int]]:
+    """Every prefill chunk ``seq_id`` was scheduled so far, in order."""
+    return [(s, e) for r in h.results for q, s, e in prefills(r) if q == seq_id]
+
+
+def _splits(chunks: list[tuple[int, int]], spans: tuple[ev.MultimodalSpan, ...]) -> list[int]:
+    """Chunk boundaries strictly inside a span."""
+    return [p for c in chunks for p in c if any(s.start < p < s.end for s in spans)]
+
+
+def test_a_chunk_boundary_inside_a_multimodal_span_moves_to_the_span_start() -> None:
+    h = Harness()  # 64-token chunks
+    spans = (_span(50, 100),)
+    h.step([request(0, tokens(150, seed=1), max_tokens=1, mm_spans=spans)])
+    h.run_until_idle()
+    assert _chunks(h, 0) == [(0, 50), (50, 100), (100, 128), (128, 150)]
+
+
+def test_a_span_longer_than_the_chunk_budget_is_one_chunk_of_its_own() -> None:
+    h = Harness()
+    spans = (_span(70, 200),)
+    h.step([request(0, tokens(230, seed=2), max_tokens=1, mm_spans=spans)])
+    h.run_until_idle()
+    assert _chunks(h, 0) == [(0, 64), (64, 70), (70, 200), (200, 230)]
+
+
+def test_chunk_boundaries_never_split_a_span_and_do_not_depend_on_the_hit() -> None:
+    spans = (_span(40, 70), _span(120, 140))
+    prompt = tokens(180, seed=3)
+    cold = Harness()
+    cold.step([request(1, prompt, max_tokens=1, mm_spans=spans)])
+    cold.run_until_idle()
+    warm = Harness()
+    warm.step([request(0, prompt[:40], max_tokens=1)])  # caches the first 2 blocks
+    warm.run_until_idle()
+    admit = warm.step([request(1, prompt, max_tokens=1, mm_spans=spans)])
+    warm.run_until_idle()
+    assert matched(admit)[1].num_tokens == 32
+    ends_cold = [e for _, e in _chunks(cold, 1)]
+    ends_warm = [e for _, e in _chunks(warm, 1)]
+    assert ends_warm == [e for e in ends_cold if e > 32]  # the same boundaries after the hit
+    assert not _splits(_chunks(cold, 1), spans) and not _splits(_chunks(warm, 1), spans)
+
+
+def test_an_attention_hit_never_ends_inside_a_multimodal_span() -> None:
+    h = Harness()
+    spans = (_span(32, 88),)
+    prompt = tokens(90, seed=4)
+    h.step([request(0, prompt, max_tokens=1, mm_spans=spans)])
+    h.run_until_idle()  # 5 full blocks cached: the chain reaches 80, inside the span
+    longer = np.concatenate([prompt, tokens(10, seed=5)])
+    admit = h.step([request(1, longer, max_tokens=1, mm_spans=spans)])
+    assert matched(admit)[1].num_tokens == 32  # rewound to the span's start
+    assert prefills(admit) == [(1, 32, 88)]  # the span is computed whole
+
+
+def test_an_mtp_hit_rewound_out_of_a_span_recomputes_from_the_span_start() -> None:
+    h = Harness(num_speculative_tokens=1)
+    spans = (_span(40, 60),)
+    prompt = tokens(100, seed=6)
+    h.step([request(0, prompt, max_tokens=1, mm_spans=spans)])
+    h.run_until_idle()  # 6 full blocks cached
+    admit = h.step([request(1, prompt[:70], max_tokens=1, mm_spans=spans)])
+    hit = matched(admit)[1]
+    # 4 cached blocks usable (69 // 16), the last one recomputed: 48 is inside [40, 60)
+    assert hit.num_tokens == 32 and hit.overlap_block == h.state.pool.index[
+        h.state.seq(1).hashes[2]
+    ]
+
+
+def _looked_up(h: Harness, seq_id: int) -> ev.KVLookupStarted:
+    return next(
+        d for r in h.results for d in of_type(r.decisions, ev.KVLookupStarted)
+        if d.seq_id == seq_id
+    )
+
+
+def test_a_load_from_the_store_never_ends_inside_a_multimodal_span() -> None:
+    h = Harness(external_kv=True)
+    spans = (_span(32, 88),)
+    h.step([request(0, tokens(100, seed=7), max_tokens=1, mm_spans=spans)])
+    assert _looked_up(h, 0).num_blocks == 6
+    admit = h.step([ev.KVLookupAnswered(0, 5)])  # the store has 5 blocks: up to 80
+    loads = of_type(admit.decisions, ev.KVLoadAdmitted)
+    assert [(d.first_block, d.num_blocks) for d in loads] == [(0, 2)]  # ends at the span start
+
+
+def test_a_failed_load_keeps_its_good_blocks_only_up_to_a_span_boundary() -> None:
+    h = Harness(external_kv=True)
+    spans = (_span(40, 70),)
+    h.step([request(0, tokens(100, seed=8), max_tokens=1, mm_spans=spans)])
+    admit = h.step([ev.KVLookupAnswered(0, 6)])
+    assert [d.num_blocks for d in of_type(admit.decisions, ev.KVLoadAdmitted)] == [6]
+    settle = h.step([ev.KVLoadFailed(0, 3, "store down")])  # 3 good blocks: up to 48
+    assert [d.num_blocks for d in of_type(settle.decisions, ev.KVLoadSettled)] == [2]
+    assert prefills(settle) == [(0, 32, 40)]  # then the span [40, 70) whole
+    assert prefills(h.step()) == [(0, 40, 70)]
+
+
+def test_a_hybrid_state_is_never_saved_inside_a_multimodal_span() -> None:
+    h = Harness(hybrid=True, checkpoint_budget=8)  # kvsched's rules: prompt_tail at 80
+    spans = (_span(70, 90),)
+    h.step([request(0, tokens(90, seed=9), max_tokens=1, mm_spans=spans)])
+    h.run_until_idle()
+    saved = [d.num_tokens for r in h.results for d in of_type(r.decisions, ev.CheckpointReserved)]
+    assert saved and not [s for s in saved if 70 < s < 90]
+
+
+def test_a_prompt_tail_cut_never_splits_a_multimodal_span() -> None:
+    h = Harness(hybrid=True, checkpoint_budget=8, **CHECKPOINT_POLICIES["vllm-align"])
+    spans = (_span(70, 90),)
+    h.step([request(0, tokens(90, seed=10), max_tokens=1, mm_spans=spans)])
+    h.run_until_idle()
+    assert _chunks(h, 0) == [(0, 64), (64, 90)]  # not cut at the tail boundary 80
+
+
+def test_old_logs_let_chunks_split_multimodal_spans() -> None:
+    legacy = SchedulerConfig.from_log_header({}, schema_version=3)
+    assert not legacy.multimodal_safe
+    assert SchedulerConfig.from_log_header({}, schema_version=4).multimodal_safe
+    h = Harness(multimodal_safe=False)
+    spans = (_span(50, 100),)
+    h.step([request(0, tokens(150, seed=1), max_tokens=1, mm_spans=spans)])
+    h.run_until_idle()
+    assert _chunks(h, 0) == [(0, 64), (64, 128), (128, 150)]
+
+
+@pytest.mark.parametrize(
+    ("spans", "start", "end", "want"),
+    [
+        ((), 0, 64, 64),
+        (((10, 30),), 0, 64, 64),  # a span inside the chunk
+        (((50, 100),), 0, 64, 50),  # stop before the span
+        (((50, 100),), 50, 64, 100),  # the span whole
+        (((50, 100), (90, 130)), 50, 64, 130),  # overlapping spans count as one
+        (((50, 100), (100, 180)), 100, 128, 180),  # adjacent spans stay apart
+    ],
+)
+def test_a_chunk_end_is_the_grid_end_unless_it_splits_a_span(spans, start, end, want) -> None:
+    from kvsched.policy.spans import chunk_end
+
+    assert chunk_end(tuple(_span(a, b) for a, b in spans), start, end) == want
