@@ -1,15 +1,18 @@
 """Whole-engine property test with an external KV store: a hypothesis state machine drives an
-engine with ``external_kv=True`` (attention or hybrid; roles both, prefill and decode) and a
+engine with ``external_kv=True`` (attention or hybrid; roles both, prefill and decode; loads
+admitted under soft reservations without a row, or with a row and every prompt block) and a
 fake store that works at the event level (no bytes). The fake records, from each step's
 decisions, the lookups outstanding, the loads and the saves in flight, and answers or reports
-chosen subsets of them at chosen steps, in any order, among arrivals, aborts, session ends,
-executor failures and sleep/wake.
+chosen subsets of them at chosen steps, in any order, among arrivals, bursts of loads, aborts,
+session ends, executor failures and sleep/wake.
 
 Besides every owner's invariants (checked by the engine after every step), the machine checks
 the protocol: every lookup is answered or cancelled, every load and save is reported exactly
-once, a deferred abort happens exactly once when its load settles, a deferred drain happens as
-soon as the last transfer settles, and at the end nothing is held. Deliberately broken owners
-must be caught."""
+once, a deferred abort happens exactly once when its load ends, a deferred drain happens as
+soon as the last transfer ends, a loading sequence is owed a report or waits for a row, the
+incomplete loads always fit the cache together (no load can wait on another's blocks), and
+at the end (a prompt store, no new work) the engine drains to idle and nothing is held.
+Deliberately broken owners must be caught."""
 
 from __future__ import annotations
 
@@ -18,7 +21,7 @@ from typing import Any, TypeVar
 import attrs
 import numpy as np
 import pytest
-from hypothesis import settings
+from hypothesis import Phase, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     RuleBasedStateMachine,
@@ -26,6 +29,7 @@ from hypothesis.stateful import (
     invariant,
     precondition,
     rule,
+    run_state_machine_as_test,
 )
 from tests.mtp_images import IMAGES, SpansWhole, with_image
 from tests.planted import assert_machine_catches
@@ -36,6 +40,7 @@ from kvsched.engine import Engine
 from kvsched.events import types as ev
 from kvsched.gpu.sim import SimulatedExecutor
 from kvsched.policy.scheduler import Policy
+from kvsched.policy.transfers import Transfers
 from kvsched.reducers.transfers import TransferTable
 from kvsched.statemachines import CkptState, LoadState, SeqState
 
@@ -79,6 +84,7 @@ class ExternalKVMachine(RuleBasedStateMachine):
         budget=st.integers(1, 4),
         turn_mode=st.sampled_from(["mixed", "alternate"]),
         order=st.sampled_from(["fcfs", "priority"]),
+        load_admission=st.sampled_from(["soft", "soft", "whole_prompt"]),
     )
     def start(  # type: ignore[no-untyped-def]
         self,
@@ -91,6 +97,7 @@ class ExternalKVMachine(RuleBasedStateMachine):
         budget,
         turn_mode,
         order,
+        load_admission="soft",
     ):
         bs = 4
         self.config = SchedulerConfig(
@@ -106,6 +113,7 @@ class ExternalKVMachine(RuleBasedStateMachine):
             order=order,
             external_kv=True,
             role=role,
+            load_admission=load_admission,
         )
         self.engine = Engine(self.config, check_invariants=True)
         self.executor = SimulatedExecutor(VOCAB)
@@ -118,6 +126,7 @@ class ExternalKVMachine(RuleBasedStateMachine):
         # The fake store: what it owes the engine.
         self.lookups: dict[int, tuple[int, int]] = {}  # seq id -> (first, end) asked
         self.loads: dict[int, int] = {}  # seq id -> blocks being loaded
+        self.ready: set[int] = set()  # loads reported, their sequences not yet in a row
         self.saves: set[int] = set()  # save ids in flight
         # The model of the protocol.
         self.deferred_aborts: dict[int, bool] = {}  # seq id -> close its session too
@@ -165,6 +174,7 @@ class ExternalKVMachine(RuleBasedStateMachine):
                     self.lookups.pop(r.seq_id, None)
             elif isinstance(r, ev.KVLoadFinished | ev.KVLoadFailed):
                 del self.loads[r.seq_id]
+                self.ready.add(r.seq_id)  # (until settled into a row, preempted or aborted)
                 if isinstance(r, ev.KVLoadFailed):
                     self.failed_loads.add(r.seq_id)
             elif isinstance(r, ev.KVSaveFinished):
@@ -189,6 +199,12 @@ class ExternalKVMachine(RuleBasedStateMachine):
             elif isinstance(d, ev.KVLoadAdmitted):
                 assert d.seq_id not in self.lookups, f"{d.seq_id} admitted to load, unanswered"
                 assert d.seq_id not in self.failed_loads, f"{d.seq_id} retries a failed store"
+                assert (d.row < 0) == self.config.soft_loads, "a soft load took a row"
+            elif isinstance(d, ev.KVLoadSettled):
+                assert d.seq_id in self.ready, f"{d.seq_id} settled, but its load did not end"
+                self.ready.discard(d.seq_id)
+            elif isinstance(d, ev.SequencePreempted):
+                self.ready.discard(d.seq_id)
             elif isinstance(d, ev.KVLoadStarted):
                 assert d.seq_id not in self.loads, f"second load of {d.seq_id} in flight"
                 assert len(d.blocks) or self.config.hybrid  # (hybrid: maybe only the state)
@@ -210,6 +226,7 @@ class ExternalKVMachine(RuleBasedStateMachine):
                 )
                 self.deferred_aborts[d.seq_id] = d.close_session or bool(again)
             elif isinstance(d, ev.SequenceAborted):
+                self.ready.discard(d.seq_id)
                 assert d.seq_id not in self.retired, f"{d.seq_id} retired twice"
                 assert d.seq_id not in self.loads, f"{d.seq_id} aborted while its load flies"
                 assert d.seq_id not in self.lookups, f"{d.seq_id} aborted, lookup outstanding"
@@ -259,9 +276,11 @@ class ExternalKVMachine(RuleBasedStateMachine):
     def _check_after_step(self) -> None:
         state = self.engine.state
         seqs = state.seqs.seqs
-        # (a) no sequence loads without the store owing its report, and conversely.
+        # (a) no sequence loads without the store owing its report (or, its report given,
+        # waiting for a row), and conversely.
         loading = {s for s, q in seqs.items() if q.state == SeqState.LOADING_KV}
-        assert loading == set(self.loads), f"loading {sorted(loading)}, store {self.loads}"
+        owed = set(self.loads) | self.ready
+        assert loading == owed, f"loading {sorted(loading)}, store {self.loads} {self.ready}"
         pending = {
             s: (ld.first_block, ld.num_blocks)
             for s, ld in state.transfers.loads.items()
@@ -355,6 +374,26 @@ class ExternalKVMachine(RuleBasedStateMachine):
             reports.append(ev.KVLookupAnswered(late[-1], 1 << 20))
         self._step(reports, fail=executor_raises, reports_first=reports_first)
 
+    @rule(
+        n=st.integers(2, 5),
+        prefix=st.integers(0, len(PREFIXES) - 1),
+        depth=st.integers(1, 4),
+        ok=st.booleans(),
+    )
+    def load_burst(self, n: int, prefix: int, depth: int, ok: bool) -> None:
+        """Several requests on one prefix arrive at once; the store answers every lookup with
+        ``depth`` quarters of its range, then finishes (or fails) every load it owes, step
+        after step: loads start several to a step, with tails (the rest of each prompt) that
+        may not fit the cache together."""
+        for i in range(n):
+            prompt = np.concatenate([PREFIXES[prefix], np.full(3 + 2 * i, 7, np.int32)])
+            self.inputs.append(ev.RequestArrived(self.next_id, prompt, 2, arrival_time=self.clock))
+            self.next_id += 1
+        self._step()
+        self._step([self._answer(s, depth) for s in sorted(self.lookups)])
+        for _ in range(3):
+            self._step(self._all_reports(ok=ok)[len(self.lookups) :])
+
     @rule(n=st.integers(1, 6), store=st.sampled_from(["silent", "prompt", "failing"]))
     def run_steps(self, n: int, store: str) -> None:
         """Several steps; at each, a silent store reports nothing, a prompt one answers and
@@ -365,8 +404,10 @@ class ExternalKVMachine(RuleBasedStateMachine):
 
     @rule(pick=st.integers(0, 7), loading=st.booleans())
     def abort(self, pick: int, loading: bool) -> None:
-        """Abort a loading sequence, or any live one (or an unknown id when none is)."""
-        live = sorted(self.loads) if loading and self.loads else sorted(self.engine.state.seqs.seqs)
+        """Abort a loading sequence (its transfer in flight or ended), or any live one (or an
+        unknown id when none is)."""
+        owed = sorted(set(self.loads) | self.ready)
+        live = owed if loading and owed else sorted(self.engine.state.seqs.seqs)
         self.inputs.append(ev.RequestAborted(live[pick % len(live)] if live else pick))
 
     @precondition(lambda self: self.loads)
@@ -425,6 +466,33 @@ class ExternalKVMachine(RuleBasedStateMachine):
             assert not state.transfers.leases and not state.transfers.busy
 
     @invariant()
+    def admitted_loads_fit_the_cache_together(self) -> None:
+        """Soft loads: the blocks the incomplete loads hold (without a row, or settled and
+        still prefilling) plus the prompt blocks they still lack never exceed the cache, so
+        every one of them can complete once the blocks ordinary work borrowed come back: no
+        load ever waits on another load's blocks (the teardown then drains to idle)."""
+        if not self.config.soft_loads:
+            return
+        state, bs = self.engine.state, self.config.block_size
+        held: set[int] = set()
+        lacking = 0
+        for seq_id, load in state.transfers.loads.items():
+            if not load.admitted:
+                continue
+            seq = state.seqs.seqs[seq_id]
+            blocks = state.seqs.block_table(seq)
+            prompt = -(-seq.n_prompt // bs)
+            if len(blocks) < prompt:
+                held.update(blocks.tolist())
+                lacking += prompt - len(blocks)
+        assert len(held) + lacking <= self.config.num_blocks - 1, (
+            f"incomplete loads hold {len(held)} blocks and lack {lacking}: more than the cache"
+        )
+        assert all(
+            s.row < 0 for s in state.seqs.seqs.values() if s.state == SeqState.LOADING_KV
+        ), "a soft load holds a batch row"
+
+    @invariant()
     def pinned_checkpoints_are_pinned_by_running_sequences_or_saves(self) -> None:
         state = self.engine.state
         leased = state.transfers.lease_pins()
@@ -454,9 +522,12 @@ class ExternalKVMachine(RuleBasedStateMachine):
             # aging takes far longer than this), so the engine is stuck.
             idle = 0 if fed or len(decisions) > 1 else idle + 1
             waiting = sorted(self.engine.state.seqs.waiting)
-            assert idle < 20, f"livelock: sequences {waiting} wait, but nothing is decided"
+            ready = self.engine.state.transfers.ready_loads()  # (loaded, waiting for a row)
+            assert idle < 20, (
+                f"livelock: sequences {waiting} and loads {ready} wait, but nothing is decided"
+            )
         assert not self.engine.has_work, "the engine did not finish its work"
-        assert not (self.lookups or self.loads or self.saves)
+        assert not (self.lookups or self.loads or self.saves or self.ready)
         self.inputs = [ev.SessionEnded(s) for s in range(NUM_SESSIONS)] + [ev.DrainRequested()]
         decisions = self._step()
         assert any(isinstance(d, ev.Drained) for d in decisions)
@@ -512,8 +583,10 @@ TestExternalKVStateMachineWithMTPAndImages = ExternalKVMachineWithMTPAndImages.T
 # ------------------------------------------------------------------------ planted bugs
 
 
-def _run_broken(monkeypatch: pytest.MonkeyPatch, target: object, name: str, broken: object) -> None:
-    assert_machine_catches(monkeypatch, ExternalKVMachine, target, name, broken)
+def _run_broken(
+    monkeypatch: pytest.MonkeyPatch, target: object, name: str, broken: object, examples: int = 150
+) -> None:
+    assert_machine_catches(monkeypatch, ExternalKVMachine, target, name, broken, examples)
 
 
 def test_a_save_that_keeps_its_blocks_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -555,6 +628,45 @@ def test_a_deferred_abort_that_is_forgotten_is_caught(monkeypatch: pytest.Monkey
             self.preempt(state, seq, emit, "kv load failed")
 
     _run_broken(monkeypatch, Policy, "settle_load", settle_without_the_deferred_abort)
+
+
+def _loaded_blocks_only(self, state, seq, first):  # type: ignore[no-untyped-def]
+    """A soft load admission that makes room only for the blocks it loads into."""
+    if not self.config.soft_loads:
+        return -(-seq.n_tokens // self.bs) - first  # (it takes every prompt block)
+    return state.transfers.load_of(seq.seq_id).num_blocks - first
+
+
+def test_a_load_admission_making_room_only_for_what_it_loads_is_caught(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    _run_broken(monkeypatch, Transfers, "load_need", _loaded_blocks_only, examples=600)
+
+
+def test_without_the_fit_invariant_the_teardown_finds_loads_waiting_on_each_other(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The tail deadlock itself: loads holding their loaded blocks, with nothing reserved for
+    the rest of their prompts, fill the cache; then none can take a block for its tail and
+    the teardown (a prompt store, no new work) reports the livelock."""
+    monkeypatch.setattr(Transfers, "load_need", _loaded_blocks_only)
+    planted = settings(
+        max_examples=600, stateful_step_count=30, deadline=None, database=None,
+        derandomize=True, print_blob=False, phases=[Phase.generate],
+    )
+    with pytest.raises(AssertionError, match="livelock"):
+        run_state_machine_as_test(_WithoutTheFitCheck, settings=planted)
+
+
+class _WithoutTheFitCheck(ExternalKVMachine):
+    def admitted_loads_fit_the_cache_together(self) -> None:  # (not an invariant here)
+        return None
+
+
+def test_a_load_admission_ignoring_other_loads_reservations_is_caught(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    _run_broken(monkeypatch, Transfers, "soft_reserved", lambda self, state: 0, examples=600)
 
 
 def test_a_failed_load_that_is_forgotten_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:

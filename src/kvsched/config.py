@@ -46,6 +46,8 @@ PLACEMENTS: tuple[str, ...] = (
 EVICTIONS: tuple[str, ...] = ("lru", "frozen_first", "value")
 # What an MTP hit recomputes (SchedulerConfig.mtp_overlap).
 MTP_OVERLAPS: tuple[str, ...] = ("one_block", "k_blocks")
+# How an external load is admitted (SchedulerConfig.load_admission).
+LOAD_ADMISSIONS: tuple[str, ...] = ("soft", "whole_prompt")
 # Named checkpoint policies: kvsched's own, and baselines that behave like its peers.
 CHECKPOINT_POLICIES: dict[str, dict[str, Any]] = {
     "kvsched": {
@@ -210,6 +212,12 @@ class SchedulerConfig:
     short_turns_per_long: int = 3
     long_order: str = "size"
     ttft_size: str = "after_match"
+    # How an external load is admitted. "soft" (lmdeploy's): it takes no batch row and holds
+    # only the blocks it loads into (and, hybrid, a state slot); the rest of its prompt is
+    # reserved softly (a new load is admitted only if its prefill fits beside every incomplete
+    # load's reservation; ordinary work may borrow reserved blocks). "whole_prompt": it takes
+    # a batch row and every block of its prompt at once (kvsched before schema 4).
+    load_admission: str = "soft"
 
     def __attrs_post_init__(self) -> None:
         _in_range("block_size", self.block_size, 1, 1 << 16)
@@ -279,6 +287,7 @@ class SchedulerConfig:
             raise ValueError(f"role {self.role!r} needs external_kv (the store carries the KV)")
         _in_range("short_turns_per_long", self.short_turns_per_long, 1, 1 << 20)
         for name, value, known in (
+            ("load_admission", self.load_admission, LOAD_ADMISSIONS),
             ("prefill_turns", self.prefill_turns, PREFILL_TURNS),
             ("long_order", self.long_order, LONG_ORDERS),
             ("ttft_size", self.ttft_size, ("after_match", "context")),
@@ -300,6 +309,11 @@ class SchedulerConfig:
     @property
     def external_load(self) -> bool:
         return self.external_kv
+
+    @property
+    def soft_loads(self) -> bool:
+        """External loads take no batch row, under soft reservations (load_admission)."""
+        return self.external_kv and self.load_admission == "soft"
 
     @property
     def external_save(self) -> bool:
@@ -370,8 +384,8 @@ class SchedulerConfig:
         dropped aborted turns from sessions, reclaimed sessions by id, had no alternate-mode
         triggers beyond a half-empty batch and prefill_interval, no decode preallocation,
         no cached-token counts on finished sequences, recomputed k blocks of an MTP hit,
-        let chunks and loads split multimodal spans, and ordered TTFT by whole contexts
-        on long-first turns."""
+        let chunks and loads split multimodal spans, ordered TTFT by whole contexts on
+        long-first turns, and admitted a load with a batch row and every prompt block."""
         data = dict(data)
         if schema_version < 4:
             data.setdefault("identity", "blake2b")
@@ -387,6 +401,7 @@ class SchedulerConfig:
             data.setdefault("ttft_size", "context")
             data.setdefault("prefill_turns", "long_first")
             data.setdefault("long_order", "size")
+            data.setdefault("load_admission", "whole_prompt")
         if schema_version < 3:
             for key, value in CHECKPOINT_POLICIES["lmdeploy"].items():
                 data.setdefault(key, value)

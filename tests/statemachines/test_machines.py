@@ -176,11 +176,16 @@ def test_an_illegal_sequence_event_reads_as_a_sentence() -> None:
     assert (info.value.state, info.value.event) == ("FINISHED", "admit")
 
 
-def test_a_loading_sequence_cannot_be_aborted_until_its_load_settles_into_running() -> None:
-    with pytest.raises(IllegalTransition, match="LOADING_KV"):
-        SEQUENCE.next_state(3, SeqState.LOADING_KV, SeqEvent.abort)
-    assert SEQUENCE.next_state(3, SeqState.LOADING_KV, SeqEvent.load_settled) == SeqState.RUNNING
-    assert SEQUENCE.next_state(3, SeqState.RUNNING, SeqEvent.abort) == SeqState.ABORTED
+def test_a_loading_sequence_leaves_by_settling_or_by_an_abort_or_preemption_only() -> None:
+    """(The transfer table refuses the abort and the preemption while the transfer flies:
+    tests/reducers/test_transfers.py.)"""
+    loading = SeqState.LOADING_KV
+    assert SEQUENCE.next_state(3, loading, SeqEvent.load_settled) == SeqState.RUNNING
+    assert SEQUENCE.next_state(3, loading, SeqEvent.abort) == SeqState.ABORTED
+    assert SEQUENCE.next_state(3, loading, SeqEvent.preempt) == SeqState.WAITING
+    for event in (SeqEvent.admit, SeqEvent.begin_load, SeqEvent.finish):
+        with pytest.raises(IllegalTransition, match="LOADING_KV"):
+            SEQUENCE.next_state(3, loading, event)
 
 
 def test_a_sequence_abort_is_immediate_outside_a_kv_load() -> None:
@@ -208,6 +213,10 @@ def test_a_kv_load_can_be_cancelled_only_before_the_transfer_starts() -> None:
     for state in before:
         assert KVLOAD.next_state(1, state, LoadEvent.cancel) == LoadState.CANCELLED
     assert not KVLOAD.is_legal(LoadState.LOADING, LoadEvent.cancel)
+
+
+def test_a_kv_load_of_the_state_alone_starts_without_an_allocation() -> None:
+    assert KVLOAD.next_state(1, LoadState.ADMITTED, LoadEvent.start) == LoadState.LOADING
 
 
 def test_a_kv_load_walks_from_lookup_to_ready() -> None:

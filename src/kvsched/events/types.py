@@ -372,7 +372,9 @@ class KVLoadCancelled(Event, frozen=True, tag="kv_load_cancelled"):
 
 class KVLoadAdmitted(Event, frozen=True, tag="kv_load_admitted"):
     """Admit a sequence whose chain blocks ``[first_block, num_blocks)`` are loaded from the
-    store: it takes batch row ``row`` and waits in LOADING_KV until the load settles."""
+    store: it waits in LOADING_KV until the load settles. ``row`` -1: it takes no batch row
+    and holds only its local prefix and the blocks it loads into (``load_admission="soft"``);
+    else it takes batch row ``row`` (and every block of its prompt: before schema 4)."""
 
     seq_id: int
     row: int
@@ -397,10 +399,15 @@ class KVLoadStarted(Event, frozen=True, tag="kv_load_started"):
 class KVLoadSettled(Event, frozen=True, tag="kv_load_settled"):
     """The sequence's load ended (finished or failed): it runs from its first ``num_blocks``
     chain blocks (a failed load keeps its good leading blocks for an attention model, none
-    beyond its local prefix for a hybrid model, which has no state there)."""
+    beyond its local prefix for a hybrid model, which has no state there). A load without a
+    row is settled when it is admitted: it takes batch row ``row`` with the blocks it holds
+    and, hybrid, the loaded state is restored from ``state_slot`` into the row's runtime
+    slot (the slot is freed)."""
 
     seq_id: int
     num_blocks: int
+    row: int = -1
+    state_slot: int = -1
 
 
 class KVSaveStarted(Event, frozen=True, tag="kv_save_started"):

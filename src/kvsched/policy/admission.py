@@ -1,5 +1,6 @@
 """Prefill: canonical chunks, the per-step token budget, continuing chunked prefills, and
-admitting waiting sequences (with a local prefix hit, or with a load from the store).
+admitting waiting sequences (with a local prefix hit, or with a load from the store), loads
+that ended first.
 
 Rules: the first prefill of a step is always admitted, others must fit the token budget;
 chunk boundaries are multiples of ``config.chunk_tokens`` (a function of the request and the
@@ -9,6 +10,15 @@ step, and none of a long prefill (more than a chunk of tokens left) on a gated p
 (policy/turns.py); FCFS and priority orders stop at the first request that does not fit, the
 TTFT order skips it. An admission that does not fit leaves no trace (its tentative match is
 never emitted).
+
+External loads (``load_admission="soft"``, lmdeploy's): a load takes no batch row and holds
+only its local prefix and the blocks it loads into (hybrid: a state slot too); it is admitted
+only if its whole prefill fits beside every incomplete load's soft reservation (the prompt
+blocks each still lacks), so the admitted loads' prefills always fit the cache together and
+two loads can never wait on each other's blocks. Ordinary admissions and decode may borrow
+reserved blocks: they run, finish or are preempted, and give them back. A load that ended is
+settled into a row before anything else waiting is admitted. While every row runs, loads
+still start.
 """
 
 from __future__ import annotations
@@ -22,7 +32,9 @@ from kvsched.policy.checkpoints import Checkpoints
 from kvsched.policy.common import Chunk, Emit, Match, StepBudget, cdiv
 from kvsched.policy.growth import Growth
 from kvsched.policy.matching import Matcher
+from kvsched.policy.ordering import PrefillOrder
 from kvsched.policy.transfers import Transfers
+from kvsched.reducers.seq import FREE_ROW, NO_BLOCKS
 from kvsched.reducers.sequences import Seq
 from kvsched.reducers.state import EngineState
 from kvsched.statemachines import SeqState
@@ -36,6 +48,7 @@ class Admission:
         growth: Growth,
         checkpoints: Checkpoints,
         transfers: Transfers,
+        order: PrefillOrder,
     ) -> None:
         self.config = config
         self.bs = config.block_size
@@ -43,6 +56,7 @@ class Admission:
         self.growth = growth
         self.checkpoints = checkpoints
         self.transfers = transfers
+        self.order = order
         aligned = config.external_save or config.aligned_checkpoints_only
         self._tail = config.hybrid and config.places("prompt_tail")
         cut_tail = self._tail and not config.mid_chunk_saves
@@ -50,6 +64,7 @@ class Admission:
         self._branch = config.hybrid and config.places("branch")
         self._within = config.hybrid and config.mid_chunk_saves
         self._interval = config.interval_tokens if config.places("interval") else 0
+        self._soft = config.soft_loads
         self._mm_safe = config.multimodal_safe
 
     # ---------------------------------------------------------------------- chunks
@@ -180,9 +195,11 @@ class Admission:
         """Offer admission to the waiting sequences in ``ordered`` (policy/ordering.py)."""
         table = state.seqs
         stop_on_failure = self.config.order != "ttft"
+        if self._soft and not self._settle_ready(state, budget, emit, stop_on_failure):
+            return
         for seq in ordered:
-            if table.num_running >= self.config.max_batch:
-                return
+            if table.num_running >= self.config.max_batch and not self._soft:
+                return  # (a load takes no row: while every row runs, loads still start)
             if seq.preempted_at == state.step:
                 continue  # preempted to make room this step: not readmitted in the same step
             if self.config.external_load and self.transfers.awaits_lookup(state, seq, emit):
@@ -198,6 +215,8 @@ class Admission:
             first, end = self.transfers.planned_load(state, seq, match.num_tokens)
             if end:
                 return self._admit_with_load(state, seq, first, end, emit)
+        if self._soft and state.seqs.num_running >= self.config.max_batch:
+            return "skip"  # every row runs (only loads start now): it waits for a row
         chunk = self.chunk_of(seq, match.num_tokens)
         chunk = self.cut_at_branch(seq, chunk, match.kv_tokens)
         if not self.long_gate_open(budget, seq, chunk):
@@ -236,21 +255,66 @@ class Admission:
     def _admit_with_load(
         self, state: EngineState, seq: Seq, first: int, end: int, emit: Emit
     ) -> str:
-        """Admit a sequence whose chain blocks [first, end) load from the store: it takes a
-        row and every block of its prompt now (so concurrent loads never wait on each other
-        for their tails) and computes nothing until the load settles."""
+        """Admit a sequence whose chain blocks [first, end) load from the store; it computes
+        nothing until the load settles. Soft loads: no row, only the blocks it loads into
+        (and, hybrid, a state slot), if its whole prefill fits beside every incomplete load's
+        soft reservation. Else (before schema 4): a row and every block of its prompt."""
+        soft = self._soft
         hit = state.pool.find_blocks(seq.hashes, first)
-        need = cdiv(seq.n_tokens, self.bs) - first
-        if not self.make_fit(state, need, hit, -1, emit):
+        if soft and state.hybrid and not self.checkpoints.room_for_load(state, emit):
             return "stop"
-        emit(ev.KVLoadAdmitted(seq.seq_id, state.seqs.peek_free_row(), first, end))
+        if not self.make_fit(state, self.transfers.load_need(state, seq, first), hit, -1, emit):
+            return "stop"
+        row = FREE_ROW if soft else state.seqs.peek_free_row()
+        emit(ev.KVLoadAdmitted(seq.seq_id, row, first, end))
         first_admission = seq.num_preemptions == 0
         query = seq.n_prompt if first_admission else 0
         emit(ev.PrefixMatched(seq.seq_id, hit, first * self.bs, query))
         if seq.session_id in state.sessions:
             self.growth.free_session_hold(state, seq.session_id, emit)
-        self.growth.allocate_one(state, seq.seq_id, need, emit)
+        taken = end if soft else cdiv(seq.n_tokens, self.bs)  # (whole prompt: before schema 4)
+        self.growth.allocate_one(state, seq.seq_id, taken - first, emit)
         emit(self.transfers.load_started(state, seq, first, end))
+        return "admitted"
+
+    def _settle_ready(
+        self, state: EngineState, budget: StepBudget, emit: Emit, stop_on_failure: bool
+    ) -> bool:
+        """Admit the sequences whose load ended (still without a row) before anything else
+        waiting (lmdeploy: remote-ready first): each takes a row with its blocks. False:
+        admission stops here (fcfs and priority stop at the first that does not fit)."""
+        table = state.seqs
+        ready = [state.seq(s) for s in state.transfers.ready_loads()]
+        for seq in self.order.settled(state, ready):
+            if table.num_running >= self.config.max_batch:
+                return True  # (loads may still start)
+            verdict = self._settle_into_row(state, seq, budget, emit)
+            if verdict == "stop" and stop_on_failure:
+                return False
+        return True
+
+    def _settle_into_row(self, state: EngineState, seq: Seq, budget: StepBudget, emit: Emit) -> str:
+        """Settle a load that ended into a row: it runs from the blocks it keeps (the loaded
+        ones are cached now) and its first chunk is scheduled, or it waits ('skip', 'stop')."""
+        load = state.transfers.load_of(seq.seq_id)
+        assert load is not None
+        kept = self.transfers.kept_blocks(state, seq, load)
+        chunk = self.chunk_of(seq, kept * self.bs)
+        chunk = self.cut_at_branch(seq, chunk, seq.kv_hit_tokens)
+        if not self.long_gate_open(budget, seq, chunk):
+            return "skip"
+        if not self.fits_budget(budget, chunk):
+            return "stop"
+        need = cdiv(chunk.end, self.bs) - len(state.seqs.block_table(seq))
+        if not self.make_fit(state, need, NO_BLOCKS, -1, emit):
+            return "stop"
+        slot = state.ckpts.load_slot_of(seq.seq_id)
+        emit(ev.KVLoadSettled(seq.seq_id, kept, state.seqs.peek_free_row(), slot))
+        self.growth.allocate_one(state, seq.seq_id, need, emit)
+        # (cached after the allocation: a loaded block deduplicated onto a cached copy that
+        # no one holds takes that copy off the available blocks)
+        self.growth.cache_computed(state, emit, np.asarray([seq.row]))
+        self.add_prefill(state, seq, chunk, budget, emit)
         return "admitted"
 
     def make_fit(

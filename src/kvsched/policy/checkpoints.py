@@ -25,6 +25,8 @@ would evict is declined. Saves are best effort: a save that finds no room is ski
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from kvsched.config import SchedulerConfig
@@ -294,6 +296,12 @@ class Checkpoints:
             if ckpts.peek_slot() and ckpts.room() >= cost:
                 return True
         return False
+
+    def room_for_load(self, state: EngineState, emit: Emit) -> bool:
+        """A slot and room for the state a load without a row writes (an aligned state's
+        cost), evicting in the eviction order; never declined for value: a load brings a
+        whole prefix. False: every slot is pinned or reserved (the load waits)."""
+        return self._make_room(state, state.ckpts.cost_of(False), math.inf, emit)
 
     def evict_for(self, state: EngineState, need: int, emit: Emit, keep: int) -> bool:
         """Evict unpinned checkpoints (in eviction order) until ``need`` blocks are

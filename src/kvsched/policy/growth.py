@@ -268,7 +268,8 @@ class Growth:
     def release(
         self, state: EngineState, seqs: list[Seq], emit: Emit, keep_for_session: bool = False
     ) -> None:
-        """Drop every block the sequences hold (a session keeps its cached full blocks)."""
+        """Drop every block the sequences hold (a session keeps its cached full blocks; a load
+        without a row keeps none for it)."""
         table = state.seqs
         holders: list[int] = []
         counts: list[int] = []
@@ -279,7 +280,9 @@ class Growth:
             held = table.held_blocks(seq)
             if seq.pinned_ckpt >= 0:
                 unpins.append(seq)
-            if keep_for_session and not state.hybrid and seq.session_id in state.sessions:
+            if keep_for_session and not state.hybrid and row >= 0 and (
+                seq.session_id in state.sessions
+            ):
                 keep = int(table.registered[row])
                 if keep:
                     # (the cached chain: an MTP overlap block, not its private copy)

@@ -40,8 +40,12 @@ class Sized(NamedTuple):
     long: bool  # more than a chunk of tokens left
 
 
+def _seq_arrival(s: Seq) -> tuple[float, int]:
+    return (s.arrival_time, s.seq_id)
+
+
 def _arrival(s: Sized) -> tuple[float, int]:
-    return (s.seq.arrival_time, s.seq.seq_id)
+    return _seq_arrival(s.seq)
 
 
 class PrefillOrder:
@@ -68,13 +72,9 @@ class PrefillOrder:
         their sizes when the caller has them)."""
         config = self.config
         if config.order == "fcfs":
-            return sorted(state.seqs.waiting.values(), key=lambda s: (s.arrival_time, s.seq_id))
+            return sorted(state.seqs.waiting.values(), key=_seq_arrival)
         if config.order == "priority":
-            clock = state.clock
-            return sorted(
-                state.seqs.waiting.values(),
-                key=lambda s: (-(s.priority + self._age(s, clock)), s.arrival_time, s.seq_id),
-            )
+            return self._by_priority(list(state.seqs.waiting.values()), state.clock)
         if sized is None:
             sized = self.sizes(state, list(state.seqs.waiting.values()))
         shorts = sorted((s for s in sized if not s.long), key=lambda s: (s.left, *_arrival(s)))
@@ -82,6 +82,20 @@ class PrefillOrder:
         if turn in (TurnState.LONG_FIRST, TurnState.LONG_FIRST_IF_FINAL):
             return [s.seq for s in lane[:1] + shorts + lane[1:]]
         return [s.seq for s in shorts + lane]
+
+    def settled(self, state: EngineState, seqs: list[Seq]) -> list[Seq]:
+        """Sequences whose load ended, in the order they take rows (before anything else
+        waiting): the priority order's own under ``priority``, else arrival (lmdeploy:
+        remote-ready first, in arrival order)."""
+        if self.config.order == "priority":
+            return self._by_priority(seqs, state.clock)
+        return sorted(seqs, key=_seq_arrival)
+
+    def _by_priority(self, seqs: list[Seq], clock: float) -> list[Seq]:
+        """Higher priority first, one level more per ``aging_s`` waited; then arrival."""
+        return sorted(
+            seqs, key=lambda s: (-(s.priority + self._age(s, clock)), s.arrival_time, s.seq_id)
+        )
 
     def _long_lane(self, longs: list[Sized], clock: float) -> list[Sized]:
         if self.config.long_order == "fifo":

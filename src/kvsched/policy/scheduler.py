@@ -40,10 +40,10 @@ class Policy:
         self.growth = Growth(config)
         self.checkpoints = Checkpoints(config, self.growth)
         self.transfers = Transfers(config, self.matcher)
-        self.admission = Admission(
-            config, self.matcher, self.growth, self.checkpoints, self.transfers
-        )
         self.order = PrefillOrder(config, self.matcher)
+        self.admission = Admission(
+            config, self.matcher, self.growth, self.checkpoints, self.transfers, self.order
+        )
         self.turns = PrefillTurns(config, self.admission, self.order)
         # The parts' entry points that callers outside the policy use (benchmarks, tests),
         # bound directly: the match path is timed per request.
@@ -145,14 +145,13 @@ class Policy:
     def abort(
         self, state: EngineState, seq_id: int, reason: str, emit: Emit, close_session: bool = False
     ) -> bool:
-        """Abort a sequence; False when the abort is deferred (its KV is loading: it is
-        applied, once, when the load settles)."""
+        """Abort a sequence; False when the abort is deferred (its KV transfer is in flight:
+        it is applied, once, when the load ends)."""
         seq = state.seqs.seqs.get(seq_id)
         if seq is None:
             return True  # unknown or already retired: nothing to release
         load = state.transfers.load_of(seq_id)
-        if seq.state == SeqState.LOADING_KV:
-            assert load is not None
+        if load is not None and load.in_flight:
             # A second abort changes nothing, unless it adds the end of the session.
             if not load.abort_reason or (close_session and not load.close_session):
                 emit(ev.AbortDeferred(seq_id, load.abort_reason or reason, close_session))
@@ -160,9 +159,9 @@ class Policy:
         if load is not None and load.open:
             emit(ev.KVLoadCancelled(seq_id, reason))
         keep = self.config.keep_aborted_turns and not close_session and seq.session_id >= 0
-        if seq.state == SeqState.RUNNING:
-            if keep and state.hybrid:
-                self.checkpoints.save_sequence_end(state, seq, emit)
+        if seq.state == SeqState.RUNNING and keep and state.hybrid:
+            self.checkpoints.save_sequence_end(state, seq, emit)
+        if seq.state != SeqState.WAITING:  # running, or a load that ended without a row
             self.growth.release(state, [seq], emit, keep_for_session=keep)
         cached = seq.cached_tokens if self.config.report_cached_tokens else (0, 0, 0)
         emit(ev.SequenceAborted(seq_id, reason, keep, *cached))
@@ -183,18 +182,16 @@ class Policy:
         attention model keeps a failed load's good leading blocks up to a multimodal-safe
         boundary (and recomputes the rest);
         a hybrid model has no state past its local prefix, so it is preempted and recomputes
-        from there (it will not try the store again). A deferred abort or end of session
-        happens now, exactly once."""
+        from there (it will not try the store again). A load holding a row is settled now; one
+        without a row when it is admitted into one (``Admission``, first of all waiting
+        work). A deferred abort or end of session happens now, exactly once."""
         load = state.transfers.load_of(seq_id)
         assert load is not None
         seq = state.seq(seq_id)
         failed = load.state == LoadState.FAILED
-        good = 0 if failed and state.hybrid else load.good_blocks
-        end = load.first_block + good
-        if failed:  # (never inside a multimodal span; the load's first block is outside)
-            end = max(load.first_block, self.matcher.safe_depth(seq, end))
-        emit(ev.KVLoadSettled(seq_id, end))
-        self.growth.cache_computed(state, emit, np.asarray([seq.row]))
+        if seq.row >= 0:
+            emit(ev.KVLoadSettled(seq_id, self.transfers.kept_blocks(state, seq, load)))
+            self.growth.cache_computed(state, emit, np.asarray([seq.row]))
         if failed and state.hybrid:
             self.growth.preempt(state, seq, emit, f"kv load failed: {load.failure}")
         if load.abort_reason:
@@ -210,16 +207,20 @@ class Policy:
         ``Drained(level)`` tells the driver to let the executor sleep at that level.
 
         Lookups are cancelled (they are asked again after waking). Loads and saves in flight
-        write or read device memory: the drain waits until they settle (``DrainDeferred``,
-        at the deepest level asked for); meanwhile nothing is scheduled."""
+        write or read device memory: the drain waits until they end (``DrainDeferred``, at
+        the deepest level asked for); meanwhile nothing is scheduled. Loads that ended
+        without a row lose their blocks with the device memory: they are preempted like
+        running sequences."""
         for seq_id, load in sorted(state.transfers.loads.items()):
             if load.open:
                 emit(ev.KVLoadCancelled(seq_id, "drain"))
-        if state.transfers.busy:
+        if state.transfers.transferring:
             serving = state.serving
             if not serving.drain_pending or level > serving.drain_level:
                 emit(ev.DrainDeferred(max(level, serving.drain_level)))
             return
+        for seq_id in state.transfers.ready_loads():
+            self.growth.preempt(state, state.seq(seq_id), emit, reason="drain")
         t = state.seqs
         for seq in [t.objs[r] for r in t.running_rows().tolist()]:
             assert seq is not None
@@ -258,7 +259,7 @@ class Policy:
         if state.sleeping:
             return
         if state.serving.drain_pending:
-            if not state.transfers.busy:
+            if not state.transfers.transferring:
                 self.drain(state, emit, state.serving.drain_level)
             return
         table = state.seqs
@@ -289,7 +290,7 @@ class Policy:
         config = self.config
         if config.turn_mode == "mixed" or n_decode == 0:
             return True
-        if not state.seqs.waiting and not len(chunk_rows):
+        if not state.seqs.waiting and not len(chunk_rows) and not state.transfers.ready_loads():
             return False
         # Every prefill turn is followed by at least one decode turn, so decoding sequences
         # always progress (otherwise admissions could starve them and thrash preemption).

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 from kvsched.config import SchedulerConfig
 from kvsched.events import types as ev
-from kvsched.policy.common import Emit
+from kvsched.policy.common import Emit, cdiv
 from kvsched.policy.matching import Matcher
 from kvsched.reducers.sequences import Seq
 from kvsched.reducers.state import EngineState
+from kvsched.reducers.transfers import KVLoad
 from kvsched.statemachines import LoadState
 
 
@@ -21,6 +22,10 @@ class Transfers:
         self.config = config
         self.bs = config.block_size
         self.matcher = matcher
+        # A hybrid load without a row writes its state to a checkpoint slot: with none, no load.
+        self._no_state_slot = config.hybrid and config.soft_loads and not (
+            config.num_checkpoint_slots
+        )
 
     def lookup_range(self, state: EngineState, seq: Seq) -> tuple[int, int]:
         """(first, end): the chain blocks the store could add beyond the local match. A hit
@@ -39,8 +44,8 @@ class Transfers:
         """Start the store lookup of a sequence that has none; True while it is pending."""
         load = state.transfers.load_of(seq.seq_id)
         if load is None:
-            if seq.want_experts:
-                return False  # the store keeps no routed-expert ids: never loaded
+            if seq.want_experts or self._no_state_slot:
+                return False  # the store keeps no routed-expert ids, or no slot a state
             first, end = self.lookup_range(state, seq)
             if first >= end:
                 return False  # the local cache serves every block the store could
@@ -82,14 +87,45 @@ class Transfers:
 
     def load_started(self, state: EngineState, seq: Seq, first: int, end: int) -> ev.KVLoadStarted:
         """The load of chain blocks [first, end) into the sequence's blocks (and, for a hybrid
-        model, the state stored at block end - 1 into its runtime slot)."""
-        blocks = state.seqs.table[seq.row, first:end].copy()
+        model, the state stored at block end - 1 into its runtime slot, or, without a row,
+        into the next free checkpoint slot, which the load then owns)."""
+        blocks = state.seqs.block_table(seq)[first:end].copy()
         hashes = seq.hashes.packed(first, end)
         if not state.hybrid:
             return ev.KVLoadStarted(seq.seq_id, blocks, first, seq.root, hashes)
-        slot = state.ckpts.runtime_slot(seq.row)
+        slot = state.ckpts.runtime_slot(seq.row) if seq.row >= 0 else state.ckpts.peek_slot()
         anchor = seq.hashes[end - 1]
         return ev.KVLoadStarted(seq.seq_id, blocks, first, seq.root, hashes, slot, anchor)
+
+    def kept_blocks(self, state: EngineState, seq: Seq, load: KVLoad) -> int:
+        """The chain blocks a sequence keeps when its load settles: every loaded block, or
+        a failed load's good leading ones up to a multimodal-safe boundary (attention); a
+        hybrid model has no state past its local prefix after a failure, so it keeps none
+        past it."""
+        if load.state != LoadState.FAILED:
+            return load.first_block + load.good_blocks
+        good = 0 if state.hybrid else load.good_blocks
+        # (never inside a multimodal span; the load's first block is outside)
+        return max(load.first_block, self.matcher.safe_depth(seq, load.first_block + good))
+
+    def load_need(self, state: EngineState, seq: Seq, first: int) -> int:
+        """The blocks a load admission must find available besides the local prefix it
+        attaches: its whole prefill (so that it can complete; lmdeploy's full-prefill check)
+        and, for soft loads, every incomplete load's soft reservation. Then the admitted
+        loads' prefills always fit the cache together: none can wait on another's blocks."""
+        prefill = cdiv(seq.n_tokens, self.bs) - first
+        return prefill + self.soft_reserved(state) if self.config.soft_loads else prefill
+
+    def soft_reserved(self, state: EngineState) -> int:
+        """Blocks reserved softly for admitted loads' incomplete prefills: the prompt blocks
+        each still lacks (waiting for its transfer or a row, or settled and prefilling). Only
+        a load admission honours them; ordinary admissions and decode may borrow them."""
+        table, total = state.seqs, 0
+        for seq_id, load in state.transfers.loads.items():
+            if load.admitted:
+                seq = table.seqs[seq_id]
+                total += max(0, cdiv(seq.n_prompt, self.bs) - len(table.block_table(seq)))
+        return total
 
     def start_saves(
         self, state: EngineState, published: list[tuple[int, int, bytes]], emit: Emit

@@ -48,7 +48,7 @@ class PrefillTurns:
         self, state: EngineState, chunk_rows: np.ndarray, budget: StepBudget, emit: Emit
     ) -> None:
         """Continue running chunked prefills and admit waiting ones, in this step's turn."""
-        if not (state.seqs.waiting or len(chunk_rows)):
+        if not (state.seqs.waiting or len(chunk_rows) or state.transfers.ready_loads()):
             return  # no prefill work: nothing to schedule, the turn stays
         turn = state.turns.turn
         if self.policy == "standard":  # (every order but ttft): no sizes needed

@@ -2,7 +2,9 @@
 
 State pool rows (``config.num_state_slots``): row 0 is the null slot; rows 1..max_batch are the
 runtime slots (batch row r owns slot 1 + r); the rest are checkpoint slots, each free or owned
-by exactly one checkpoint.
+by exactly one checkpoint or by one external load without a batch row (the state it loads is
+written there, ``KVLoadStarted.state_slot``, and restored into the row's runtime slot when
+the load is settled into a row, ``KVLoadSettled``; such a slot costs one aligned checkpoint).
 
 A checkpoint is the recurrent state after ``step`` tokens of a prefix, saved from a runtime
 slot after a forward. Its identity is the hash chain: for a block-aligned step, the hash of the
@@ -116,6 +118,7 @@ class CheckpointTable:
         self.reserved_keys: dict[bytes, int] = {}  # their identities
         self.awaiting: list[int] = []  # reserved by the step being executed: to publish
         self.save_pins: dict[int, int] = {}  # save id -> the checkpoint its lease pins
+        self.load_slots: dict[int, int] = {}  # seq id -> the slot its rowless load writes
 
     def folds(self) -> dict[type[ev.Event], Callable[[Any], RefChange | None]]:
         return {
@@ -129,6 +132,10 @@ class CheckpointTable:
             ev.CheckpointUnpinned: self._on_unpinned,
             ev.KVSaveStarted: self._on_save_started,
             ev.KVSaveFinished: self._on_save_finished,
+            ev.KVLoadStarted: self._on_load_started,
+            ev.KVLoadSettled: self._on_load_settled,
+            ev.SequencePreempted: self._on_load_dropped,
+            ev.SequenceAborted: self._on_load_dropped,
         }
 
     # ------------------------------------------------------------------------ queries
@@ -182,6 +189,10 @@ class CheckpointTable:
 
     def peek_slot(self) -> int:
         return self.free_slots[-1] if self.free_slots else 0
+
+    def load_slot_of(self, seq_id: int) -> int:
+        """The slot a load without a row writes its state to (-1: none)."""
+        return self.load_slots.get(seq_id, -1)
 
     def cost_of(self, frozen: bool) -> int:
         return self.costs[1] if frozen else self.costs[0]
@@ -331,6 +342,33 @@ class CheckpointTable:
         if ckpt_id is not None:
             self._unpin(self.get(ckpt_id), e)
 
+    def _on_load_started(self, e: ev.KVLoadStarted) -> None:
+        """A load without a row takes the next free checkpoint slot for the state it loads
+        (a load into a row's runtime slot, before schema 4, takes nothing)."""
+        if e.state_slot < self.first_ckpt_slot:
+            return
+        cost = self.cost_of(False)
+        if e.seq_id in self.load_slots or self.peek_slot() != e.state_slot or cost > self.room():
+            raise ReplayMismatch(f"load of {e.seq_id}: state slot {e.state_slot} is not free")
+        self.free_slots.pop()
+        self.used += cost
+        self.load_slots[e.seq_id] = e.state_slot
+
+    def _on_load_settled(self, e: ev.KVLoadSettled) -> None:
+        """The loaded state is restored from its slot into the row (StepWork plans the copy);
+        the slot is free again."""
+        if e.state_slot != self.load_slots.get(e.seq_id, -1):
+            raise ReplayMismatch(f"load of {e.seq_id}: settled from state slot {e.state_slot}")
+        self._on_load_dropped(e)
+
+    def _on_load_dropped(
+        self, e: ev.KVLoadSettled | ev.SequencePreempted | ev.SequenceAborted
+    ) -> None:
+        slot = self.load_slots.pop(e.seq_id, None)
+        if slot is not None:
+            self.free_slots.append(slot)
+            self.used -= self.cost_of(False)
+
     def _touch(self, c: Checkpoint) -> None:
         self.clock += 1
         c.stamp = self.clock
@@ -354,7 +392,7 @@ class CheckpointTable:
         pins_by_ckpt = dict(pins_by_ckpt)
         for ckpt_id in self.save_pins.values():
             pins_by_ckpt[ckpt_id] = pins_by_ckpt.get(ckpt_id, 0) + 1
-        owned = [c.slot for c in self.ckpts.values()]
+        owned = [c.slot for c in self.ckpts.values()] + list(self.load_slots.values())
         every = sorted(owned + self.free_slots)
         if every != list(range(self.first_ckpt_slot, self.num_slots)):
             return "checkpoint slots are not partitioned into free and owned (one owner each)"
@@ -367,7 +405,10 @@ class CheckpointTable:
             indexed = self.index.get(c.key) == c.ckpt_id
             if indexed != (c.state != CkptState.RESERVED):
                 return f"checkpoint {c.ckpt_id}: indexed {indexed} in state {c.state.name}"
-        if self.used != sum(c.cost for c in self.ckpts.values()) or self.used > self.capacity:
+        loads = len(self.load_slots) * self.cost_of(False)
+        if self.used != sum(c.cost for c in self.ckpts.values()) + loads or (
+            self.used > self.capacity
+        ):
             return f"checkpoints use {self.used} of {self.capacity}, not the sum of their costs"
         producers = sorted(i for ids in self.by_producer.values() for i in ids)
         if producers != sorted(self.ckpts) or any(
@@ -408,4 +449,5 @@ class CheckpointTable:
             tuple(self.awaiting),
             tuple(sorted(self.save_pins.items())),
             self.clock,
+            tuple(sorted(self.load_slots.items())),
         )

@@ -30,6 +30,7 @@ class Owners(Protocol):
 
     config: SchedulerConfig
     block_size: int
+    hybrid: bool
     pool: BlockPool
     seqs: SequenceTable
     sessions: SessionTable
@@ -87,12 +88,17 @@ def _check_seq(state: Owners, seq: Seq) -> None:
     if seq.state == SeqState.WAITING:
         if seq.pinned_ckpt >= 0 or seq.n_pinned:
             raise InvariantError(f"waiting sequence {seq.seq_id} pins a checkpoint")
-        if seq.row != FREE_ROW or seq.seq_id not in t.waiting:
+        if seq.row != FREE_ROW or len(seq.held) or seq.seq_id not in t.waiting:
             raise InvariantError(f"waiting sequence {seq.seq_id} holds a row or is unqueued")
         return
     if seq.state not in _LIVE:
         raise InvariantError(f"sequence {seq.seq_id} is in state {seq.state.name}")
+    if seq.row == FREE_ROW:
+        _check_rowless(state, seq)
+        return
     row = seq.row
+    if len(seq.held):
+        raise InvariantError(f"sequence {seq.seq_id} holds blocks outside its row")
     if seq.seq_id in t.waiting:
         raise InvariantError(f"running sequence {seq.seq_id} is also queued")
     computed, nblocks = int(t.computed[row]), int(t.nblocks[row])
@@ -117,12 +123,35 @@ def _check_seq(state: Owners, seq: Seq) -> None:
         raise InvariantError(f"sequence {seq.seq_id}: its MTP overlap block is not its chain's")
 
 
+def _check_rowless(state: Owners, seq: Seq) -> None:
+    """A load without a batch row: LOADING_KV, not queued, no pin, no MTP overlap; it holds
+    its local prefix (cached, its own identities) and then the blocks it loads into, within
+    its prompt."""
+    t, bs = state.seqs, state.block_size
+    pinned = seq.pinned_ckpt >= 0 or seq.overlap_block
+    if seq.state != SeqState.LOADING_KV or seq.seq_id in t.waiting or pinned:
+        raise InvariantError(f"sequence {seq.seq_id} holds no row in state {seq.state.name}")
+    held = seq.held
+    if len(held) > -(-seq.n_tokens // bs) or not 0 <= seq.held_cached <= len(held):
+        raise InvariantError(f"load of {seq.seq_id}: {len(held)} blocks held")
+    hash_of = state.pool.hash_of
+    for i in range(seq.held_cached):
+        if hash_of[int(held[i])] != seq.hashes[i]:
+            raise InvariantError(f"load of {seq.seq_id}: block {i} has another identity")
+
+
 def _check_transfers(state: Owners) -> None:
     t = state.seqs
     loading = {s.seq_id for s in t.seqs.values() if s.state == SeqState.LOADING_KV}
+    in_rows = {s for s in loading if t.seqs[s].row != FREE_ROW}
     rows = {int(t.row_seq[r]) for r in np.nonzero(t.loading)[0].tolist()}
-    if rows != loading:
-        raise InvariantError(f"loading rows {sorted(rows)} vs loading seqs {sorted(loading)}")
+    if rows != in_rows:
+        raise InvariantError(f"loading rows {sorted(rows)} vs loading seqs {sorted(in_rows)}")
+    # A hybrid load without a row writes its state to a checkpoint slot of its own.
+    rowless = loading - in_rows if state.hybrid else set()
+    if set(state.ckpts.load_slots) != rowless:
+        raise InvariantError(f"loads owning state slots {sorted(state.ckpts.load_slots)}, "
+                             f"hybrid loads without a row {sorted(rowless)}")
     problem = state.transfers.check_invariants(loading)
     if problem is not None:
         raise InvariantError(problem)

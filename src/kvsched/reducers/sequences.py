@@ -1,11 +1,13 @@
 """SequenceTable: every live sequence, the waiting queue, sessions' history, and their folds.
 
 It owns each sequence's tokens, hash chain and lifecycle state (``Seq``), the batch rows of
-those that hold one (``RowTable``), the work scheduled in the current step, and each session's
-history (the tokens and hash chain of its last finished turn, which the next turn continues).
-Every fold is a deterministic function of (table, event); lifecycle changes fire the triggers
-that ``statemachines/triggers.py`` declares for the event. It reads the block pool (a hit's
-identity and routed-expert ids) and never writes it: its reference changes are returned.
+those that hold one (``RowTable``), the blocks of a load that holds no row (``Seq.held``:
+its local prefix and the blocks it loads into, until it is settled into a row), the work
+scheduled in the current step, and each session's history (the tokens and hash chain of its
+last finished turn, which the next turn continues). Every fold is a deterministic function
+of (table, event); lifecycle changes fire the triggers that ``statemachines/triggers.py``
+declares for the event. It reads the block pool (a hit's identity and routed-expert ids)
+and never writes it: its reference changes are returned.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from kvsched.identity import (
 from kvsched.reducers.blocks import BlockPool
 from kvsched.reducers.errors import RefChange, ReplayMismatch
 from kvsched.reducers.rows import RowTable
-from kvsched.reducers.seq import FREE_ROW, History, Seq
+from kvsched.reducers.seq import FREE_ROW, NO_BLOCKS, History, Seq
 from kvsched.statemachines import SEQUENCE, SeqEvent, SeqState, fire_many
 
 __all__ = ["FREE_ROW", "History", "Seq", "SequenceTable"]
@@ -115,6 +117,15 @@ class SequenceTable(RowTable):
             self._roots[key] = root
         return root
 
+    def block_table(self, seq: Seq) -> np.ndarray:
+        """A live sequence's block table: its row's, or, while it loads without a row, the
+        blocks it holds (``Seq.held``)."""
+        return self.blocks_of(seq.row) if seq.row != FREE_ROW else seq.held
+
+    def rowless_holders(self) -> list[np.ndarray]:
+        """The blocks held by loads without a row (for the reference-count check)."""
+        return [s.held for s in self.seqs.values() if len(s.held)]
+
     def history_len(self, session_id: int) -> int:
         history = self.history.get(session_id)
         return 0 if history is None else len(history.tokens)
@@ -130,6 +141,8 @@ class SequenceTable(RowTable):
     def held_blocks(self, seq: Seq) -> np.ndarray:
         """Every block the sequence holds a reference on, in chain order (a cached MTP overlap
         block just before its private copy; none of a pinned checkpoint's path)."""
+        if seq.row == FREE_ROW:
+            return seq.held  # (a load without a row)
         held = self.blocks_of(seq.row)[seq.n_pinned :]
         if not seq.overlap_block:
             return held
@@ -304,14 +317,21 @@ class SequenceTable(RowTable):
         self.waiting.pop(e.seq_id, None)
 
     def _on_load_admitted(self, e: ev.KVLoadAdmitted) -> None:
-        self.activate(self.seq(e.seq_id), e.row, e, SeqEvent.begin_load)
+        seq = self.seq(e.seq_id)
+        if e.row == FREE_ROW:  # no batch row: it holds only what it loads (Seq.held)
+            seq.fire(e, SeqEvent.begin_load)
+        else:
+            self.activate(seq, e.row, e, SeqEvent.begin_load)
+            self.saved[e.row] = e.num_blocks  # the store has them
         self.waiting.pop(e.seq_id, None)
-        self.saved[e.row] = e.num_blocks  # the store has them
 
     def _on_load_settled(self, e: ev.KVLoadSettled) -> None:
         seq = self.seq(e.seq_id)
         row = seq.row
-        if row == FREE_ROW or e.num_blocks > self.nblocks[row]:
+        if row == FREE_ROW:
+            self._settle_into_row(seq, e)
+            return
+        if e.row != FREE_ROW or e.num_blocks > self.nblocks[row]:
             raise ReplayMismatch(f"sequence {e.seq_id}: load settled beyond its blocks")
         seq.fire(e, SeqEvent.load_settled)
         self.row_state[row] = seq.state
@@ -322,13 +342,31 @@ class SequenceTable(RowTable):
         # Blocks the load could not bring are recomputed, and saved again.
         self.saved[row] = min(int(self.saved[row]), e.num_blocks)
 
+    def _settle_into_row(self, seq: Seq, e: ev.KVLoadSettled) -> None:
+        """A load without a row is admitted: it takes row ``e.row`` with the blocks it holds
+        and runs from its first ``e.num_blocks`` (the rest are recomputed in place)."""
+        held, cached = seq.held, seq.held_cached
+        if e.row == FREE_ROW or not cached <= e.num_blocks <= len(held):
+            raise ReplayMismatch(f"sequence {e.seq_id}: load settled beyond its blocks")
+        self.activate(seq, e.row, e, SeqEvent.load_settled)
+        if seq.num_preemptions == 0:  # what the store brought past the local prefix
+            seq.cached_external = (e.num_blocks - cached) * self.block_size
+        row, n = e.row, len(held)
+        self.table[row, :n] = held
+        self.nblocks[row] = n
+        self.registered[row] = cached
+        self.computed[row] = e.num_blocks * self.block_size
+        self.saved[row] = e.num_blocks  # the store has them (or the local cache had them)
+        seq.held, seq.held_cached = NO_BLOCKS, 0
+
     def _on_matched(self, e: ev.PrefixMatched) -> RefChange | None:
         seq = self.seq(e.seq_id)
         row, k = seq.row, len(e.blocks)
-        if row == FREE_ROW or self.nblocks[row]:
+        if row == FREE_ROW:
+            return self._hold_prefix(seq, e)
+        if self.nblocks[row]:
             raise ReplayMismatch(f"sequence {e.seq_id}: prefix match outside admission")
-        if k and self._pool.hash_of[e.blocks.item(-1)] != seq.hashes[k - 1]:
-            raise ReplayMismatch(f"sequence {e.seq_id}: matched blocks of another prefix")
+        self._check_prefix(seq, e.blocks)
         change = None
         if e.ckpt_id >= 0:
             if seq.pinned_ckpt != e.ckpt_id:
@@ -356,6 +394,24 @@ class SequenceTable(RowTable):
                 seq.cached_local = e.num_tokens
         return change
 
+    def _check_prefix(self, seq: Seq, blocks: np.ndarray) -> None:
+        k = len(blocks)
+        if k and self._pool.hash_of[blocks.item(-1)] != seq.hashes[k - 1]:
+            raise ReplayMismatch(f"sequence {seq.seq_id}: matched blocks of another prefix")
+
+    def _hold_prefix(self, seq: Seq, e: ev.PrefixMatched) -> RefChange | None:
+        """A load without a row attaches its local prefix to itself (``Seq.held``)."""
+        loading = seq.state == SeqState.LOADING_KV
+        if not loading or len(seq.held) or e.ckpt_id >= 0 or e.overlap_block:
+            raise ReplayMismatch(f"sequence {e.seq_id}: prefix match outside admission")
+        self._check_prefix(seq, e.blocks)
+        seq.held = np.array(e.blocks, dtype=np.int32)
+        seq.held_cached = len(e.blocks)
+        seq.num_hit_tokens = e.num_tokens
+        seq.kv_hit_tokens = max(e.kv_hit_tokens, 0)
+        if e.num_query_tokens:  # the first admission (re-admissions query nothing)
+            seq.cached_local = e.num_tokens
+        return RefChange(attach=(e.blocks,)) if len(e.blocks) else None
     def _hold_overlap(
         self, seq: Seq, at: int, block: int, change: RefChange | None
     ) -> RefChange:
@@ -388,13 +444,23 @@ class SequenceTable(RowTable):
             self._grow_table(seq_id, e.blocks[bounds[i] : bounds[i + 1]])
 
     def _grow_table(self, seq_id: int, blocks: np.ndarray) -> None:
-        row = self.seq(seq_id).row
-        k = len(blocks)
+        seq = self.seq(seq_id)
+        row, k = seq.row, len(blocks)
+        if row == FREE_ROW:
+            self._hold_more(seq, blocks)
+            return
         n = int(self.nblocks[row])
-        if row == FREE_ROW or n + k > self.table.shape[1]:
+        if n + k > self.table.shape[1]:
             raise ReplayMismatch(f"sequence {seq_id} cannot take {k} more blocks")
         self.table[row, n : n + k] = blocks
         self.nblocks[row] = n + k
+
+    def _hold_more(self, seq: Seq, blocks: np.ndarray) -> None:
+        """A load without a row takes the blocks it loads into."""
+        k = len(blocks)
+        if seq.state != SeqState.LOADING_KV or len(seq.held) + k > self.table.shape[1]:
+            raise ReplayMismatch(f"sequence {seq.seq_id} cannot take {k} more blocks")
+        seq.held = np.concatenate((seq.held, blocks)).astype(np.int32)
 
     def _on_freed(self, e: ev.BlocksFreed) -> RefChange | None:
         bounds = np.concatenate(([0], np.cumsum(e.counts)))
@@ -408,14 +474,26 @@ class SequenceTable(RowTable):
 
     def _drop_tail(self, seq: Seq, blocks: np.ndarray) -> None:
         row = seq.row
+        if row == FREE_ROW:
+            self._drop_held(seq, blocks)
+            return
         if seq.overlap_block and seq.overlap_block in blocks.tolist():
             blocks = self._drop_overlap(seq, blocks)
         n, k = int(self.nblocks[row]), len(blocks)
-        if row == FREE_ROW or k > n or not np.array_equal(self.table[row, n - k : n], blocks):
+        if k > n or not np.array_equal(self.table[row, n - k : n], blocks):
             raise ReplayMismatch(f"sequence {seq.seq_id} does not hold {blocks} at its tail")
         self.set_nblocks(row, n - k)
         self.registered[row] = min(int(self.registered[row]), n - k)
         self.computed[row] = min(int(self.computed[row]), (n - k) * self.block_size)
+
+    @staticmethod
+    def _drop_held(seq: Seq, blocks: np.ndarray) -> None:
+        """A load without a row drops the tail of the blocks it holds."""
+        n, k = len(seq.held), len(blocks)
+        if k > n or not np.array_equal(seq.held[n - k :], blocks):
+            raise ReplayMismatch(f"sequence {seq.seq_id} does not hold {blocks} at its tail")
+        seq.held = seq.held[: n - k].copy()
+        seq.held_cached = min(seq.held_cached, n - k)
 
     def _drop_overlap(self, seq: Seq, blocks: np.ndarray) -> np.ndarray:
         """A release that includes the sequence's MTP overlap block, just before its private
@@ -502,9 +580,11 @@ class SequenceTable(RowTable):
     # -------------------------------------------------------------------- endings
 
     def _release_row(self, seq: Seq) -> None:
-        if self.nblocks[seq.row] or seq.overlap_block:
+        row = seq.row
+        if (self.nblocks[row] or seq.overlap_block) if row != FREE_ROW else len(seq.held):
             raise ReplayMismatch(f"sequence {seq.seq_id} left running with blocks held")
-        self.deactivate(seq)
+        if row != FREE_ROW:  # (a load without a row has none)
+            self.deactivate(seq)
 
     def _on_preempted(self, e: ev.SequencePreempted) -> None:
         seq = self.seq(e.seq_id)
@@ -535,7 +615,7 @@ class SequenceTable(RowTable):
         counts = (e.cached_local, e.cached_checkpoint, e.cached_external)
         if any(counts) and counts != seq.cached_tokens:
             raise ReplayMismatch(f"sequence {e.seq_id}: cached-token counts not its own")
-        if seq.state == SeqState.RUNNING:
+        if seq.state != SeqState.WAITING:  # running, or a load whose transfer ended
             self._release_row(seq)
         seq.fire(e, SeqEvent.abort)
         seq.finish_reason = e.reason
@@ -604,6 +684,7 @@ class SequenceTable(RowTable):
                 s.seq_id, s.state, s.row, s.n_tokens, s.token_view().tobytes(), s.hashes.packed(),
                 s.pinned_ckpt, s.n_pinned, s.num_failures, s.num_preemptions, s.preempted_at,
                 s.num_hit_tokens, s.n_experts, s.cached_tokens, s.overlap_block, s.overlap_at,
+                s.held.tobytes(), s.held_cached,
             )
             for s in self.seqs.values()
         )

@@ -122,13 +122,15 @@ class EngineState:
         return self.seqs.seq(seq_id)
 
     def holders(self) -> list[np.ndarray]:
-        """Every holder's block references (running rows, sessions, checkpoints, leases)."""
+        """Every holder's block references (running rows, loads without a row, sessions,
+        checkpoints, leases)."""
         t = self.seqs
         held = []
         for row in t.running_rows().tolist():
             seq = t.objs[row]
             assert seq is not None
             held.append(t.held_blocks(seq))
+        held.extend(self.seqs.rowless_holders())
         held.extend(self.sessions.holders())
         held.extend(self.ckpts.holders())
         held.extend(self.transfers.lease_holders())

@@ -3,7 +3,10 @@
 A load record follows the KVLoad machine: LOOKUP_PENDING (the store is being asked) ->
 PLANNED (the store holds ``[first_block, num_blocks)``) -> ADMITTED -> ALLOCATED -> LOADING ->
 READY | FAILED; or CANCELLED. Records of terminal loads stay until the sequence leaves its row
-(a FAILED record survives a preemption, so the sequence does not try the store again).
+(a FAILED record survives a preemption, so the sequence does not try the store again). A
+load that ended waits to be settled (``KVLoadSettled``): at once when it holds a batch row,
+when it is admitted into one when it holds none (``ready_loads``). The blocks a load without
+a row holds are its sequence's (``SequenceTable``, ``Seq.held``), not this table's.
 
 A lease is what a save in flight holds: one pool reference on each block of the sequence's
 prefix up to the last block it saves (not only the blocks it reads: a cached block never
@@ -40,6 +43,9 @@ from kvsched.statemachines import (
 )
 
 _NO_BLOCKS = np.zeros(0, dtype=np.int32)
+_ADMITTED = (
+    LoadState.ADMITTED, LoadState.ALLOCATED, LoadState.LOADING, LoadState.READY, LoadState.FAILED
+)
 
 
 @attrs.define(slots=True, eq=False)
@@ -55,6 +61,9 @@ class KVLoad:
     failure: str = ""
     good_blocks: int = 0  # a failed load: its leading blocks written completely
     settled: bool = False  # the sequence runs (KVLoadSettled)
+    # Its sequence left after the load failed: the record only keeps the store from being
+    # asked again (it holds and reserves nothing).
+    retired: bool = False
 
     def fire(self, event: ev.Event, trigger: LoadEvent) -> None:
         self.state = fire(KVLOAD, event, self.seq_id, self.state, trigger)
@@ -72,7 +81,13 @@ class KVLoad:
     def ended(self) -> bool:
         """The transfer finished or failed, and the sequence still waits for the policy to
         settle it (KVLoadSettled)."""
-        return self.state in (LoadState.READY, LoadState.FAILED) and not self.settled
+        done = self.state in (LoadState.READY, LoadState.FAILED)
+        return done and not (self.settled or self.retired)
+
+    @property
+    def admitted(self) -> bool:
+        """Admitted, and its sequence has not left since: it holds blocks (or a row)."""
+        return self.state in _ADMITTED and not self.retired
 
 
 @attrs.define(slots=True, eq=False)
@@ -128,6 +143,15 @@ class TransferTable:
     def busy(self) -> bool:
         """A load or a save is in flight (or a load ended and is not settled yet)."""
         return bool(self.leases) or any(ld.in_flight or ld.ended for ld in self.loads.values())
+
+    @property
+    def transferring(self) -> bool:
+        """A load or a save is in flight: device memory is being written or read."""
+        return bool(self.leases) or any(ld.in_flight for ld in self.loads.values())
+
+    def ready_loads(self) -> list[int]:
+        """Sequences whose load ended and that wait to be settled into a batch row."""
+        return sorted(s for s, ld in self.loads.items() if ld.ended)
 
     def load_of(self, seq_id: int) -> KVLoad | None:
         return self.loads.get(seq_id)
@@ -197,7 +221,7 @@ class TransferTable:
         load = self._load(e.seq_id)
         seq = self._seqs.seq(e.seq_id)
         lo, hi = load.first_block, load.num_blocks
-        held = self._seqs.table[seq.row, lo:hi] if seq.row != FREE_ROW else _NO_BLOCKS
+        held = self._seqs.block_table(seq)[lo:hi]
         if e.first_block != lo or not np.array_equal(held, e.blocks):
             raise ReplayMismatch(f"sequence {e.seq_id}: load into blocks it does not hold")
         load.fire(e, LoadEvent.start)
@@ -232,14 +256,16 @@ class TransferTable:
         load.close_session = load.close_session or e.close_session
 
     def _forget(self, seq_id: int, keep_failed: bool = False) -> None:
-        """The sequence left its row (or the engine): drop its record (a FAILED one is kept
-        on request, so a preempted sequence does not retry a store that failed it)."""
+        """The sequence left its row (or the engine), or a load without a row was dropped
+        after its transfer ended: drop its record (a FAILED one is kept on request, so a
+        preempted sequence does not retry a store that failed it)."""
         load = self.loads.get(seq_id)
         if load is None:
             return
-        if load.in_flight or load.ended:
+        if load.in_flight:
             raise ReplayMismatch(f"sequence {seq_id} left while its load is {load.state.name}")
         if keep_failed and load.state == LoadState.FAILED:
+            load.retired = True
             return
         del self.loads[seq_id]
 
@@ -302,6 +328,8 @@ class TransferTable:
                 load.num_blocks - load.first_block
             ):
                 return f"load of {load.seq_id}: {len(load.blocks)} destination blocks"
+            if load.retired and load.state != LoadState.FAILED:
+                return f"load of {load.seq_id}: retired in state {load.state.name}"
         for save_id, lease in self.leases.items():
             if save_id >= self.next_save_id or lease.save_id != save_id:
                 return f"lease of save {save_id} is not a started save"
@@ -312,7 +340,7 @@ class TransferTable:
     def snapshot(self) -> tuple[object, ...]:
         loads = tuple(
             (k, ld.state, ld.first_block, ld.num_blocks, ld.blocks.tobytes(), ld.abort_reason,
-             ld.close_session, ld.good_blocks, ld.settled)
+             ld.close_session, ld.good_blocks, ld.settled, ld.retired)
             for k, ld in sorted(self.loads.items())
         )
         leases = tuple(

@@ -3,10 +3,11 @@ clock, sleep and drain.
 
 ``StepWork`` collects, in decision order, the state-slot and block copies the current step's
 plan needs (hybrid models: runtime slots to zero at admission, checkpoints to restore before
-the forward and to save after it or within it, the final states of sequences that finished in
-the step just executed, partial blocks to freeze), and the engine's hit counters
-when the step started (the step's own hits are the difference). It reads the sequence and
-checkpoint tables for rows and slots, and the statistics. Reset by ``StepStarted``.
+the forward and to save after it or within it, the states loads wrote to restore into the
+row they are settled into, the final states of sequences that finished in the step just
+executed, partial blocks to freeze), and the engine's hit counters when the step started
+(the step's own hits are the difference). It reads the sequence and checkpoint tables for
+rows and slots, and the statistics. Reset by ``StepStarted``.
 """
 
 from __future__ import annotations
@@ -62,6 +63,7 @@ class StepWork:
         if self.hybrid:
             out[ev.SequenceAdmitted] = self._on_admitted
             out[ev.KVLoadAdmitted] = self._on_admitted
+            out[ev.KVLoadSettled] = self._on_load_settled
             out[ev.CheckpointReserved] = self._on_ckpt_reserved
             out[ev.CheckpointPinned] = self._on_ckpt_pinned
         return out
@@ -71,7 +73,13 @@ class StepWork:
         self.extras = StepExtras(hit_tokens_before=s.hit_tokens, query_tokens_before=s.query_tokens)
 
     def _on_admitted(self, e: ev.SequenceAdmitted | ev.KVLoadAdmitted) -> None:
-        self.extras.state_zero.append(CheckpointTable.runtime_slot(e.row))
+        if e.row >= 0:  # (a load without a row has no runtime slot)
+            self.extras.state_zero.append(CheckpointTable.runtime_slot(e.row))
+
+    def _on_load_settled(self, e: ev.KVLoadSettled) -> None:
+        """A load without a row enters its row: its loaded state moves into the runtime slot."""
+        if e.state_slot >= 0:
+            self.extras.state_restore.append((e.state_slot, CheckpointTable.runtime_slot(e.row)))
 
     def _on_ckpt_reserved(self, e: ev.CheckpointReserved) -> None:
         row, bs, x = self._seqs.seq(e.seq_id).row, self._seqs.block_size, self.extras

@@ -79,16 +79,21 @@ SEQUENCE_SPEC = MachineSpec(
         T(_SE.finish, _S.RUNNING, _S.FINISHED),
         T(_SE.abort, _S.WAITING, _S.ABORTED),
         T(_SE.abort, _S.RUNNING, _S.ABORTED),
+        T(_SE.abort, _S.LOADING_KV, _S.ABORTED),
+        T(_SE.preempt, _S.LOADING_KV, _S.WAITING),
     ),
     description=(
-        "A request from arrival to completion. LOADING_KV: admitted (it holds a batch row and "
-        "every block of its prompt) while its prefix loads from the external store; "
-        "`load_settled` (the policy's decision once the load finished or failed) moves it to "
-        "RUNNING from the loaded boundary (or, after a failure, the last good block). Only a "
-        "RUNNING sequence accepts `schedule_chunk` and `decode`, so a row still loading KV "
-        "can never be scheduled. There is no abort edge from LOADING_KV: an abort or end of "
-        "session during a load is recorded and applied once the load has settled. A sequence "
-        "migrated from a prefill worker arrives as a plain request whose prefix is loaded."
+        "A request from arrival to completion. LOADING_KV: admitted while its prefix loads "
+        "from the external store, holding the blocks it loads into (and, hybrid, a state "
+        "slot) but no batch row (before schema 4: a row and every block of its prompt); "
+        "`load_settled` (the policy's decision once the load finished or failed; a rowless "
+        "load's admission into a row, from the front of the queue) moves it to RUNNING from "
+        "the loaded boundary (or, after a failure, the last good block). Only a RUNNING "
+        "sequence accepts `schedule_chunk` and `decode`, so a sequence still loading KV can "
+        "never be scheduled. While the transfer flies an abort or end of session is recorded "
+        "and applied once it ends; `abort` and `preempt` leave LOADING_KV only after the "
+        "transfer ended (the transfer table refuses them before). A sequence migrated from a "
+        "prefill worker arrives as a plain request whose prefix is loaded."
     ),
 )
 
@@ -138,6 +143,7 @@ KVLOAD_SPEC = MachineSpec(
         T(_LE.admit, _L.PLANNED, _L.ADMITTED),
         T(_LE.allocate, _L.ADMITTED, _L.ALLOCATED),
         T(_LE.start, _L.ALLOCATED, _L.LOADING),
+        T(_LE.start, _L.ADMITTED, _L.LOADING),
         T(_LE.finish, _L.LOADING, _L.READY),
         T(_LE.fail, _L.LOADING, _L.FAILED),
         T(_LE.cancel, _L.LOOKUP_PENDING, _L.CANCELLED),
@@ -149,8 +155,9 @@ KVLOAD_SPEC = MachineSpec(
         "Loading a sequence's KV blocks (and, for a hybrid model, the state at the loaded "
         "boundary) from an external store. The lookup is asynchronous (it may stay pending "
         "for steps: each pending answer fires `lookup_pending`); PLANNED -> ADMITTED -> "
-        "ALLOCATED -> LOADING happen in one admission (row, every prompt block, transfer "
-        "start). A load can be cancelled until its "
+        "ALLOCATED -> LOADING happen in one admission (the destination blocks, transfer "
+        "start; ADMITTED -> LOADING directly for a hybrid load of the state alone, which "
+        "allocates no block). A load can be cancelled until its "
         "transfer starts; once LOADING it either finishes or fails (with the number of good "
         "leading blocks: the sequence recomputes from there)."
     ),

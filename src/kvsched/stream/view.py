@@ -265,7 +265,7 @@ def engine_view(state: Any) -> dict[str, Any]:
     t, pool = state.seqs, state.pool
     seqs = {}
     for seq_id, seq in sorted(t.seqs.items()):
-        blocks = t.blocks_of(seq.row).tolist() if seq.row >= 0 else []
+        blocks = t.block_table(seq).tolist()  # (a load without a row holds its own)
         seqs[str(seq_id)] = [seq.state.name, blocks]
     return {
         "prefix": {h.hex(): b for h, b in sorted(pool.index.items())},
