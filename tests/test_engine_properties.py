@@ -72,8 +72,9 @@ class EngineMachine(RuleBasedStateMachine):
         last_chunk=st.booleans(),
         waiting_tokens=st.booleans(),
         prealloc=st.sampled_from([0, 0, 4, 9]),
+        order=st.sampled_from(["fcfs", "priority", "ttft"]),
     )
-    def start(self, hybrid, num_blocks, max_batch, chunk_blocks, decode_interval, budget, turn_mode, policy, mid_chunk, by_bytes, keep_aborted, session_reclaim, last_chunk, waiting_tokens, prealloc):  # type: ignore[no-untyped-def]  # noqa: E501
+    def start(self, hybrid, num_blocks, max_batch, chunk_blocks, decode_interval, budget, turn_mode, policy, mid_chunk, by_bytes, keep_aborted, session_reclaim, last_chunk, waiting_tokens, prealloc, order):  # type: ignore[no-untyped-def]  # noqa: E501
         bs = 4
         rules = (
             {"checkpoint_placement": PLACEMENTS, "checkpoint_eviction": "value"}
@@ -101,6 +102,7 @@ class EngineMachine(RuleBasedStateMachine):
             prefill_on_last_chunk=last_chunk,  # alternate turns' triggers
             prefill_on_waiting_tokens=waiting_tokens,
             decode_prealloc_tokens=prealloc,  # 0, 1 or 2 blocks ahead
+            order=order,  # ttft: lmdeploy's interleaved prefill turns
             **memory,
             **rules,
         )
@@ -257,6 +259,7 @@ class EngineMachineWithMTPAndImages(EngineMachine):
         last_chunk=st.booleans(),
         waiting_tokens=st.booleans(),
         prealloc=st.sampled_from([0, 0, 4, 9]),
+        order=st.sampled_from(["fcfs", "priority", "ttft"]),
         mtp=st.sampled_from([1, 2]),
     )
     def start(self, mtp: int, **kw) -> None:  # type: ignore[no-untyped-def]

@@ -83,7 +83,7 @@ class ExternalKVMachine(RuleBasedStateMachine):
         decode_interval=st.sampled_from([0, 4, 8]),
         budget=st.integers(1, 4),
         turn_mode=st.sampled_from(["mixed", "alternate"]),
-        order=st.sampled_from(["fcfs", "priority"]),
+        order=st.sampled_from(["fcfs", "priority", "ttft"]),  # ttft: its prefill turns
         load_admission=st.sampled_from(["soft", "soft", "whole_prompt"]),
     )
     def start(  # type: ignore[no-untyped-def]
@@ -560,7 +560,7 @@ class ExternalKVMachineWithMTPAndImages(ExternalKVMachine):
         decode_interval=st.sampled_from([0, 4, 8]),
         budget=st.integers(1, 4),
         turn_mode=st.sampled_from(["mixed", "alternate"]),
-        order=st.sampled_from(["fcfs", "priority"]),
+        order=st.sampled_from(["fcfs", "priority", "ttft"]),  # ttft: its prefill turns
         mtp=st.sampled_from([0, 1]),
     )
     def start(self, mtp: int, **kw) -> None:  # type: ignore[no-untyped-def]
