@@ -51,29 +51,33 @@ class _Faulty:
         self.inner.wake()
 
 
+# The engine machines' configuration space (each start draws one).
+ENGINE_CONFIGS = dict(
+    hybrid=st.booleans(),
+    num_blocks=st.integers(10, 40),
+    max_batch=st.integers(1, 4),
+    chunk_blocks=st.integers(1, 3),
+    decode_interval=st.sampled_from([0, 4, 8]),
+    budget=st.integers(1, 4),
+    turn_mode=st.sampled_from(["mixed", "alternate"]),
+    policy=st.sampled_from([*CHECKPOINT_POLICIES, "every rule"]),
+    mid_chunk=st.booleans(),
+    by_bytes=st.booleans(),
+    keep_aborted=st.booleans(),
+    session_reclaim=st.sampled_from(["last_use", "session_id"]),
+    last_chunk=st.booleans(),
+    waiting_tokens=st.booleans(),
+    prealloc=st.sampled_from([0, 0, 4, 9]),
+    order=st.sampled_from(["fcfs", "priority", "ttft"]),
+)
+
+
 class EngineMachine(RuleBasedStateMachine):
     """The engine as the system under test; the model is "what has been asked of it"."""
 
     DEDUP = True  # dedup_cached_blocks (EngineMachineWithPrivateCopies: off, as under vLLM)
 
-    @initialize(
-        hybrid=st.booleans(),
-        num_blocks=st.integers(10, 40),
-        max_batch=st.integers(1, 4),
-        chunk_blocks=st.integers(1, 3),
-        decode_interval=st.sampled_from([0, 4, 8]),
-        budget=st.integers(1, 4),
-        turn_mode=st.sampled_from(["mixed", "alternate"]),
-        policy=st.sampled_from([*CHECKPOINT_POLICIES, "every rule"]),
-        mid_chunk=st.booleans(),
-        by_bytes=st.booleans(),
-        keep_aborted=st.booleans(),
-        session_reclaim=st.sampled_from(["last_use", "session_id"]),
-        last_chunk=st.booleans(),
-        waiting_tokens=st.booleans(),
-        prealloc=st.sampled_from([0, 0, 4, 9]),
-        order=st.sampled_from(["fcfs", "priority", "ttft"]),
-    )
+    @initialize(**ENGINE_CONFIGS)
     def start(self, hybrid, num_blocks, max_batch, chunk_blocks, decode_interval, budget, turn_mode, policy, mid_chunk, by_bytes, keep_aborted, session_reclaim, last_chunk, waiting_tokens, prealloc, order):  # type: ignore[no-untyped-def]  # noqa: E501
         bs = 4
         rules = (
@@ -243,25 +247,7 @@ class EngineMachineWithMTPAndImages(EngineMachine):
     sequence holds the cached one) and requests with multimodal spans: no forward starts
     or ends inside one."""
 
-    @initialize(
-        hybrid=st.booleans(),
-        num_blocks=st.integers(10, 40),
-        max_batch=st.integers(1, 4),
-        chunk_blocks=st.integers(1, 3),
-        decode_interval=st.sampled_from([0, 4, 8]),
-        budget=st.integers(1, 4),
-        turn_mode=st.sampled_from(["mixed", "alternate"]),
-        policy=st.sampled_from([*CHECKPOINT_POLICIES, "every rule"]),
-        mid_chunk=st.booleans(),
-        by_bytes=st.booleans(),
-        keep_aborted=st.booleans(),
-        session_reclaim=st.sampled_from(["last_use", "session_id"]),
-        last_chunk=st.booleans(),
-        waiting_tokens=st.booleans(),
-        prealloc=st.sampled_from([0, 0, 4, 9]),
-        order=st.sampled_from(["fcfs", "priority", "ttft"]),
-        mtp=st.sampled_from([1, 2]),
-    )
+    @initialize(**ENGINE_CONFIGS, mtp=st.sampled_from([1, 2]))
     def start(self, mtp: int, **kw) -> None:  # type: ignore[no-untyped-def]
         super().start(**kw)
         self.config = attrs.evolve(self.config, num_speculative_tokens=mtp)

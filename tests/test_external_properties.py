@@ -71,21 +71,25 @@ def _pick_with(keys: list[int], choices: list[tuple[int, T]]) -> list[tuple[int,
     return list(chosen.items())
 
 
+# The external-KV machines' configuration space (each start draws one).
+EXTERNAL_CONFIGS = dict(
+    hybrid=st.booleans(),
+    role=st.sampled_from(["both", "both", "prefill", "decode"]),
+    num_blocks=st.integers(12, 32),
+    max_batch=st.integers(1, 4),
+    chunk_blocks=st.integers(1, 3),
+    decode_interval=st.sampled_from([0, 4, 8]),
+    budget=st.integers(1, 4),
+    turn_mode=st.sampled_from(["mixed", "alternate"]),
+    order=st.sampled_from(["fcfs", "priority", "ttft"]),  # ttft: its prefill turns
+    load_admission=st.sampled_from(["soft", "soft", "whole_prompt"]),
+)
+
+
 class ExternalKVMachine(RuleBasedStateMachine):
     """The engine and a fake store; the model is "what the store owes the engine"."""
 
-    @initialize(
-        hybrid=st.booleans(),
-        role=st.sampled_from(["both", "both", "prefill", "decode"]),
-        num_blocks=st.integers(12, 32),
-        max_batch=st.integers(1, 4),
-        chunk_blocks=st.integers(1, 3),
-        decode_interval=st.sampled_from([0, 4, 8]),
-        budget=st.integers(1, 4),
-        turn_mode=st.sampled_from(["mixed", "alternate"]),
-        order=st.sampled_from(["fcfs", "priority", "ttft"]),  # ttft: its prefill turns
-        load_admission=st.sampled_from(["soft", "soft", "whole_prompt"]),
-    )
+    @initialize(**EXTERNAL_CONFIGS)
     def start(  # type: ignore[no-untyped-def]
         self,
         hybrid,
@@ -551,18 +555,7 @@ class ExternalKVMachineWithMTPAndImages(ExternalKVMachine):
     has: recomputed) and requests with multimodal spans: no load, hit or chunk ends inside
     one."""
 
-    @initialize(
-        hybrid=st.booleans(),
-        role=st.sampled_from(["both", "both", "prefill", "decode"]),
-        num_blocks=st.integers(12, 32),
-        max_batch=st.integers(1, 4),
-        chunk_blocks=st.integers(1, 3),
-        decode_interval=st.sampled_from([0, 4, 8]),
-        budget=st.integers(1, 4),
-        turn_mode=st.sampled_from(["mixed", "alternate"]),
-        order=st.sampled_from(["fcfs", "priority", "ttft"]),  # ttft: its prefill turns
-        mtp=st.sampled_from([0, 1]),
-    )
+    @initialize(**EXTERNAL_CONFIGS, mtp=st.sampled_from([0, 1]))
     def start(self, mtp: int, **kw) -> None:  # type: ignore[no-untyped-def]
         super().start(**kw)
         self.config = attrs.evolve(self.config, num_speculative_tokens=mtp)
