@@ -435,8 +435,8 @@ def _add_replay(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
     r.add_argument(
         "--prefill-turns",
         choices=list(PREFILL_TURNS),
-        help="--order ttft: the prefill-turn policy (default long_first; interleave: lmdeploy's "
-        "short-only turns while long prompts wait, a long chunk every --short-turns)",
+        help="--order ttft: the prefill-turn policy (default interleave: lmdeploy's short-only "
+        "turns while long prompts wait, a long chunk every --short-turns)",
     )
     r.add_argument(
         "--short-turns",
