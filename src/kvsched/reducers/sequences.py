@@ -412,6 +412,7 @@ class SequenceTable(RowTable):
         if e.num_query_tokens:  # the first admission (re-admissions query nothing)
             seq.cached_local = e.num_tokens
         return RefChange(attach=(e.blocks,)) if len(e.blocks) else None
+
     def _hold_overlap(
         self, seq: Seq, at: int, block: int, change: RefChange | None
     ) -> RefChange:
