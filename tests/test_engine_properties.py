@@ -72,6 +72,18 @@ ENGINE_CONFIGS = dict(
 )
 
 
+# What an arrival draws (a shared prefix and suffix, sampling limits, tenant, session).
+ARRIVALS = dict(
+    prefix=st.integers(0, len(PREFIXES) - 1),
+    suffix=st.integers(0, 9),
+    max_tokens=st.integers(1, 12),
+    adapter=st.sampled_from(["", "lora-a"]),
+    salt=st.sampled_from(["", "tenant-b"]),
+    priority=st.integers(0, 2),
+    session=st.sampled_from([-1, -1, 0, 1]),
+)
+
+
 class EngineMachine(RuleBasedStateMachine):
     """The engine as the system under test; the model is "what has been asked of it"."""
 
@@ -133,15 +145,7 @@ class EngineMachine(RuleBasedStateMachine):
         for o in self.outcome:  # only injected faults: never a plan run on a sleeping executor
             assert not isinstance(o, ev.StepFailed) or o.reason.endswith("injected fault"), o
 
-    @rule(
-        prefix=st.integers(0, len(PREFIXES) - 1),
-        suffix=st.integers(0, 9),
-        max_tokens=st.integers(1, 12),
-        adapter=st.sampled_from(["", "lora-a"]),
-        salt=st.sampled_from(["", "tenant-b"]),
-        priority=st.integers(0, 2),
-        session=st.sampled_from([-1, -1, 0, 1]),
-    )
+    @rule(**ARRIVALS)
     def arrive(self, prefix, suffix, max_tokens, adapter, salt, priority, session):  # type: ignore[no-untyped-def]
         prompt = np.concatenate([PREFIXES[prefix], np.full(suffix, 5, np.int32)])
         self.inputs.append(
@@ -255,16 +259,7 @@ class EngineMachineWithMTPAndImages(EngineMachine):
         self.executor = SpansWhole(self.executor, self.engine.state)
         self.runner = _Faulty(self.executor)
 
-    @rule(
-        prefix=st.integers(0, len(PREFIXES) - 1),
-        suffix=st.integers(0, 9),
-        max_tokens=st.integers(1, 12),
-        adapter=st.sampled_from(["", "lora-a"]),
-        salt=st.sampled_from(["", "tenant-b"]),
-        priority=st.integers(0, 2),
-        session=st.sampled_from([-1, -1, 0, 1]),
-        image=IMAGES,
-    )
+    @rule(**ARRIVALS, image=IMAGES)
     def arrive(self, image, **kw) -> None:  # type: ignore[no-untyped-def]
         super().arrive(**kw)
         self.inputs[-1] = with_image(self.inputs[-1], image)

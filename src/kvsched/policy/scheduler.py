@@ -290,7 +290,7 @@ class Policy:
         config = self.config
         if config.turn_mode == "mixed" or n_decode == 0:
             return True
-        if not state.seqs.waiting and not len(chunk_rows) and not state.transfers.ready_loads():
+        if not self.turns.has_work(state, chunk_rows):
             return False
         # Every prefill turn is followed by at least one decode turn, so decoding sequences
         # always progress (otherwise admissions could starve them and thrash preemption).

@@ -48,7 +48,7 @@ class PrefillTurns:
         self, state: EngineState, chunk_rows: np.ndarray, budget: StepBudget, emit: Emit
     ) -> None:
         """Continue running chunked prefills and admit waiting ones, in this step's turn."""
-        if not (state.seqs.waiting or len(chunk_rows) or state.transfers.ready_loads()):
+        if not self.has_work(state, chunk_rows):
             return  # no prefill work: nothing to schedule, the turn stays
         turn = state.turns.turn
         if self.policy == "standard":  # (every order but ttft): no sizes needed
@@ -68,6 +68,12 @@ class PrefillTurns:
             emit(ev.PrefillTurnChosen(turn_name(_T.LONG_FIRST), fallback=True))
             rows = chunk_rows[state.seqs.row_seq[chunk_rows] >= 0]  # (not preempted meanwhile)
             self._run_turn(state, _T.LONG_FIRST, rows, budget, emit, None)
+
+    @staticmethod
+    def has_work(state: EngineState, chunk_rows: np.ndarray) -> bool:
+        """Whether a prefill turn has anything to offer: a waiting sequence, a running chunked
+        prefill, or a load that ended and waits for a row."""
+        return bool(state.seqs.waiting or len(chunk_rows) or state.transfers.ready_loads())
 
     def _run_turn(
         self,
