@@ -286,3 +286,28 @@ def test_a_hash_chain_reads_packed_and_appended_digests_as_one_sequence() -> Non
         assert chain.longest_prefix_in(index, 3) == min(k, 3)
     with pytest.raises(ValueError, match="whole"):
         identity.HashChain(b"x" * 15)
+
+
+@pytest.mark.parametrize("block_size", [16, 64, 80, 128])
+@pytest.mark.parametrize("n_tokens", [0, 15, 64, 1000, 4099])
+def test_the_kernels_whole_chain_loop_for_whole_stripes_computes_the_specification_and_max(
+    block_size: int, n_tokens: int
+) -> None:
+    """Block sizes of whole 64-byte stripes without extras take the AVX2 path's one-loop chain
+    (where the CPU has AVX2): digests and the unsigned max of every token, tail included."""
+    assert identity._kvs128 is not None, "the native kernel is not built"
+    root = namespace_root(ModelSpec(), block_size)
+    keys = identity.kvs128_keys(root)
+    toks = np.random.default_rng(n_tokens).integers(-(2**31), 2**31, n_tokens).astype("<i4")
+    if n_tokens > 100:
+        toks[-1] = -1  # the largest unsigned id, past the last full block
+    reference = identity._kvs128_py(root, toks.tobytes(), block_size, keys, [])
+    top = int(toks.view("<u4").max()) if n_tokens else 0
+    try:
+        for path in _paths():
+            identity._kvs128.use(path)
+            assert identity._kvs128.chain(root, toks, block_size, keys, None, True) == (
+                reference, top
+            ), path
+    finally:
+        identity._kvs128.use(None)

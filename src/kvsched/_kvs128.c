@@ -207,23 +207,37 @@ static void absorb_sse2(uint64_t *acc, const unsigned char *p, Py_ssize_t nstrip
     a = _mm256_add_epi64(a, _mm256_add_epi64(_mm256_mul_epu32(d, _mm256_srli_epi64(d, 32)), \
                                              _mm256_shuffle_epi32(w, 0x4E)))
 
-__attribute__((target("avx2"))) static void absorb_avx2(uint64_t *acc, const unsigned char *p,
-                                                         Py_ssize_t nstripes,
-                                                         const uint64_t *kk, uint32_t *mx) {
-    __m256i a0 = _mm256_setzero_si256(), a1 = a0, m = _mm256_set1_epi32((int)*mx);
+/* The lane loop over ``nstripes`` whole stripes: lanes 0-3 in a0, 4-7 in a1, the running
+ * unsigned max of the tokens in m (inlined where it is used: the registers stay registers). */
+__attribute__((target("avx2"))) static inline void lanes_avx2(__m256i *a0, __m256i *a1,
+                                                             __m256i *m, const unsigned char *p,
+                                                             Py_ssize_t nstripes,
+                                                             const uint64_t *kk) {
     for (Py_ssize_t j = 0; j < nstripes; j++, p += STRIPE, kk += 8) {
         PREFETCH(p + PREFETCH_AHEAD);
         __m256i w0 = _mm256_loadu_si256((const __m256i *)p);
         __m256i w1 = _mm256_loadu_si256((const __m256i *)(p + 32));
         __m256i d0 = _mm256_xor_si256(w0, _mm256_loadu_si256((const __m256i *)kk));
         __m256i d1 = _mm256_xor_si256(w1, _mm256_loadu_si256((const __m256i *)(kk + 4)));
-        AVX2_LANES(a0, w0, d0);
-        AVX2_LANES(a1, w1, d1);
-        m = _mm256_max_epu32(m, _mm256_max_epu32(w0, w1));
+        AVX2_LANES(*a0, w0, d0);
+        AVX2_LANES(*a1, w1, d1);
+        *m = _mm256_max_epu32(*m, _mm256_max_epu32(w0, w1));
     }
+}
+
+__attribute__((target("avx2"))) static inline uint32_t max_avx2(__m256i m, uint32_t mx) {
     uint32_t lanes[8];
     _mm256_storeu_si256((__m256i *)lanes, m);
-    for (int l = 0; l < 8; l++) *mx = lanes[l] > *mx ? lanes[l] : *mx;
+    for (int l = 0; l < 8; l++) mx = lanes[l] > mx ? lanes[l] : mx;
+    return mx;
+}
+
+__attribute__((target("avx2"))) static void absorb_avx2(uint64_t *acc, const unsigned char *p,
+                                                         Py_ssize_t nstripes,
+                                                         const uint64_t *kk, uint32_t *mx) {
+    __m256i a0 = _mm256_setzero_si256(), a1 = a0, m = _mm256_set1_epi32((int)*mx);
+    lanes_avx2(&a0, &a1, &m, p, nstripes, kk);
+    *mx = max_avx2(m, *mx);
     _mm256_storeu_si256((__m256i *)acc, a0);
     _mm256_storeu_si256((__m256i *)(acc + 4), a1);
 }
@@ -264,6 +278,31 @@ static inline void finish(uint64_t *h0, uint64_t *h1, const uint64_t *acc, Py_ss
     *h0 = mix(lo + x1);
     *h1 = mix(hi + x0);
 }
+
+#if defined(HAVE_AVX2_PATH) && NATIVE_LANES
+/* ``chain``'s loop for blocks of whole stripes without extras, on the AVX2 path: what
+ * absorb_avx2 and finish compute block by block, in one loop with no call between blocks and
+ * the running max kept in a register, so that a block's lanes and folds (which do not depend
+ * on its parent) overlap its predecessor's finaliser (65,536 tokens: 31 -> 25 us here). */
+__attribute__((target("avx2"))) static void chain_avx2(const unsigned char *src,
+                                                      Py_ssize_t nblocks, Py_ssize_t whole,
+                                                      const uint64_t *kk, const uint64_t *K,
+                                                      uint64_t *h0, uint64_t *h1,
+                                                      unsigned char *dst, uint32_t *mx) {
+    __m256i m = _mm256_set1_epi32((int)*mx);
+    for (Py_ssize_t b = 0; b < nblocks; b++) {
+        __m256i a0 = _mm256_setzero_si256(), a1 = a0;
+        lanes_avx2(&a0, &a1, &m, src + b * whole * STRIPE, whole, kk);
+        uint64_t acc[8];
+        _mm256_storeu_si256((__m256i *)acc, a0);
+        _mm256_storeu_si256((__m256i *)(acc + 4), a1);
+        finish(h0, h1, acc, 0, K);
+        wr64(dst + b * DIGEST, *h0);
+        wr64(dst + b * DIGEST + 8, *h1);
+    }
+    *mx = max_avx2(m, *mx);
+}
+#endif
 
 /* chain(parent, tokens, block_size, keys, extras, with_max=False) -> bytes, or with
  * ``with_max`` (bytes, the largest token id as unsigned 32-bit, over all the tokens).
@@ -314,7 +353,14 @@ static PyObject *chain(PyObject *self, PyObject *args) {
     Py_ssize_t next_block = -1;
     const char *ebuf = NULL;
     Py_ssize_t elen = 0;
-    for (Py_ssize_t b = 0; b < nblocks; b++) {
+    Py_ssize_t b0 = 0; /* blocks done by the fast loop; the loop below is the general one */
+#if defined(HAVE_AVX2_PATH) && NATIVE_LANES
+    if (absorb_block == absorb_avx2 && nextras == 0 && rest == 0) {
+        chain_avx2(src, nblocks, whole, kk, K, &h0, &h1, dst, &mx);
+        b0 = nblocks;
+    }
+#endif
+    for (Py_ssize_t b = b0; b < nblocks; b++) {
         while (next_block < b && next < nextras) {
             PyObject *item = PySequence_Fast_GET_ITEM(seq, next++);
             PyObject *idx, *val;

@@ -142,6 +142,8 @@ class Admission:
         """Block boundaries strictly inside a chunk where a rule saves the state (the
         branch point, and every ``checkpoint_interval`` tokens), deepest first."""
         lo, hi = chunk.start, chunk.end
+        if (hi - 1) // self.bs * self.bs <= lo:
+            return []  # no block boundary strictly inside (every rule's points are on one)
         points: dict[int, str] = {}
         if self._interval:
             first = (lo // self._interval + 1) * self._interval

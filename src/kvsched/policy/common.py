@@ -38,8 +38,9 @@ class Match(NamedTuple):
 NO_MATCH = Match(0, np.zeros(0, dtype=np.int32))
 
 
-@attrs.frozen
-class Chunk:
+class Chunk(NamedTuple):
+    """Tokens [start, end) of a prefill; ``final``: it ends the prompt."""
+
     start: int
     end: int
     final: bool

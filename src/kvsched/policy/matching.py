@@ -31,6 +31,8 @@ class Matcher:
     def __init__(self, config: SchedulerConfig) -> None:
         self.config = config
         self.bs = config.block_size
+        self._recompute = config.mtp_recompute_blocks  # (read once: derived properties)
+        self._holds_overlap = config.mtp_holds_overlap
 
     def find_prefix(self, state: EngineState, seq: Seq) -> Match:
         """Tentative match: the longest usable cached prefix (nothing is emitted)."""
@@ -47,9 +49,9 @@ class Matcher:
         depth = self.safe_depth(seq, depth)
         hit = depth
         if self.config.num_speculative_tokens and depth:
-            hit = self.safe_depth(seq, depth - self.config.mtp_recompute_blocks)
+            hit = self.safe_depth(seq, depth - self._recompute)
         blocks = pool.find_blocks(seq.hashes, depth)
-        overlap = int(blocks[hit]) if hit < depth and self.config.mtp_holds_overlap else 0
+        overlap = int(blocks[hit]) if hit < depth and self._holds_overlap else 0
         return Match(hit * bs, blocks[:hit], overlap=overlap)
 
     def _find_prefix_before_schema4(self, state: EngineState, seq: Seq) -> Match:
@@ -58,7 +60,7 @@ class Matcher:
         cached = pool.find_prefix_len(seq.hashes, (seq.n_tokens - 1) // bs)
         # MTP: the last k cached blocks are recomputed (into private blocks, which caching
         # then swaps for the canonical ones) so a draft head gets hidden states.
-        depth = max(0, cached - self.config.mtp_recompute_blocks)
+        depth = max(0, cached - self._recompute)
         blocks = pool.find_blocks(seq.hashes, depth)
         if seq.want_experts:  # a block without routed-expert ids ends the match
             depth = pool.count_with_experts(blocks)
@@ -75,7 +77,7 @@ class Matcher:
     def _overlap(self, state: EngineState, seq: Seq, depth: int) -> int:
         """MTP: the cached block after a hit of ``depth`` blocks that the sequence recomputes
         privately and holds (0 when it holds none)."""
-        if not self.config.mtp_holds_overlap or depth >= len(seq.hashes):
+        if not self._holds_overlap or depth >= len(seq.hashes):
             return 0
         return state.pool.index.get(seq.hashes[depth], 0)
 
@@ -84,7 +86,7 @@ class Matcher:
         checkpoint's anchor by the blocks MTP recomputes."""
         limit = seq.n_tokens - 1
         top = limit // self.bs
-        k = self.config.mtp_recompute_blocks
+        k = self._recompute
         fast = not k and not seq.want_experts
         hit = self.checkpoint_at(state, seq, top, limit) if fast else None
         kv_depth = top

@@ -188,18 +188,22 @@ class SequenceTable(RowTable):
         # its arrays must not change once given to the engine); decoding grows it into a copy.
         prompt = np.asarray(e.prompt, dtype=np.int32).view()
         prompt.flags.writeable = False
-        history = self.history.get(e.session_id) if e.session_id >= 0 else None
-        past = history.tokens if history is not None else np.zeros(0, np.int32)
-        tokens = np.concatenate([past, prompt]) if len(past) else prompt
         root = self.root_for(e.adapter, e.cache_salt)
-        # A turn's spans are given in its own prompt; the history keeps the earlier turns'.
-        offset = len(past)
-        spans = (history.spans if history is not None else ()) + tuple(
-            ev.MultimodalSpan(s.start + offset, s.end + offset, s.content_hash)
-            for s in e.mm_spans
-        )
-        same_root = history is not None and history.root == root
-        hashes, first, top = self._chain(e, tokens, spans, history if same_root else None)
+        history = self.history.get(e.session_id) if e.session_id >= 0 else None
+        if history is None:
+            tokens, offset, spans = prompt, 0, e.mm_spans
+        else:
+            tokens = np.concatenate([history.tokens, prompt]) if len(history.tokens) else prompt
+            # A turn's spans are given in its own prompt; the history keeps the earlier turns'.
+            offset, spans = len(history.tokens), history.spans
+            if e.mm_spans:
+                spans += tuple(
+                    ev.MultimodalSpan(s.start + offset, s.end + offset, s.content_hash)
+                    for s in e.mm_spans
+                )
+            if history.root != root:
+                history = None  # (another namespace: none of its digests apply)
+        hashes, first, top = self._chain(e, root, tokens, spans, history)
         return _Arrival(tokens, spans, root, hashes, top if first <= offset else None)
 
     def _on_arrived(self, e: ev.RequestArrived) -> None:
@@ -229,8 +233,8 @@ class SequenceTable(RowTable):
         self.waiting[seq.seq_id] = seq
 
     def _chain(
-        self, e: ev.RequestArrived, tokens: np.ndarray, spans: tuple[ev.MultimodalSpan, ...],
-        history: History | None,
+        self, e: ev.RequestArrived, root: bytes, tokens: np.ndarray,
+        spans: tuple[ev.MultimodalSpan, ...], history: History | None,
     ) -> tuple[HashChain, int, int | None]:
         """The digests of a new sequence's full blocks: the caller's (``e.block_hashes``), else
         the history's (its namespace is unchanged, and new spans lie past it, so they cannot
@@ -241,10 +245,11 @@ class SequenceTable(RowTable):
             known = HashChain(e.block_hashes)
         elif history is not None:
             known = history.hashes.prefix(len(history.tokens) // bs)
-        else:
-            known = HashChain()
+        else:  # (the common case: every block is computed here)
+            extras = span_extras(spans, bs, 0, len(tokens) // bs) if spans else None
+            rest, top = chain_and_max(self.identity, root, root, tokens, bs, 0, extras)
+            return HashChain(rest), 0, top
         keep = len(known)
-        root = self.root_for(e.adapter, e.cache_salt)
         extras = span_extras(spans, bs, keep, len(tokens) // bs) if spans else None
         rest, top = chain_and_max(
             self.identity, root, known.last(root), tokens[keep * bs :], bs, keep, extras
