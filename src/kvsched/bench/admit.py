@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from kvsched.bench.match import VOCAB, _config, _prefill_producers
-from kvsched.bench.stats import summarize, time_samples
+from kvsched.bench.stats import Sampler, summarize
 from kvsched.engine import Engine
 from kvsched.events import types as ev
 from kvsched.gpu.sim import SimulatedExecutor
@@ -33,45 +33,8 @@ from kvsched.gpu.sim import SimulatedExecutor
 def run_admit_bench(
     *, mode: str, batch: int, context: int, block_size: int = 64, warmup: int = 2, samples: int = 10
 ) -> dict[str, Any]:
-    if mode not in ("ar", "ssm"):
-        raise ValueError(f"unknown mode {mode!r} (ar or ssm)")
-    if context % block_size:
-        raise ValueError("aligned workload: context must be a multiple of the block size")
-    t0 = time.perf_counter()
-    engine, queries = admit_setup(mode, batch, context, block_size)
-    build_s = time.perf_counter() - t0
-    config = engine.config
-    executor = SimulatedExecutor(VOCAB)
-    clock = [1.0e6]
-    arrivals: list[list[ev.Event]] = []
-    results: list[Any] = []
-
-    def prepare(sample: int) -> None:
-        first = 1_000_000 + sample * batch
-        arrivals.append(
-            [
-                ev.RequestArrived(seq_id=first + i, prompt=q, max_tokens=1)
-                for i, q in enumerate(queries)
-            ]
-        )
-
-    prepare(0)
-
-    def admit_all() -> None:
-        results.append(engine.step(arrivals[-1], clock[0]))
-
-    def undo() -> None:
-        result = results.pop()
-        _check_hits(result.decisions, batch, context, mode)
-        clock[0] += 1.0
-        done = engine.step([executor.execute(result.plan)], clock[0])
-        clock[0] += 1.0
-        finished = sum(len(d.seq_ids) for d in done.decisions if isinstance(d, ev.SequenceFinished))
-        if finished != batch or engine.has_work:
-            raise AssertionError(f"expected {batch} consumers to finish, {finished} did")
-        prepare(len(arrivals))
-
-    times = time_samples(admit_all, undo, warmup, samples, freeze=False)
+    sampler = AdmitSampler(mode=mode, batch=batch, context=context, block_size=block_size)
+    times = sampler.samples(warmup, samples)
     return {
         "impl": "kvsched",
         "bench": "admit",
@@ -79,10 +42,55 @@ def run_admit_bench(
         "batch": batch,
         "context": context,
         "block_size": block_size,
-        "identity": config.identity,
-        "build_s": round(build_s, 2),
+        "identity": sampler.engine.config.identity,
+        "build_s": round(sampler.build_s, 2),
         **summarize(times),
     }
+
+
+class AdmitSampler(Sampler):
+    """``bench admit`` one sample at a time: the constructor is the untimed set-up, ``run``
+    one ``Engine.step`` admitting the B consumers (timed), ``undo`` the untimed step that
+    finishes them (after checking their hits), ``sample()`` one of each (milliseconds)."""
+
+    def __init__(self, *, mode: str, batch: int, context: int, block_size: int = 64) -> None:
+        if mode not in ("ar", "ssm"):
+            raise ValueError(f"unknown mode {mode!r} (ar or ssm)")
+        if context % block_size:
+            raise ValueError("aligned workload: context must be a multiple of the block size")
+        self.mode, self.batch, self.context = mode, batch, context
+        t0 = time.perf_counter()
+        self.engine, self.queries = admit_setup(mode, batch, context, block_size)
+        self.build_s = time.perf_counter() - t0
+        self.executor = SimulatedExecutor(VOCAB)
+        self.clock = 1.0e6
+        self.arrivals: list[list[ev.Event]] = []
+        self.results: list[Any] = []
+        self._prepare(0)
+
+    def _prepare(self, sample: int) -> None:
+        first = 1_000_000 + sample * self.batch
+        self.arrivals.append(
+            [
+                ev.RequestArrived(seq_id=first + i, prompt=q, max_tokens=1)
+                for i, q in enumerate(self.queries)
+            ]
+        )
+
+    def run(self) -> None:
+        self.results.append(self.engine.step(self.arrivals[-1], self.clock))
+
+    def undo(self) -> None:
+        engine, batch = self.engine, self.batch
+        result = self.results.pop()
+        _check_hits(result.decisions, batch, self.context, self.mode)
+        self.clock += 1.0
+        done = engine.step([self.executor.execute(result.plan)], self.clock)
+        self.clock += 1.0
+        finished = sum(len(d.seq_ids) for d in done.decisions if isinstance(d, ev.SequenceFinished))
+        if finished != batch or engine.has_work:
+            raise AssertionError(f"expected {batch} consumers to finish, {finished} did")
+        self._prepare(len(self.arrivals))
 
 
 def admit_setup(

@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from kvsched.bench.stats import summarize, time_samples
+from kvsched.bench.stats import Sampler, summarize
 from kvsched.config import CHECKPOINT_POLICIES, ModelSpec, SchedulerConfig
 from kvsched.engine import Engine
 from kvsched.events import types as ev
@@ -83,58 +83,69 @@ def checkpoint_metadata_bytes(engine: Engine) -> int:
 def run_match_bench(
     *, mode: str, batch: int, context: int, block_size: int = 64, warmup: int = 2, samples: int = 10
 ) -> dict[str, Any]:
-    if mode not in ("ar", "ssm"):
-        raise ValueError(f"unknown mode {mode!r} (ar or ssm)")
-    if context % block_size:
-        raise ValueError("aligned workload: context must be a multiple of the block size")
-    rng = np.random.default_rng(0)
-    prompts = [rng.integers(1, VOCAB, size=context, dtype=np.int64) for _ in range(batch)]
-    engine = Engine(_config(batch, context, block_size, hybrid=mode == "ssm"))
-    t0 = time.perf_counter()
-    _prefill_producers(engine, [p.astype(np.int32) for p in prompts])
-    build_s = time.perf_counter() - t0
-    state, policy = engine.state, engine.policy
-    decisions: list[ev.Event] = []
-
-    def emit(event: ev.Event) -> None:  # what the engine's emit does: fold it, record it
-        state.apply(event)
-        decisions.append(event)
-
-    consumers = []
-    for i, p in enumerate(prompts):
-        arrived = ev.RequestArrived(
-            seq_id=10_000 + i, prompt=np.append(p, 7).astype(np.int32), max_tokens=1
-        )
-        state.apply(arrived)
-        consumers.append(state.seq(arrived.seq_id))
-
-    def match_all() -> None:
-        for seq in consumers:
-            policy.attach_prefix(state, seq, policy.find_prefix(state, seq), emit)
-
-    def undo() -> None:
-        hits = sum(int(state.seqs.computed[s.row] == context) for s in consumers)
-        if hits != len(consumers):
-            raise AssertionError(f"expected {len(consumers)} full hits, got {hits}")
-        if mode == "ssm" and any(s.pinned_ckpt < 0 for s in consumers):
-            raise AssertionError("an ssm match did not restore a checkpoint")
-        for seq in consumers:
-            policy.preempt(state, seq, emit, "bench undo")
-        decisions.clear()
-        state.check_invariants() if batch * context <= 1 << 22 else None
-
-    times = time_samples(match_all, undo, warmup, samples)
+    sampler = MatchSampler(mode=mode, batch=batch, context=context, block_size=block_size)
+    times = sampler.samples(warmup, samples)
     extra: dict[str, Any] = {}
     if mode == "ssm":
-        extra["checkpoints"] = len(state.ckpts.ckpts)
-        extra["ckpt_metadata_mib"] = round(checkpoint_metadata_bytes(engine) / 2**20, 2)
+        extra["checkpoints"] = len(sampler.engine.state.ckpts.ckpts)
+        extra["ckpt_metadata_mib"] = round(checkpoint_metadata_bytes(sampler.engine) / 2**20, 2)
     return {
         "impl": "kvsched",
         "mode": mode,
         "batch": batch,
         "context": context,
         "block_size": block_size,
-        "build_s": round(build_s, 2),
+        "build_s": round(sampler.build_s, 2),
         **summarize(times),
         **extra,
     }
+
+
+class MatchSampler(Sampler):
+    """``bench match`` one sample at a time: the constructor is the untimed set-up (the
+    producers' prefill, the consumers' arrival), ``run`` the match of all B consumers (timed),
+    ``undo`` the untimed preemption of each after checking its hit, ``sample()`` one of each
+    (milliseconds)."""
+
+    def __init__(self, *, mode: str, batch: int, context: int, block_size: int = 64) -> None:
+        if mode not in ("ar", "ssm"):
+            raise ValueError(f"unknown mode {mode!r} (ar or ssm)")
+        if context % block_size:
+            raise ValueError("aligned workload: context must be a multiple of the block size")
+        self.mode, self.batch, self.context = mode, batch, context
+        rng = np.random.default_rng(0)
+        prompts = [rng.integers(1, VOCAB, size=context, dtype=np.int64) for _ in range(batch)]
+        self.engine = engine = Engine(_config(batch, context, block_size, hybrid=mode == "ssm"))
+        t0 = time.perf_counter()
+        _prefill_producers(engine, [p.astype(np.int32) for p in prompts])
+        self.build_s = time.perf_counter() - t0
+        state = engine.state
+        self.decisions: list[ev.Event] = []
+        self.consumers = []
+        for i, p in enumerate(prompts):
+            arrived = ev.RequestArrived(
+                seq_id=10_000 + i, prompt=np.append(p, 7).astype(np.int32), max_tokens=1
+            )
+            state.apply(arrived)
+            self.consumers.append(state.seq(arrived.seq_id))
+
+    def emit(self, event: ev.Event) -> None:  # what the engine's emit does: fold it, record it
+        self.engine.state.apply(event)
+        self.decisions.append(event)
+
+    def run(self) -> None:
+        state, policy, emit = self.engine.state, self.engine.policy, self.emit
+        for seq in self.consumers:
+            policy.attach_prefix(state, seq, policy.find_prefix(state, seq), emit)
+
+    def undo(self) -> None:
+        state, policy, consumers = self.engine.state, self.engine.policy, self.consumers
+        hits = sum(int(state.seqs.computed[s.row] == self.context) for s in consumers)
+        if hits != len(consumers):
+            raise AssertionError(f"expected {len(consumers)} full hits, got {hits}")
+        if self.mode == "ssm" and any(s.pinned_ckpt < 0 for s in consumers):
+            raise AssertionError("an ssm match did not restore a checkpoint")
+        for seq in consumers:
+            policy.preempt(state, seq, self.emit, "bench undo")
+        self.decisions.clear()
+        state.check_invariants() if self.batch * self.context <= 1 << 22 else None

@@ -30,21 +30,89 @@ def time_samples(
         gc.freeze()
     try:
         for i in range(warmup + samples):
-            gc.collect()
-            gc.disable()
-            try:
-                t0 = time.perf_counter()
-                run()
-                dt = time.perf_counter() - t0
-            finally:
-                gc.enable()
+            ms = time_call(run)
             undo()
             if i >= warmup:
-                times.append(dt * 1e3)
+                times.append(ms)
     finally:
         if freeze:
             gc.unfreeze()
     return np.asarray(times)
+
+
+def time_call(run: Callable[[], None]) -> float:
+    """Milliseconds of one call of ``run``: the garbage collector is run before it and paused
+    during it (one sample of ``time_samples``)."""
+    gc.collect()
+    gc.disable()
+    try:
+        t0 = time.perf_counter()
+        run()
+        dt = time.perf_counter() - t0
+    finally:
+        gc.enable()
+    return dt * 1e3
+
+
+class Sampler:
+    """A benchmark whose samples can be driven one at a time from outside (another process's
+    samples interleaved with them): the set-up is done by the constructor (untimed, its
+    seconds in ``build_s``), ``run`` is the timed scope, ``undo`` restores the state after it
+    (untimed)."""
+
+    build_s: float = 0.0
+
+    def run(self) -> None:
+        raise NotImplementedError
+
+    def undo(self) -> None:
+        raise NotImplementedError
+
+    def sample(self) -> float:
+        """Milliseconds of one timed ``run`` (``time_call``), then the untimed ``undo``."""
+        ms = time_call(self.run)
+        self.undo()
+        return ms
+
+    def samples(self, warmup: int, samples: int) -> np.ndarray:
+        return time_samples(self.run, self.undo, warmup, samples)
+
+
+def interleave(
+    first: Callable[[], float], second: Callable[[], float], warmup: int, samples: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Samples of two benchmarks taken in pairs, so that both see the same machine: iteration
+    ``i`` takes one sample of each, ``first`` then ``second`` when ``i`` is even and the other
+    way round when it is odd (A B, B A, ...: neither is always the one that runs first). The
+    first ``warmup`` iterations are dropped. Returns both sides' milliseconds, pair by pair."""
+    a: list[float] = []
+    b: list[float] = []
+    for i in range(warmup + samples):
+        if i % 2 == 0:
+            x = first()
+            y = second()
+        else:
+            y = second()
+            x = first()
+        if i >= warmup:
+            a.append(x)
+            b.append(y)
+    return np.asarray(a), np.asarray(b)
+
+
+def paired_ratios(base_ms: np.ndarray, other_ms: np.ndarray) -> dict[str, float]:
+    """How many times slower ``other`` is than ``base`` (above 1: ``base`` is faster), from
+    samples taken in pairs (``interleave``): ``ratio_p50`` is the ratio of the two medians,
+    ``ratio_pairs_p50`` the median of the pairs' own ratios (each pair saw the same machine,
+    so the drift of the machine's speed between pairs cancels out of it)."""
+    base = np.asarray(base_ms, dtype=float)
+    other = np.asarray(other_ms, dtype=float)
+    if base.shape != other.shape or base.ndim != 1 or not len(base):
+        raise ValueError("paired samples: two equally long, non-empty series")
+    return {
+        "ratio_p50": round(float(np.median(other) / np.median(base)), 3),
+        "ratio_pairs_p50": round(float(np.median(other / base)), 3),
+    }
 
 
 def summarize(times_ms: np.ndarray) -> dict[str, float]:
