@@ -66,6 +66,11 @@ class Admission:
         self._interval = config.interval_tokens if config.places("interval") else 0
         self._soft = config.soft_loads
         self._mm_safe = config.multimodal_safe
+        # (derived settings read once: each admission reads them)
+        self._external_load = config.external_load
+        self._chunk_tokens = config.chunk_tokens
+        self._prompt_end = config.places("prompt_end")
+        self._chunk_end = config.places("chunk_end")
 
     # ---------------------------------------------------------------------- chunks
 
@@ -73,7 +78,7 @@ class Admission:
         """The canonical chunk starting at ``start``: it ends at the next multiple of the
         chunk length (a function of the request and the config only) or at the prompt end;
         a multimodal span is never split (``spans.chunk_end``)."""
-        size = self.config.chunk_tokens
+        size = self._chunk_tokens
         end = min(seq.n_tokens, (start // size + 1) * size)
         if seq.mm_spans and self._mm_safe:
             end = spans.chunk_end(seq.mm_spans, start, end)
@@ -106,7 +111,8 @@ class Admission:
     def long_gate_open(self, budget: StepBudget, seq: Seq, chunk: Chunk) -> bool:
         """At most ``max_long_chunks_per_step`` non-final chunks per step; on a gated turn,
         no chunk of a long prefill."""
-        if not budget.long_prefills and self.config.long_prefill(seq.n_tokens - chunk.start):
+        long = seq.n_tokens - chunk.start > self._chunk_tokens  # (config.long_prefill)
+        if not budget.long_prefills and long:
             return False
         return chunk.final or budget.long_chunks < self.config.max_long_chunks_per_step
 
@@ -127,14 +133,14 @@ class Admission:
 
     def end_rule(self, seq: Seq, chunk: Chunk) -> str:
         """The placement rule that saves the state at a chunk's end ("" for none)."""
-        config, end = self.config, chunk.end
+        end = chunk.end
         if self._branch and end == seq.kv_hit_tokens:
             return "branch"
-        if chunk.final and config.places("prompt_end"):
+        if chunk.final and self._prompt_end:
             return "prompt_end"
         if not chunk.final and self._tail and end == self.tail_of(seq):
             return "prompt_tail"
-        if end % self.bs == 0 and config.places("chunk_end"):
+        if end % self.bs == 0 and self._chunk_end:
             return "chunk_end"
         return ""
 
@@ -204,7 +210,7 @@ class Admission:
                 return  # (a load takes no row: while every row runs, loads still start)
             if seq.preempted_at == state.step:
                 continue  # preempted to make room this step: not readmitted in the same step
-            if self.config.external_load and self.transfers.awaits_lookup(state, seq, emit):
+            if self._external_load and self.transfers.awaits_lookup(state, seq, emit):
                 continue  # the store is being asked: skipped until it answers
             verdict = self.try_admit(state, seq, budget, emit)
             if verdict == "stop" and stop_on_failure:
@@ -213,7 +219,7 @@ class Admission:
     def try_admit(self, state: EngineState, seq: Seq, budget: StepBudget, emit: Emit) -> str:
         """Admit one waiting sequence, or return why not ('skip' or 'stop') leaving no trace."""
         match = self.matcher.find_prefix(state, seq)
-        if self.config.external_load:
+        if self._external_load:
             first, end = self.transfers.planned_load(state, seq, match.num_tokens)
             if end:
                 return self._admit_with_load(state, seq, first, end, emit)
