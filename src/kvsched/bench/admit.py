@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from kvsched.bench.match import VOCAB, _config, _prefill_producers
+from kvsched.bench.match import VOCAB, _config, _prefill_producers, check_workload
 from kvsched.bench.stats import Sampler, summarize
 from kvsched.engine import Engine
 from kvsched.events import types as ev
@@ -54,10 +54,7 @@ class AdmitSampler(Sampler):
     finishes them (after checking their hits), ``sample()`` one of each (milliseconds)."""
 
     def __init__(self, *, mode: str, batch: int, context: int, block_size: int = 64) -> None:
-        if mode not in ("ar", "ssm"):
-            raise ValueError(f"unknown mode {mode!r} (ar or ssm)")
-        if context % block_size:
-            raise ValueError("aligned workload: context must be a multiple of the block size")
+        check_workload(mode, context, block_size)
         self.mode, self.batch, self.context = mode, batch, context
         t0 = time.perf_counter()
         self.engine, self.queries = admit_setup(mode, batch, context, block_size)

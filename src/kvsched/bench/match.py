@@ -101,6 +101,14 @@ def run_match_bench(
     }
 
 
+def check_workload(mode: str, context: int, block_size: int) -> None:
+    """The aligned exact-hit workload's arguments (ValueError: the CLI's exit 2)."""
+    if mode not in ("ar", "ssm"):
+        raise ValueError(f"unknown mode {mode!r} (ar or ssm)")
+    if context % block_size:
+        raise ValueError("aligned workload: context must be a multiple of the block size")
+
+
 class MatchSampler(Sampler):
     """``bench match`` one sample at a time: the constructor is the untimed set-up (the
     producers' prefill, the consumers' arrival), ``run`` the match of all B consumers (timed),
@@ -108,10 +116,7 @@ class MatchSampler(Sampler):
     (milliseconds)."""
 
     def __init__(self, *, mode: str, batch: int, context: int, block_size: int = 64) -> None:
-        if mode not in ("ar", "ssm"):
-            raise ValueError(f"unknown mode {mode!r} (ar or ssm)")
-        if context % block_size:
-            raise ValueError("aligned workload: context must be a multiple of the block size")
+        check_workload(mode, context, block_size)
         self.mode, self.batch, self.context = mode, batch, context
         rng = np.random.default_rng(0)
         prompts = [rng.integers(1, VOCAB, size=context, dtype=np.int64) for _ in range(batch)]
