@@ -20,7 +20,9 @@
  * The lanes are AVX2 where the CPU has it (four per register), else SSE2 (x86-64's baseline:
  * two per register; one 32x32->64 product per word); elsewhere a scalar loop computes the
  * same. Only the finaliser depends on the parent
- * (a short critical path from block to block): the next block's stripes overlap with it.
+ * (a short critical path from block to block): the next block's stripes overlap with it. On
+ * the AVX2 path a chain of blocks of whole stripes without extras runs in one loop
+ * (chain_avx2), with nothing between one block and the next that would stop that overlap.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
