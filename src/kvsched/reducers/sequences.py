@@ -241,20 +241,18 @@ class SequenceTable(RowTable):
         change those blocks), then one kernel call for the rest; with the first token that
         call read and the largest token id it saw (``chain_and_max``)."""
         bs = self.block_size
+        known: HashChain | None = None  # (the common case: every block is computed here)
         if e.block_hashes:
             known = HashChain(e.block_hashes)
         elif history is not None:
             known = history.hashes.prefix(len(history.tokens) // bs)
-        else:  # (the common case: every block is computed here)
-            extras = span_extras(spans, bs, 0, len(tokens) // bs) if spans else None
-            rest, top = chain_and_max(self.identity, root, root, tokens, bs, 0, extras)
-            return HashChain(rest), 0, top
-        keep = len(known)
+        keep = len(known) if known is not None else 0
+        parent = known.last(root) if known is not None else root
         extras = span_extras(spans, bs, keep, len(tokens) // bs) if spans else None
         rest, top = chain_and_max(
-            self.identity, root, known.last(root), tokens[keep * bs :], bs, keep, extras
+            self.identity, root, parent, tokens[keep * bs :] if keep else tokens, bs, keep, extras
         )
-        return known.extended(rest), keep * bs, top
+        return (known.extended(rest) if known is not None else HashChain(rest)), keep * bs, top
 
     def _on_executed(self, e: ev.StepExecuted) -> None:
         rows, starts, ends = self.take_pending()
