@@ -111,8 +111,7 @@ class Admission:
     def long_gate_open(self, budget: StepBudget, seq: Seq, chunk: Chunk) -> bool:
         """At most ``max_long_chunks_per_step`` non-final chunks per step; on a gated turn,
         no chunk of a long prefill."""
-        long = seq.n_tokens - chunk.start > self._chunk_tokens  # (config.long_prefill)
-        if not budget.long_prefills and long:
+        if not budget.long_prefills and self.config.long_prefill(seq.n_tokens - chunk.start):
             return False
         return chunk.final or budget.long_chunks < self.config.max_long_chunks_per_step
 

@@ -13,7 +13,7 @@ import numpy as np
 
 from kvsched.config import SchedulerConfig
 from kvsched.events import types as ev
-from kvsched.policy.common import I32, I64, Emit, arr
+from kvsched.policy.common import I32, Emit, arr
 from kvsched.reducers.sequences import Seq, SequenceTable
 from kvsched.reducers.sessions import SessionTable
 from kvsched.reducers.state import EngineState
@@ -50,7 +50,7 @@ class Growth:
     def allocate_one(self, state: EngineState, seq_id: int, need: int, emit: Emit) -> None:
         if need > 0:
             blocks = self.take_blocks(state, need, emit)
-            emit(ev.BlocksAllocated(np.array((seq_id,), I64), np.array((need,), I32), blocks))
+            emit(ev.BlocksAllocated(arr([seq_id]), arr([need], I32), blocks))
 
     # ------------------------------------------------------- decode preallocation
 
