@@ -90,11 +90,30 @@ class EngineMachine(RuleBasedStateMachine):
     DEDUP = True  # dedup_cached_blocks (EngineMachineWithPrivateCopies: off, as under vLLM)
 
     @initialize(**ENGINE_CONFIGS)
-    def start(self, hybrid, num_blocks, max_batch, chunk_blocks, decode_interval, budget, turn_mode, policy, mid_chunk, by_bytes, keep_aborted, session_reclaim, last_chunk, waiting_tokens, prealloc, order):  # type: ignore[no-untyped-def]  # noqa: E501
+    def start(
+        self,
+        hybrid,
+        num_blocks,
+        max_batch,
+        chunk_blocks,
+        decode_interval,
+        budget,
+        turn_mode,
+        policy,
+        mid_chunk,
+        by_bytes,
+        keep_aborted,
+        session_reclaim,
+        last_chunk,
+        waiting_tokens,
+        prealloc,
+        order,
+    ):  # type: ignore[no-untyped-def]  # noqa: E501
         bs = 4
         rules = (
             {"checkpoint_placement": PLACEMENTS, "checkpoint_eviction": "value"}
-            if policy == "every rule" else CHECKPOINT_POLICIES[policy]
+            if policy == "every rule"
+            else CHECKPOINT_POLICIES[policy]
         )
         # by_bytes: a state costs 100 bytes, a frozen block 40 more (10 per token)
         memory = {"checkpoint_memory": 100 * budget + 40} if by_bytes else {}
@@ -150,8 +169,14 @@ class EngineMachine(RuleBasedStateMachine):
         prompt = np.concatenate([PREFIXES[prefix], np.full(suffix, 5, np.int32)])
         self.inputs.append(
             ev.RequestArrived(
-                self.next_id, prompt, max_tokens, arrival_time=self.clock, priority=priority,
-                session_id=session, adapter=adapter, cache_salt=salt,
+                self.next_id,
+                prompt,
+                max_tokens,
+                arrival_time=self.clock,
+                priority=priority,
+                session_id=session,
+                adapter=adapter,
+                cache_salt=salt,
             )
         )
         self.next_id += 1
@@ -303,3 +328,19 @@ def test_a_preemption_that_keeps_its_blocks_is_caught(monkeypatch: pytest.Monkey
         emit(ev.SequencePreempted(seq.seq_id, reason))
 
     _run_broken(monkeypatch, Growth, "preempt", preempt_without_release)
+
+
+def test_an_eviction_that_lowers_the_aging_floor_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """(Issue 24, rule 2: the floor is monotone across every CheckpointEvicted; the slip sets
+    it to the victim's priority, also when the victim is below the floor.)"""
+    from kvsched.reducers.checkpoints import CheckpointTable
+
+    original = CheckpointTable._on_dropped
+
+    def dropped_lowering_the_floor(self, e):  # type: ignore[no-untyped-def]
+        out = original(self, e)
+        if isinstance(e, ev.CheckpointEvicted) and e.priority is not None:
+            self.floor = e.priority
+        return out
+
+    _run_broken(monkeypatch, CheckpointTable, "_on_dropped", dropped_lowering_the_floor, 600)
