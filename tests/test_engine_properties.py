@@ -90,30 +90,11 @@ class EngineMachine(RuleBasedStateMachine):
     DEDUP = True  # dedup_cached_blocks (EngineMachineWithPrivateCopies: off, as under vLLM)
 
     @initialize(**ENGINE_CONFIGS)
-    def start(
-        self,
-        hybrid,
-        num_blocks,
-        max_batch,
-        chunk_blocks,
-        decode_interval,
-        budget,
-        turn_mode,
-        policy,
-        mid_chunk,
-        by_bytes,
-        keep_aborted,
-        session_reclaim,
-        last_chunk,
-        waiting_tokens,
-        prealloc,
-        order,
-    ):  # type: ignore[no-untyped-def]  # noqa: E501
+    def start(self, hybrid, num_blocks, max_batch, chunk_blocks, decode_interval, budget, turn_mode, policy, mid_chunk, by_bytes, keep_aborted, session_reclaim, last_chunk, waiting_tokens, prealloc, order):  # type: ignore[no-untyped-def]  # noqa: E501
         bs = 4
         rules = (
             {"checkpoint_placement": PLACEMENTS, "checkpoint_eviction": "value"}
-            if policy == "every rule"
-            else CHECKPOINT_POLICIES[policy]
+            if policy == "every rule" else CHECKPOINT_POLICIES[policy]
         )
         # by_bytes: a state costs 100 bytes, a frozen block 40 more (10 per token)
         memory = {"checkpoint_memory": 100 * budget + 40} if by_bytes else {}
@@ -169,14 +150,8 @@ class EngineMachine(RuleBasedStateMachine):
         prompt = np.concatenate([PREFIXES[prefix], np.full(suffix, 5, np.int32)])
         self.inputs.append(
             ev.RequestArrived(
-                self.next_id,
-                prompt,
-                max_tokens,
-                arrival_time=self.clock,
-                priority=priority,
-                session_id=session,
-                adapter=adapter,
-                cache_salt=salt,
+                self.next_id, prompt, max_tokens, arrival_time=self.clock, priority=priority,
+                session_id=session, adapter=adapter, cache_salt=salt,
             )
         )
         self.next_id += 1
