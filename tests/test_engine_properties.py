@@ -303,3 +303,19 @@ def test_a_preemption_that_keeps_its_blocks_is_caught(monkeypatch: pytest.Monkey
         emit(ev.SequencePreempted(seq.seq_id, reason))
 
     _run_broken(monkeypatch, Growth, "preempt", preempt_without_release)
+
+
+def test_an_eviction_that_lowers_the_aging_floor_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """(Issue 24, rule 2: the floor is monotone across every CheckpointEvicted; the slip sets
+    it to the victim's priority, also when the victim is below the floor.)"""
+    from kvsched.reducers.checkpoints import CheckpointTable
+
+    original = CheckpointTable._on_dropped
+
+    def dropped_lowering_the_floor(self, e):  # type: ignore[no-untyped-def]
+        out = original(self, e)
+        if isinstance(e, ev.CheckpointEvicted) and e.priority is not None:
+            self.floor = e.priority
+        return out
+
+    _run_broken(monkeypatch, CheckpointTable, "_on_dropped", dropped_lowering_the_floor, 600)

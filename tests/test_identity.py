@@ -171,10 +171,7 @@ def _pinned_chain() -> list[bytes]:
 
 
 def test_a_kvs128_digest_is_the_same_in_another_process_and_pinned_across_machines() -> None:
-    code = (
-        "from tests.test_identity import _pinned_chain; "
-        "print(b''.join(_pinned_chain()).hex())"
-    )
+    code = "from tests.test_identity import _pinned_chain; print(b''.join(_pinned_chain()).hex())"
     env = {**os.environ, "PYTHONHASHSEED": "12345"}
     other = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True
@@ -307,7 +304,23 @@ def test_the_kernels_whole_chain_loop_for_whole_stripes_computes_the_specificati
         for path in _paths():
             identity._kvs128.use(path)
             assert identity._kvs128.chain(root, toks, block_size, keys, None, True) == (
-                reference, top
+                reference,
+                top,
             ), path
     finally:
         identity._kvs128.use(None)
+
+
+@pytest.mark.parametrize("scheme", ["kvs128", "blake2b"])
+def test_a_chain_continued_from_a_later_block_puts_each_spans_extras_on_its_own_blocks(
+    scheme: str,
+) -> None:
+    """Extras are keyed by absolute block index: continuing a chain from block 2 (a session's
+    next turn, a load's first block) gives the digests of the whole chain."""
+    bs, prompt = 4, tokens(24, seed=7)
+    images = [MultimodalSpan(9, 14, b"i" * 16), MultimodalSpan(20, 22, b"j" * 16)]
+    extras = span_extras(images, bs, 0, 6)
+    root = namespace_root(ModelSpec(), bs)
+    whole = identity.chain_packed(scheme, root, root, prompt, bs, 0, extras)
+    rest = identity.chain_packed(scheme, root, whole[16:32], prompt[8:], bs, 2, extras)
+    assert rest == whole[32:], "a continued chain put the extras on other blocks"

@@ -11,6 +11,8 @@ Config (tests/policy/helpers.py): 16-token blocks, a 64-token budget (one chunk)
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 
@@ -20,6 +22,7 @@ from kvsched.policy.matching import Matcher
 from kvsched.statemachines import TurnState
 
 from .helpers import Harness, admitted, matched, of_type, prefills, request, tokens
+from .test_external_loads import Store
 
 
 def _cache(h: Harness, seq_id: int, prompt: np.ndarray) -> None:
@@ -131,7 +134,7 @@ def test_the_fifo_long_lane_offers_long_prompts_in_arrival_order():
     )
     assert _order(h, TurnState.LONG_FIRST) == [1, 3, 2, 4]
     size = Harness(order="ttft", prefill_turns="long_first")  # fewest chunks first
-    _queue(size, [request(i, n, arrival_time=t) for i, n, t in [(1, 300, 0), (2, 100, .1)]])
+    _queue(size, [request(i, n, arrival_time=t) for i, n, t in [(1, 300, 0), (2, 100, 0.1)]])
     assert _order(size, TurnState.LONG_FIRST) == [2, 1]
 
 
@@ -217,3 +220,39 @@ def test_a_short_turn_that_schedules_nothing_falls_back_to_the_long_chunk_in_the
 def test_a_bad_prefill_turn_option_raises_a_value_error_naming_it(option: str, value: object):
     with pytest.raises(ValueError, match=option):
         Harness(order="ttft", **{option: value})
+
+
+class _HitOf:
+    """A matcher whose tentative match is always ``num_tokens`` long."""
+
+    def __init__(self, num_tokens: int) -> None:
+        self.num_tokens = num_tokens
+
+    def find_prefix(self, state: object, seq: object) -> _HitOf:
+        return self
+
+
+def test_a_long_request_is_sized_by_its_canonical_chunks_from_a_match_off_the_chunk_grid():
+    """150 tokens, 64-token chunks, a 48-token hit: the canonical chunks left are [48, 64),
+    [64, 128), [128, 150): three, not the two 102 tokens would fill."""
+    order = PrefillOrder(Harness(order="ttft").config, _HitOf(48))  # type: ignore[arg-type]
+    seq = SimpleNamespace(n_tokens=150)
+    (sized,) = order.sizes(None, [seq])  # type: ignore[arg-type, list-item]
+    assert (sized.left, sized.chunks, sized.long) == (102, 3, True)
+    (on_grid,) = PrefillOrder(order.config, _HitOf(64)).sizes(None, [seq])  # type: ignore[arg-type, list-item]
+    assert (on_grid.left, on_grid.chunks) == (86, 2)
+
+
+def test_under_priority_ready_loads_take_the_free_row_in_priority_order() -> None:
+    """Two loads end while the only row runs; when it frees, the higher priority (the later
+    arrival) settles into it first."""
+    h = Store(max_batch=1, order="priority")
+    h.run(request(0, 16, max_tokens=6))  # runs in the only row
+    h.run(ev.RequestArrived(1, tokens(64, seed=1), 1, priority=0))
+    h.run(ev.RequestArrived(2, tokens(64, seed=2), 1, priority=5))
+    h.answer({1: 3, 2: 3})
+    h.finish_loads()
+    settled: list[int] = []
+    for _ in range(40):
+        settled += [d.seq_id for d in h.run() if isinstance(d, ev.KVLoadSettled)]
+    assert settled == [2, 1], "ready loads took the row in arrival order, not priority"

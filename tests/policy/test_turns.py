@@ -4,17 +4,21 @@ chunk, enough waiting tokens), and the options that turn the triggers on and off
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
+import numpy as np
 import pytest
 
 from kvsched.config import SchedulerConfig
 from kvsched.engine import StepResult
 from kvsched.events import types as ev
+from kvsched.policy.turns import PrefillTurns
 
 from .helpers import Harness, admitted, of_type, prefills, request
 
 
 def turn(result: StepResult) -> str:
-    """"P" a prefill turn, "D" a decode turn, "-" neither."""
+    """ "P" a prefill turn, "D" a decode turn, "-" neither."""
     if prefills(result):
         return "P"
     return "D" if of_type(result.decisions, ev.DecodeScheduled) else "-"
@@ -98,3 +102,15 @@ def test_logs_before_schema_4_run_without_the_triggers_preallocation_or_cached_c
     now = SchedulerConfig.from_log_header({}, schema_version=4)
     assert now.prefill_on_last_chunk and now.prefill_on_waiting_tokens
     assert now.report_cached_tokens
+
+
+def test_a_running_prefill_on_its_last_chunk_is_short_work_not_long() -> None:
+    """A long prefill is one with more than a chunk (64 tokens) *left*: rows with 36 and with
+    exactly 64 tokens left are short work; only one with 65 left is long."""
+    config = Harness().config
+    turns = PrefillTurns(config, None, None)  # type: ignore[arg-type]
+    seqs = SimpleNamespace(ntokens=np.asarray([100, 128, 129]), computed=np.asarray([64, 64, 64]))
+    state = SimpleNamespace(seqs=seqs)
+    last_chunks = np.asarray([0, 1])
+    assert turns._work(state, last_chunks, []) == (True, False), "a last chunk counted as long"  # type: ignore[arg-type]
+    assert turns._work(state, np.asarray([2]), []) == (False, True)  # type: ignore[arg-type]

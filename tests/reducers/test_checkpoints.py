@@ -381,3 +381,17 @@ def test_an_unpin_fold_refuses_a_sequence_that_still_holds_its_own_blocks():
     assert seq.pinned_ckpt >= 0 and engine.state.seqs.nblocks[seq.row] > seq.n_pinned
     with pytest.raises(ReplayMismatch):
         engine.state.apply(ev.CheckpointUnpinned(seq.pinned_ckpt, 1))
+
+
+def test_the_aging_floor_never_goes_down_when_a_victim_is_worth_less_than_it() -> None:
+    """A victim below the floor (redundant since its last touch, or a continuation whose
+    weight fell) leaves the floor where it is; the invariant holds the floor monotone."""
+    table = make_table(max_batch=1, budget=3)
+    high, low = published(table, 16, b"k1"), published(table, 32, b"k2")
+    fold(table, ev.CheckpointEvicted(high.ckpt_id, 5.0))
+    fold(table, ev.CheckpointEvicted(low.ckpt_id, 3.0))
+    assert table.floor == 5.0, "an eviction below the floor lowered it"
+    assert table.check_invariants({}) is None
+    table.floor = 4.0  # (what a fold that lowered it would leave)
+    problem = table.check_invariants({})
+    assert problem is not None and "floor went down" in problem

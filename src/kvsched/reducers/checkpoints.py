@@ -99,6 +99,7 @@ class CheckpointTable:
         self.costs = costs
         self.used = 0
         self.floor = 0.0  # aging floor of the "value" eviction
+        self.floor_mark = 0.0  # the highest floor folded so far (the floor never goes down)
         self.by_producer: dict[int, list[int]] = {}  # seq id -> its live checkpoints
         self.saves_by_kind: dict[str, int] = {}  # checkpoints reserved, per placement rule
         self.reused_by_kind: dict[str, int] = {}  # of those, restored at least once
@@ -309,6 +310,7 @@ class CheckpointTable:
             self.evictions += 1
             if e.priority is not None:
                 self.floor = max(self.floor, e.priority)
+            self.floor_mark = max(self.floor_mark, self.floor)
         return RefChange(release=dropped)
 
     def _pin(self, c: Checkpoint, e: ev.Event) -> None:
@@ -427,6 +429,8 @@ class CheckpointTable:
             return f"checkpoints {stale} await publication but are not reserved"
         if self.reserved_keys != {self.ckpts[i].key: i for i in self.reserved}:
             return "the reserved-identity index is not the keys of this step's reservations"
+        if self.floor < self.floor_mark:
+            return f"the aging floor went down to {self.floor} from {self.floor_mark}"
         return None
 
     def snapshot(self) -> tuple[object, ...]:
