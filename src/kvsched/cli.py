@@ -4,9 +4,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib
 import json
 import math
+import os
+import struct
 import sys
+import tempfile
+import zlib
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -25,8 +30,9 @@ from kvsched.config import (
     SchedulerConfig,
 )
 from kvsched.events.codec import RecordDecodeError, SchemaVersionError
+from kvsched.events.framing import HEADER_OFFSET, PREFIX_SIZE
 from kvsched.events.log import CorruptLogError, LogOpenError
-from kvsched.events.wire import WireError, WireTimeout
+from kvsched.events.wire import WireError
 from kvsched.replay.demo import run_demo
 from kvsched.replay.diff import diff_logs, format_diff
 from kvsched.replay.metrics import ReplayResult
@@ -40,7 +46,7 @@ from kvsched.replay.setup import (
     load_trace_replay,
     trace_config,
 )
-from kvsched.replay.traces import FORMATS, TraceError
+from kvsched.replay.traces import FORMATS, TraceError, detect_format
 from kvsched.replay.verify import LogError, verify_log
 from kvsched.stream.watch import StreamError, Watched, dump, summary_line, watch
 
@@ -48,6 +54,138 @@ from kvsched.stream.watch import StreamError, Watched, dump, summary_line, watch
 def _fail(message: str, code: int = 2) -> int:
     print(f"kvsched: error: {message}", file=sys.stderr)
     return code
+
+
+# ------------------------------------------------------------ files a command writes
+
+
+def _same_file(a: str, b: str) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:  # one of them does not exist (yet)
+        return os.path.realpath(a) == os.path.realpath(b)
+
+
+def _check_output(
+    option: str, path: str | None, overwrite: bool, inputs: Sequence[str] = ()
+) -> None:
+    """Refuse, before any work, to write ``path`` over one of the ``inputs`` (even with
+    ``--overwrite``) or over an existing file without ``--overwrite``."""
+    if not path:
+        return
+    for given in inputs:
+        if _same_file(path, given):
+            raise SetupError(f"{option} {path} is the input {given}: write the output elsewhere")
+    if os.path.isfile(path) and not overwrite:
+        raise SetupError(f"{option} {path} exists: give --overwrite to replace it, or another path")
+
+
+def _check_report(report: str | None, overwrite: bool) -> None:
+    """Before the first step: matplotlib imports, ``report`` is a directory this process can
+    write (probed by creating it and a file in it, then removing them), and it holds no
+    earlier files unless ``--overwrite``."""
+    if not report:
+        return
+    try:
+        importlib.import_module("matplotlib")
+    except ImportError as exc:
+        raise SetupError(
+            f"--report needs matplotlib ({exc}): pip install 'kvsched[plots]', or drop --report"
+        ) from None
+    where = Path(report)
+    if where.exists() and not where.is_dir():
+        raise SetupError(f"--report {report}: exists and is not a directory")
+    if where.is_dir() and any(where.iterdir()) and not overwrite:
+        raise SetupError(
+            f"--report {report}: the directory is not empty: give --overwrite to write over "
+            "its files, or another directory"
+        )
+    made = [p for p in (where, *where.parents) if not p.exists()]  # the deepest first
+    try:
+        where.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=where):
+            pass
+    except OSError as exc:
+        raise SetupError(f"--report {report}: cannot write there: {exc.strerror or exc}") from None
+    finally:
+        for p in made:
+            with contextlib.suppress(OSError):
+                p.rmdir()
+
+
+# ---------------------------------------------------- options that would have no effect
+
+
+def _option(dest: str) -> str:
+    return "--" + dest.replace("_", "-")
+
+
+def _given(args: argparse.Namespace, *dests: str) -> list[str]:
+    return [_option(d) for d in dests if getattr(args, d, None) is not None]
+
+
+def _no_effect(option: str, needs: str) -> SetupError:
+    return SetupError(f"{option} has no effect without {needs}: add {needs} or drop {option}")
+
+
+def _check_run_options(args: argparse.Namespace) -> None:
+    """Refuse the options ``demo`` and ``replay`` would silently ignore."""
+    if args.model is not None and args.executor != "torch":
+        raise _no_effect("--model", "--executor torch")
+    if args.wait_subscribers and not args.publish:
+        raise _no_effect("--wait-subscribers", "--publish")
+
+
+_CHECKPOINT_OPTIONS = (
+    "policies",
+    "checkpoint_budget",
+    "checkpoint_memory",
+    "checkpoint_policy",
+    "checkpoint_placement",
+    "checkpoint_eviction",
+    "checkpoint_interval",
+)
+
+
+def _sweep_key(args: argparse.Namespace) -> str:
+    return str(args.sweep).partition("=")[0].strip() if args.sweep else ""
+
+
+def _check_replay_options(args: argparse.Namespace) -> None:
+    """Refuse the ``replay`` options that another option given overrides."""
+    _check_run_options(args)
+    if args.cost is not None and args.executor == "torch":
+        raise SetupError("--cost sets the simulated executor's costs: drop it or --executor torch")
+    key = _sweep_key(args)
+    if key in SWEEP_KEYS and getattr(args, key.replace("-", "_"), None) is not None:
+        raise SetupError(f"--{key} and --sweep {key}=...: the sweep sets it in every run; drop one")
+    memory = key == "checkpoint-memory" or args.checkpoint_memory is not None
+    budget = key == "checkpoint-budget" or args.checkpoint_budget is not None
+    if memory and budget:
+        raise SetupError(
+            "--checkpoint-budget and --checkpoint-memory: the memory sets the number of "
+            "checkpoints, the budget would be ignored; give one"
+        )
+    if args.policies is not None:
+        for option in _given(
+            args, "checkpoint_policy", "checkpoint_placement", "checkpoint_eviction"
+        ):
+            raise SetupError(f"--policies sets each run's rules: {option} has no effect with it")
+
+
+def _check_config_options(args: argparse.Namespace, hybrid: bool, order: str, turns: str) -> None:
+    """Refuse the options a config without them ignores: checkpoint options without a hybrid
+    model, prefill-turn options without the TTFT order."""
+    checkpoints = _given(args, *_CHECKPOINT_OPTIONS)
+    if _sweep_key(args).startswith("checkpoint-"):
+        checkpoints.append(f"--sweep {_sweep_key(args)}")
+    if checkpoints and not hybrid:
+        raise _no_effect(checkpoints[0], "--hybrid")
+    for option in _given(args, "prefill_turns", "short_turns", "long_order"):
+        if order != "ttft":
+            raise _no_effect(option, "--order ttft")
+    if args.short_turns is not None and turns != "interleave":
+        raise _no_effect("--short-turns", "--prefill-turns interleave")
 
 
 def _progress(quiet: bool) -> Progress:
@@ -88,20 +226,34 @@ def _run_report(
 def _finish(
     args: argparse.Namespace, title: str, result: ReplayResult, metrics: dict[str, Any]
 ) -> int:
+    """Write the report, print the run's summary, then the report's error if it failed
+    (exit 2): a failed report loses no result."""
+    failed = None
     if args.report:
-        _run_report(args.report, args.report, title, result, metrics)
+        try:
+            _run_report(args.report, args.report, title, result, metrics)
+        except _ReportError as exc:
+            failed = str(exc)
     if args.json:
         print(json.dumps(metrics))
     else:
         print(format_table(title, metrics))
         if args.log:
             print(f"  {'event log':<26}{args.log}")
-        if args.report:
+        if args.report and failed is None:
             print(f"  {'report':<26}{args.report}")
-    return 0
+    return _fail(failed) if failed else 0
+
+
+def _check_demo(args: argparse.Namespace) -> None:
+    """Everything ``demo`` checks before its first step."""
+    _check_run_options(args)
+    _check_output("--log", args.log, args.overwrite)
+    _check_report(args.report, args.overwrite)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
+    _check_demo(args)
     demo = run_demo(
         sessions=args.sessions,
         turns=args.turns,
@@ -128,7 +280,20 @@ def cmd_demo(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------------- replay
 
 
+def _check_replay(args: argparse.Namespace) -> None:
+    """Everything ``replay`` checks before reading the trace (the config's own checks follow
+    it: a kvsched log's header may make the run hybrid or TTFT-ordered)."""
+    _check_replay_options(args)
+    if detect_format(args.trace, args.format) != "log":
+        _check_config_options(
+            args, args.hybrid, args.order or "fcfs", args.prefill_turns or "interleave"
+        )
+    _check_output("--log", args.log, args.overwrite, inputs=[args.trace])
+    _check_report(args.report, args.overwrite)
+
+
 def cmd_replay(args: argparse.Namespace) -> int:
+    _check_replay(args)
     setup = load_trace_replay(
         args.trace,
         fmt=args.format,
@@ -172,6 +337,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
             interval=args.checkpoint_interval,
         ),
     )
+    _check_config_options(args, config.hybrid, config.order, config.prefill_turns)
     name = Path(args.trace).name
     if setup.sweep is not None or setup.policies:
         if args.publish:
@@ -195,14 +361,21 @@ def _replay_sweep(
     key, values = setup.sweep if setup.sweep is not None else ("", [0])
     runs: list[dict[str, Any]] = []
     progress = _progress(args.quiet)
+    failed = None  # the report's error: the runs go on, their table is printed, then exit 2
     for run in sweep_runs(setup, config, setup.sweep, check=args.check, progress=progress):
         runs.append(run.metrics)
-        if args.report:
+        if args.report and failed is None:
             point = "_".join(filter(None, (run.policy, f"{key}={run.value}" if key else "")))
             where = Path(args.report) / point
-            _run_report(args.report, where, f"{name}, {point}", run.result, run.metrics)
-    if args.report:
-        _report(args.report, write_sweep, args.report, key, values, runs, name)
+            try:
+                _run_report(args.report, where, f"{name}, {point}", run.result, run.metrics)
+            except _ReportError as exc:
+                failed = str(exc)
+    if args.report and failed is None:
+        try:
+            _report(args.report, write_sweep, args.report, key, values, runs, name)
+        except _ReportError as exc:
+            failed = str(exc)
     if args.json:
         print(json.dumps({"sweep_key": key, "values": values, "runs": runs}))
     else:
@@ -210,9 +383,9 @@ def _replay_sweep(
         what = " and ".join(filter(None, parts))
         print(f"kvsched replay: {name}, {what}")
         print(format_sweep(key, runs))
-        if args.report:
+        if args.report and failed is None:
             print(f"  report: {args.report}")
-    return 0
+    return _fail(failed) if failed else 0
 
 
 def cmd_diff(args: argparse.Namespace) -> int:
@@ -232,8 +405,9 @@ def cmd_diff(args: argparse.Namespace) -> int:
 def cmd_verify(args: argparse.Namespace) -> int:
     """Exit 0: verified; 1: a divergence, or a damaged log; 2: a log this kvsched cannot
     replay (unreadable, another schema version, an invalid config)."""
+    total = None if args.quiet else _count_records(args.log)
     try:
-        with tqdm(desc="verify", unit="step", disable=args.quiet) as bar:
+        with tqdm(desc="verify", unit="step", total=total, disable=args.quiet) as bar:
             result = verify_log(args.log, on_step=lambda n: bar.update(1))
     except CorruptLogError as exc:
         return _fail(str(exc), 1)
@@ -255,15 +429,42 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return 0
 
 
+_PREFIX = struct.Struct("<III")
+
+
+def _count_records(path: str) -> int | None:
+    """The number of records in the event log at ``path``, counted from the frames' length
+    prefixes alone (a progress total; None when the file cannot be read). Counting stops at
+    the first prefix whose own checksum fails (a torn tail, zeros, damage)."""
+    try:
+        with open(path, "rb") as f:
+            size, offset, frames = os.fstat(f.fileno()).st_size, HEADER_OFFSET, 0
+            while offset + PREFIX_SIZE <= size:
+                f.seek(offset)
+                prefix = f.read(PREFIX_SIZE)
+                length, _, check = _PREFIX.unpack(prefix)
+                offset += PREFIX_SIZE + length
+                if check != zlib.crc32(prefix[:8]) or offset > size:
+                    break
+                frames += 1
+    except OSError:
+        return None
+    return max(frames - 1, 0)  # the first frame is the header
+
+
 def cmd_watch(args: argparse.Namespace) -> int:
     """Exit 0: the stream was followed from its first step to its end without a gap (the
-    view is the engine's cache); 1: it was not (joined late, gaps, or nothing arrived for
-    --timeout seconds); 2: the stream cannot be read."""
+    view is the engine's cache); 1: it was not (joined late, gaps, or it was stopped by
+    Ctrl-C or --timeout idle seconds: the summary and --dump are written all the same);
+    2: the stream cannot be read."""
+    if args.json and args.every is not None:
+        raise SetupError("--every has no effect with --json (only the final summary is printed)")
+    _check_output("--dump", args.dump, args.overwrite)
     show: Callable[[str], None] = (lambda line: None) if args.json else print
+    every = 100 if args.every is None else args.every
+    print(f"kvsched: watching {args.endpoint} (Ctrl-C to stop)", file=sys.stderr, flush=True)
     try:
-        watched = watch(args.endpoint, timeout_s=args.timeout, every=args.every, on_line=show)
-    except WireTimeout as exc:
-        return _fail(f"{exc}", 1)
+        watched = watch(args.endpoint, timeout_s=args.timeout, every=every, on_line=show)
     except (WireError, StreamError) as exc:
         return _fail(str(exc))
     if args.dump:
@@ -290,6 +491,10 @@ def _watch_verdict(watched: Watched) -> str:
         why.append(f"{len(watched.gaps)} gap(s): {watched.gaps[:3]}")
     if watched.header is None:
         why.append("no header received")
+    if watched.stopped == "interrupted":
+        why.append("interrupted (Ctrl-C)")
+    elif watched.stopped is not None:
+        why.append(watched.stopped)
     return f"incomplete view ({'; '.join(why) or 'the stream did not end'})"
 
 
@@ -325,6 +530,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     else:
         from kvsched.bench.step import run_step_bench
 
+        _check_output("--log", args.log, args.overwrite)
         try:
             out = run_step_bench(
                 running=args.running,
@@ -365,26 +571,48 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         ("admit", "one Engine.step admitting B cached requests (identity and all; same workload)"),
     ):
         match = kinds.add_parser(name, help=what)
-        match.add_argument("--mode", choices=["ar", "ssm"], default="ar")
-        match.add_argument("--batch", type=_int_in(1, MAX_BATCH), default=128)
-        match.add_argument("--context", type=_int_in(1, 1 << 24), default=65536)
-        match.add_argument("--block-size", type=_int_in(1, 1 << 16), default=64)
-        match.add_argument("--warmup", type=_int_in(0, 1 << 20), default=2)
-        match.add_argument("--samples", type=COUNT, default=10)
+        match.add_argument(
+            "--mode", choices=["ar", "ssm"], default="ar", help="attention or hybrid" + _DEFAULT
+        )
+        match.add_argument(
+            "--batch", type=_int_in(1, MAX_BATCH), default=128, help="requests" + _DEFAULT
+        )
+        match.add_argument(
+            "--context", type=_int_in(1, 1 << 24), default=65536, help="tokens each" + _DEFAULT
+        )
+        match.add_argument(
+            "--block-size", type=_int_in(1, 1 << 16), default=64, help="tokens" + _DEFAULT
+        )
+        match.add_argument(
+            "--warmup", type=_int_in(0, 1 << 20), default=2, help="untimed runs" + _DEFAULT
+        )
+        match.add_argument("--samples", type=COUNT, default=10, help="timed runs" + _DEFAULT)
         match.add_argument("--json", action="store_true")
     ident = kinds.add_parser(
         "identity", help="block identity of one prompt, beside one numpy.array_equal pass"
     )
-    ident.add_argument("--context", type=_int_in(1, 1 << 24), default=65536)
-    ident.add_argument("--block-size", type=_int_in(1, 1 << 16), default=64)
-    ident.add_argument("--scheme", choices=IDENTITY_SCHEMES, default="kvs128")
-    ident.add_argument("--warmup", type=_int_in(0, 1 << 20), default=20)
-    ident.add_argument("--samples", type=COUNT, default=500)
+    ident.add_argument(
+        "--context", type=_int_in(1, 1 << 24), default=65536, help="prompt tokens" + _DEFAULT
+    )
+    ident.add_argument(
+        "--block-size", type=_int_in(1, 1 << 16), default=64, help="tokens" + _DEFAULT
+    )
+    ident.add_argument(
+        "--scheme", choices=IDENTITY_SCHEMES, default="kvs128", help="block identity" + _DEFAULT
+    )
+    ident.add_argument(
+        "--warmup", type=_int_in(0, 1 << 20), default=20, help="untimed runs" + _DEFAULT
+    )
+    ident.add_argument("--samples", type=COUNT, default=500, help="timed runs" + _DEFAULT)
     ident.add_argument("--json", action="store_true")
     step = kinds.add_parser("step", help="one scheduler step with N running decode sequences")
-    step.add_argument("--running", type=_int_in(1, MAX_BATCH), default=1024)
-    step.add_argument("--warmup", type=_int_in(0, 1 << 20), default=5)
-    step.add_argument("--samples", type=COUNT, default=200)
+    step.add_argument(
+        "--running", type=_int_in(1, MAX_BATCH), default=1024, help="sequences" + _DEFAULT
+    )
+    step.add_argument(
+        "--warmup", type=_int_in(0, 1 << 20), default=5, help="untimed steps" + _DEFAULT
+    )
+    step.add_argument("--samples", type=COUNT, default=200, help="timed steps" + _DEFAULT)
     step.add_argument(
         "--event-log",
         action="store_true",
@@ -394,13 +622,22 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     step.add_argument(
         "--log", metavar="PATH", help="write the event log to PATH, kept (implies --event-log)"
     )
+    step.add_argument("--overwrite", action="store_true", help="replace an existing --log PATH")
     step.add_argument("--json", action="store_true")
     vllm = kinds.add_parser(
         "vllm", help="schedule + update_from_output per step: vLLM's scheduler vs kvsched's"
     )
-    vllm.add_argument("--running", type=_int_in(1, MAX_BATCH), nargs="+", default=[256, 1024])
-    vllm.add_argument("--samples", type=COUNT, default=100)
-    vllm.add_argument("--rounds", type=_int_in(1, 1000), default=3)
+    vllm.add_argument(
+        "--running",
+        type=_int_in(1, MAX_BATCH),
+        nargs="+",
+        default=[256, 1024],
+        help="running sequences, one row each" + _DEFAULT,
+    )
+    vllm.add_argument("--samples", type=COUNT, default=100, help="timed steps" + _DEFAULT)
+    vllm.add_argument(
+        "--rounds", type=_int_in(1, 1000), default=3, help="interleaved rounds" + _DEFAULT
+    )
     vllm.add_argument("--json", action="store_true")
     bench.set_defaults(func=cmd_bench)
 
@@ -414,7 +651,9 @@ def _add_replay(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
     )
     r.add_argument("trace", metavar="TRACE")
     r.add_argument("--format", choices=FORMATS, help="default: from the suffix")
-    r.add_argument("--executor", choices=["sim", "torch"], default="sim")
+    r.add_argument(
+        "--executor", choices=["sim", "torch"], default="sim", help="sim: cost model" + _DEFAULT
+    )
     r.add_argument("--model", metavar="DIR", help="checkpoint directory (--executor torch)")
     r.add_argument(
         "--cache-blocks",
@@ -492,12 +731,13 @@ def _add_replay(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
         type=_positive_float,
         default=1.0,
         metavar="F",
-        help="divide arrival times by F (what-if: F times the load)",
+        help="divide arrival times by F (what-if: F times the load)" + _DEFAULT,
     )
     r.add_argument("--skip-bad-lines", action="store_true", help="count bad lines, skip them")
     r.add_argument("--log", metavar="OUT", help="record the run to this event log")
     _add_publish(r)
     r.add_argument("--report", metavar="DIR", help="write metrics JSON and PNG plots here")
+    r.add_argument("--overwrite", action="store_true", help=_OVERWRITE)
     r.add_argument("--json", action="store_true", help="print the metrics as one JSON object")
     r.add_argument("--check", action="store_true", help="check invariants after every step")
     r.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -531,6 +771,8 @@ def _positive_float(text: str) -> float:
 
 
 COUNT = _int_in(1, 1 << 40)  # a count of something (requests, samples, steps)
+_DEFAULT = " (default: %(default)s)"
+_OVERWRITE = "replace an existing --log file and write into a non-empty --report DIR"
 
 
 def _add_publish(p: argparse.ArgumentParser) -> None:
@@ -544,7 +786,7 @@ def _add_publish(p: argparse.ArgumentParser) -> None:
         type=_int_in(0, 1 << 10),
         default=0,
         metavar="N",
-        help="with --publish: wait (up to 10 s) for N subscribers before the first step",
+        help="with --publish: wait (up to 10 s) for N subscribers before the first step" + _DEFAULT,
     )
 
 
@@ -556,15 +798,17 @@ def _add_watch(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         "its events and print a summary line every --every steps, then a final one.",
     )
     w.add_argument("endpoint", metavar="ENDPOINT", help="e.g. tcp://127.0.0.1:5557")
-    w.add_argument("--every", type=COUNT, default=100, metavar="N", help="steps between lines")
+    w.add_argument("--every", type=COUNT, metavar="N", help="steps between lines (default: 100)")
     w.add_argument(
         "--timeout",
         type=_positive_float,
         default=30.0,
         metavar="S",
-        help="give up after S idle seconds",
+        help="stop after S idle seconds (the publisher died), as Ctrl-C does: the final line "
+        "and --dump, exit 1" + _DEFAULT,
     )
     w.add_argument("--dump", metavar="FILE", help="write the rebuilt cache view as JSON")
+    w.add_argument("--overwrite", action="store_true", help="replace an existing --dump FILE")
     w.add_argument("--json", action="store_true", help="print only the final summary as JSON")
     w.set_defaults(func=cmd_watch)
 
@@ -575,20 +819,31 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="run the built-in multi-turn chat workload (simulated)")
     demo.add_argument("--log", help="record the run to this event log")
     _add_publish(demo)
-    demo.add_argument("--sessions", type=_int_in(1, 1 << 20), default=64)
-    demo.add_argument("--turns", type=_int_in(1, 1 << 12), default=4)
-    demo.add_argument("--seed", type=_int_in(0, (1 << 63) - 1), default=0)
-    demo.add_argument("--cache-blocks", type=_int_in(2, MAX_BLOCKS), default=2048)
-    demo.add_argument("--max-batch", type=_int_in(1, MAX_BATCH), default=64)
+    demo.add_argument(
+        "--sessions", type=_int_in(1, 1 << 20), default=64, help="chat sessions" + _DEFAULT
+    )
+    demo.add_argument(
+        "--turns", type=_int_in(1, 1 << 12), default=4, help="turns per session" + _DEFAULT
+    )
+    demo.add_argument(
+        "--seed", type=_int_in(0, (1 << 63) - 1), default=0, help="workload seed" + _DEFAULT
+    )
+    demo.add_argument(
+        "--cache-blocks", type=_int_in(2, MAX_BLOCKS), default=2048, help="KV blocks" + _DEFAULT
+    )
+    demo.add_argument(
+        "--max-batch", type=_int_in(1, MAX_BATCH), default=64, help="running sequences" + _DEFAULT
+    )
     demo.add_argument("--check", action="store_true", help="check invariants after every step")
     demo.add_argument("--json", action="store_true", help="print the summary as JSON")
     demo.add_argument("--report", metavar="DIR", help="write metrics JSON and PNG plots here")
+    demo.add_argument("--overwrite", action="store_true", help=_OVERWRITE)
     demo.add_argument("--quiet", action="store_true", help="no progress bar")
     demo.add_argument(
         "--executor",
         choices=["sim", "torch"],
         default="sim",
-        help="sim: cost model; torch: a real forward pass (CPU or CUDA)",
+        help="sim: cost model; torch: a real forward pass (CPU or CUDA)" + _DEFAULT,
     )
     demo.add_argument(
         "--model", metavar="DIR", help="checkpoint for --executor torch (default: a tiny model)"

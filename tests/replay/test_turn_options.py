@@ -19,11 +19,11 @@ def test_the_prefill_turn_options_set_the_replayed_config_and_the_run_verifies(
     log = tmp_path / "run.kvlog"
     code, _, _ = run_cli(
         capsys, "replay", str(small_trace(tmp_path)), "--order", "ttft", "--prefill-turns",
-        "short_only", "--short-turns", "2", "--long-order", "fifo", "--max-prefill-tokens",
+        "interleave", "--short-turns", "2", "--long-order", "fifo", "--max-prefill-tokens",
         "512", "--log", str(log), "--quiet",
     )
     config = read_log(str(log)).header["config"]
-    assert code == 0 and config["prefill_turns"] == "short_only"
+    assert code == 0 and config["prefill_turns"] == "interleave"  # (--short-turns needs it)
     assert config["short_turns_per_long"] == 2 and config["long_order"] == "fifo"
     assert config["ttft_size"] == "after_match"
     assert run_cli(capsys, "verify", str(log), "--quiet")[0] == 0

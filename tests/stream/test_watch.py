@@ -6,18 +6,24 @@ run's event log)."""
 from __future__ import annotations
 
 import json
+import signal
 import socket
 import subprocess
 import sys
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
+import msgspec
 import pytest
 
+import kvsched.stream.watch
 from kvsched.cli import main
 from kvsched.config import SchedulerConfig
 from kvsched.engine import Engine
 from kvsched.events.codec import decode_record
 from kvsched.events.log import read_log
+from kvsched.events.wire import Message, WireTimeout
 from kvsched.stream import engine_view
 
 
@@ -91,15 +97,98 @@ def test_watch_of_a_published_trace_replay_reports_a_complete_view(tmp_path: Pat
     assert json.loads(dump.read_text())["view"]["prefix"] == final_state_of(log)["prefix"]
 
 
-def test_watch_with_no_publisher_gives_up_after_its_timeout_and_exits_1(tmp_path: Path):
+def test_watch_with_no_publisher_stops_after_its_timeout_with_its_final_line_and_dump(
+    tmp_path: Path,
+):
+    dump = tmp_path / "view.json"
+    argv = ["watch", free_endpoint(), "--timeout", "0.3", "--dump", str(dump)]
     code = subprocess.run(
-        [sys.executable, "-m", "kvsched.cli", "watch", free_endpoint(), "--timeout", "0.3"],
-        capture_output=True,
-        text=True,
-        timeout=60,
+        [sys.executable, "-m", "kvsched.cli", *argv], capture_output=True, text=True, timeout=60
     )
-    assert code.returncode == 1
-    assert "kvsched: error:" in code.stderr
+    assert code.returncode == 1, code.stderr
+    assert code.stdout.startswith("final step") and "within 0.3 s" in code.stdout
+    assert json.loads(dump.read_text())["summary"]["records"] == 0
+
+
+class FakeSubscriber:
+    """A stream of the messages a publisher of ``log``'s run sends, its first ``steps`` steps,
+    after which receiving raises ``stop`` (Ctrl-C, or the timeout of a dead publisher)."""
+
+    def __init__(self, log: Path, steps: int, stop: BaseException) -> None:
+        contents = read_log(log)
+        header = Message("header", 0, msgspec.msgpack.encode(contents.header))
+        records = contents.records[:steps]
+        self.messages = [header, *(Message("step", i, r) for i, r in enumerate(records))]
+        self.stop = stop
+        self.gaps: list[tuple[int, int]] = []
+
+    def __call__(self, endpoint: str, *, timeout_s: float | None = None) -> FakeSubscriber:
+        return self
+
+    def __enter__(self) -> FakeSubscriber:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+    def __iter__(self) -> Iterator[Message]:
+        yield from self.messages
+        raise self.stop
+
+
+@pytest.mark.parametrize(
+    ("stop", "said"),
+    [(KeyboardInterrupt(), "interrupted"), (WireTimeout("no message within 30 s"), "30 s")],
+    ids=["ctrl-c", "publisher-died"],
+)
+def test_a_watch_stopped_early_prints_its_final_line_and_writes_its_dump(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    stop: BaseException,
+    said: str,
+):
+    log, dump = tmp_path / "run.kvlog", tmp_path / "view.json"
+    assert main(["demo", "--sessions", "4", "--turns", "2", "--quiet", "--log", str(log)]) == 0
+    capsys.readouterr()
+    monkeypatch.setattr(kvsched.stream.watch, "Subscriber", FakeSubscriber(log, 30, stop))
+    code = main(["watch", "tcp://127.0.0.1:1", "--every", "10", "--dump", str(dump)])
+    out = capsys.readouterr().out.splitlines()
+    assert code == 1
+    assert out[-2].startswith("final step      30") and said in out[-1]
+    assert len([line for line in out if line.startswith("step")]) == 3
+    summary = json.loads(dump.read_text())["summary"]
+    assert summary["records"] == 30 and not summary["complete"] and said in summary["stopped"]
+
+
+def test_ctrl_c_ends_a_watch_process_with_its_final_line_and_dump(tmp_path: Path):
+    dump = tmp_path / "view.json"
+    proc = start_watch(free_endpoint(), dump)
+    assert proc.stderr is not None
+    assert "Ctrl-C to stop" in proc.stderr.readline()  # it is subscribed (or about to be)
+    time.sleep(0.5)
+    proc.send_signal(signal.SIGINT)
+    code, out, err = finish(proc)
+    assert code == 1 and "Traceback" not in err
+    assert out.startswith("final step") and "interrupted (Ctrl-C)" in out
+    assert json.loads(dump.read_text())["summary"]["stopped"] == "interrupted"
+
+
+def test_watch_refuses_an_existing_dump_without_overwrite(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+):
+    dump = tmp_path / "view.json"
+    dump.write_text("an earlier view")
+    assert main(["watch", free_endpoint(), "--timeout", "0.1", "--dump", str(dump)]) == 2
+    assert "--overwrite" in capsys.readouterr().err and dump.read_text() == "an earlier view"
+    argv = ["watch", free_endpoint(), "--timeout", "0.1", "--dump", str(dump), "--overwrite"]
+    assert main(argv) == 1
+    assert json.loads(dump.read_text())["summary"]["records"] == 0
+
+
+def test_watch_refuses_every_with_json(capsys: pytest.CaptureFixture[str]):
+    assert main(["watch", free_endpoint(), "--json", "--every", "5"]) == 2
+    assert "--every" in capsys.readouterr().err
 
 
 def test_publishing_on_a_busy_endpoint_fails_before_any_work_with_exit_2(

@@ -7,7 +7,10 @@ watcher subscribes, checks the stream's schema version, folds every record into 
 then a final summary when the stream ends.
 
 A view is complete only if the watcher saw the stream from its first step without a gap; it
-says so, and exits 1 otherwise (0 when complete, 2 when the stream cannot be read).
+says so, and exits 1 otherwise (0 when complete, 2 when the stream cannot be read). Ctrl-C
+and ``timeout_s`` without a message (the publisher died) end a watch like the stream's end:
+``watch`` returns the view it rebuilt, with ``stopped`` saying why (its summary and ``--dump``
+are still written; the view is incomplete, exit 1).
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import attrs
 import msgspec
 
 from kvsched.events.codec import RecordDecodeError, check_schema, decode_record
-from kvsched.events.wire import Subscriber, WireError
+from kvsched.events.wire import Message, Subscriber, WireError, WireTimeout
 from kvsched.stream.view import CacheView
 
 __all__ = ["StreamError", "Watched", "WireError", "dump", "summary_line", "watch"]
@@ -38,6 +41,7 @@ class Watched:
     gaps: list[tuple[int, int]] = attrs.field(factory=list)
     ended: bool = False
     records: int = 0
+    stopped: str | None = None  # why it stopped before the end: "interrupted", a timeout
 
     @property
     def complete(self) -> bool:
@@ -51,6 +55,7 @@ class Watched:
             "first_seq": self.first_seq,
             "gaps": [list(g) for g in self.gaps],
             "ended": self.ended,
+            "stopped": self.stopped,
             "complete": self.complete,
         }
 
@@ -71,25 +76,37 @@ def watch(
     every: int = 100,
     on_line: Callable[[str], None] = print,
 ) -> Watched:
-    """Follow the stream at ``endpoint`` until it ends. Raises WireError (bad endpoint,
-    malformed message, ``WireTimeout`` when nothing arrives for ``timeout_s``) or
-    StreamError (schema, undecodable record)."""
+    """Follow the stream at ``endpoint`` until it ends, nothing arrives for ``timeout_s``
+    (``stopped``: the timeout) or Ctrl-C (``stopped``: "interrupted"); returns what was
+    rebuilt in every case. Raises WireError (bad endpoint, malformed message) or StreamError
+    (schema, undecodable record)."""
     watched = Watched(CacheView())
     with Subscriber(endpoint, timeout_s=timeout_s) as sub:
-        for message in sub:
-            if watched.first_seq is None:
-                watched.first_seq = message.seq
-                watched.view.strict = message.seq == 0  # a late joiner skips what it missed
-            if message.kind == "header":
-                watched.header = _header(message.payload, endpoint)
-            elif message.kind == "step":
-                _apply(watched, message.payload, message.seq)
-                if every and watched.view.step % every == 0:
-                    on_line(summary_line(watched.view.summary()))
-            else:
-                watched.ended = True
+        try:
+            for message in sub:
+                _receive(watched, message, endpoint, every, on_line)
+        except WireTimeout as exc:
+            watched.stopped = str(exc)
+        except KeyboardInterrupt:
+            watched.stopped = "interrupted"
         watched.gaps = list(sub.gaps)
     return watched
+
+
+def _receive(
+    watched: Watched, message: Message, endpoint: str, every: int, on_line: Callable[[str], None]
+) -> None:
+    if watched.first_seq is None:
+        watched.first_seq = message.seq
+        watched.view.strict = message.seq == 0  # a late joiner skips what it missed
+    if message.kind == "header":
+        watched.header = _header(message.payload, endpoint)
+    elif message.kind == "step":
+        _apply(watched, message.payload, message.seq)
+        if every and watched.view.step % every == 0:
+            on_line(summary_line(watched.view.summary()))
+    else:
+        watched.ended = True
 
 
 def _header(payload: bytes, endpoint: str) -> dict[str, Any]:
@@ -119,4 +136,3 @@ def dump(watched: Watched, path: str) -> None:
     """Write the rebuilt view and the summary as JSON."""
     with open(path, "w", encoding="utf-8") as f:
         json.dump({"summary": watched.summary(), "view": watched.view.snapshot()}, f)
-
