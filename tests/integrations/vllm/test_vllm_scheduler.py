@@ -401,7 +401,8 @@ import json, sys
 from vllm import LLM, SamplingParams, TokensPrompt
 llm = LLM(sys.argv[1], scheduler_cls="kvsched.integrations.vllm.Scheduler",
           logits_processors=["kvsched.integrations.vllm:RequestCheck"], enforce_eager=True,
-          block_size=32, max_model_len=512, max_num_batched_tokens=256, dtype="float32",
+          block_size=32, max_model_len=512, max_num_batched_tokens=256, max_num_seqs=8,
+          dtype="float32",
           skip_tokenizer_init=True)
 got = {}
 for name, over in [("min_tokens", {"min_tokens": 2}), ("prompt_logprobs", {"prompt_logprobs": 1})]:
