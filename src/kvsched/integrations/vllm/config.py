@@ -13,6 +13,7 @@ from typing import Any
 from kvsched.config import ModelSpec, SchedulerConfig
 
 LOG_ENV = "KVSCHED_VLLM_LOG"  # path of the event log to write (additional_config wins)
+OVERWRITE_ENV = "KVSCHED_VLLM_LOG_OVERWRITE"  # "1": an existing log may be replaced
 CONFIG_KEY = "kvsched"  # vllm_config.additional_config["kvsched"] = {"log": PATH, ...}
 
 
@@ -26,7 +27,7 @@ def options(vllm_config: Any) -> dict[str, Any]:
     mine = extra.get(CONFIG_KEY, {}) if isinstance(extra, dict) else {}
     if not isinstance(mine, dict):
         raise UnsupportedConfig(f"additional_config[{CONFIG_KEY!r}] must be a dict, got {mine!r}")
-    unknown = set(mine) - {"log", "check_invariants", "block_hashes"}
+    unknown = set(mine) - {"log", "overwrite_log", "check_invariants", "block_hashes"}
     if unknown:
         raise UnsupportedConfig(f"unknown kvsched options {sorted(unknown)}")
     if mine.get("block_hashes", "kvsched") not in ("kvsched", "vllm"):
@@ -36,7 +37,30 @@ def options(vllm_config: Any) -> dict[str, Any]:
     out = dict(mine)
     if "log" not in out and os.environ.get(LOG_ENV):
         out["log"] = os.environ[LOG_ENV]
+    if "overwrite_log" not in out:
+        out["overwrite_log"] = os.environ.get(OVERWRITE_ENV, "") == "1"
+    elif not isinstance(out["overwrite_log"], bool):
+        raise UnsupportedConfig(
+            f"kvsched option overwrite_log must be true or false, got {out['overwrite_log']!r}"
+        )
     return out
+
+
+def check_log_path(path: str, overwrite: bool) -> None:
+    """Refuse to start over an existing file (an earlier run's log) unless told to replace it."""
+    if os.path.lexists(path) and not overwrite:
+        raise UnsupportedConfig(
+            f"kvsched event log {path} already exists: choose another path, or replace it with "
+            f'additional_config {{"{CONFIG_KEY}": {{"overwrite_log": true}}}} or {OVERWRITE_ENV}=1'
+        )
+
+
+def has_request_check(vllm_config: Any) -> bool:
+    """Whether vLLM's front end runs the adapter's ``RequestCheck`` (``--logits-processors``):
+    without it a request the adapter refuses reaches an HTTP client as a bare 500."""
+    procs = getattr(vllm_config.model_config, "logits_processors", None) or ()
+    names = [p if isinstance(p, str) else getattr(p, "__name__", "") for p in procs]
+    return any(n.split(":")[-1].split(".")[-1] == "RequestCheck" for n in names)
 
 
 def groups(kv_cache_config: Any) -> tuple[int, list[int]]:

@@ -32,14 +32,24 @@ def refusal(request: Any) -> str | None:
         return "LoRA requests are not supported by the kvsched adapter"
     if getattr(request, "structured_output_request", None) is not None:
         return "structured outputs are not supported by the kvsched adapter"
+    reason = params_refusal(params)
+    if reason is not None:
+        return reason
+    if request.max_tokens is None or request.max_tokens < 1:
+        return f"max_tokens must be at least 1, got {request.max_tokens}"
+    return None
+
+
+def params_refusal(params: Any) -> str | None:
+    """Why the adapter cannot serve a request with these ``SamplingParams`` (None: it can).
+    vLLM's front end asks this before the request reaches the engine (``RequestCheck``); a
+    request with ``n > 1`` is split there into ``n`` requests, each served."""
+    if getattr(params, "structured_outputs", None) is not None:
+        return "structured outputs are not supported by the kvsched adapter"
     if params.prompt_logprobs is not None:
         return "prompt logprobs are not supported by the kvsched adapter"
     if params.min_tokens:
         return "min_tokens is not supported by the kvsched adapter"
-    if params.n != 1:
-        return "parallel sampling (n > 1) is not supported by the kvsched adapter"
-    if request.max_tokens is None or request.max_tokens < 1:
-        return f"max_tokens must be at least 1, got {request.max_tokens}"
     return None
 
 

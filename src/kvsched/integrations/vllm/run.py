@@ -6,7 +6,8 @@
 Workloads (token ids, greedy, ``ignore_eos``):
 * ``mixed``: prompts sharing a long prefix (one first, the rest after it is cached), a
   three-turn conversation (each turn the previous prompt, its answer and new tokens), a prompt
-  longer than the per-step token budget (chunked prefill), and a request aborted mid-decode.
+  longer than the per-step token budget (chunked prefill), a request with ``n=3`` (seeded
+  sampling; attention models only) and a request aborted mid-decode.
 * ``preempt``: more concurrent work than the KV cache holds (``--blocks``), forcing preemption.
 * ``decode``: ``--running`` requests decoding together (the scheduler benchmark's shape).
 The JSON has each request's tokens, its cached prompt tokens, the wall time and, for kvsched,
@@ -25,6 +26,22 @@ from typing import Any
 import numpy as np
 
 SCHEDULER = "kvsched.integrations.vllm.Scheduler"
+REQUEST_CHECK = "kvsched.integrations.vllm:RequestCheck"  # refusals in vLLM's front end
+
+# Default per-step token budget and context (``--batched-tokens``, ``--max-model-len``). A
+# hybrid model's block is its state page, which vLLM sets only once the model is built (640
+# tokens for the tiny Qwen3-Next; the budget must hold a block plus a token per running
+# request): its budget is the whole context, which holds a block whenever a request can.
+DEFAULTS = {"attention": (256, 2048), "hybrid": (4096, 4096)}
+
+
+def budgets(args: argparse.Namespace) -> tuple[int, int]:
+    """(max_num_batched_tokens, max_model_len): the options given, else the defaults."""
+    batched, length = DEFAULTS["hybrid" if args.hybrid else "attention"]
+    if args.max_model_len is not None:
+        length = args.max_model_len
+        batched = batched if not args.hybrid else length
+    return (batched if args.batched_tokens is None else args.batched_tokens), length
 
 
 def _env() -> None:
@@ -37,11 +54,12 @@ def _env() -> None:
 def make_llm(args: argparse.Namespace) -> Any:
     from vllm import LLM
 
+    batched, length = budgets(args)
     kw: dict[str, Any] = {
         "model": args.model,
         "enforce_eager": True,
-        "max_model_len": args.max_model_len,
-        "max_num_batched_tokens": args.batched_tokens,
+        "max_model_len": length,
+        "max_num_batched_tokens": batched,
         "max_num_seqs": args.max_seqs,
         "enable_prefix_caching": True,
         "seed": 0,
@@ -54,6 +72,7 @@ def make_llm(args: argparse.Namespace) -> Any:
         kw["num_gpu_blocks_override"] = args.blocks
     if args.scheduler == "kvsched":
         kw["scheduler_cls"] = SCHEDULER
+        kw["logits_processors"] = [REQUEST_CHECK]
         extra: dict[str, Any] = {"check_invariants": not args.no_check}
         if args.log:
             extra["log"] = args.log
@@ -111,15 +130,18 @@ def _aborted(llm: Any, out: dict[str, Any]) -> None:
 SIZES = {"attention": (320, 100, 40, 900), "hybrid": (1200, 600, 500, 2500)}
 
 
-def mixed(llm: Any, out: dict[str, Any], sizes: tuple[int, int, int, int]) -> None:
+def mixed(
+    llm: Any, out: dict[str, Any], sizes: tuple[int, int, int, int], parallel: bool = False
+) -> None:
     shared, first, more, long = sizes
     prefix = _tokens(shared, 1)
     _generate(llm, {"prefix-0": prefix + _tokens(16, 100)}, 16, out)
     _generate(llm, {f"prefix-{i}": prefix + _tokens(16, 100 + i) for i in (1, 2, 3)}, 16, out)
     # A stop token (the 6th token of prefix-0's answer), with sample logprobs.
     stop = out["prefix-0"]["tokens"][5]
-    _generate(llm, {"stop-token": prefix + _tokens(16, 100)}, 16, out, stop_token_ids=[stop],
-              logprobs=2)
+    _generate(
+        llm, {"stop-token": prefix + _tokens(16, 100)}, 16, out, stop_token_ids=[stop], logprobs=2
+    )
     assert llm.reset_prefix_cache(), "reset_prefix_cache refused with nothing running"
     _generate(llm, {"after-reset": prefix + _tokens(16, 104)}, 8, out)  # must miss
     history = _tokens(first, 2)
@@ -128,7 +150,19 @@ def mixed(llm: Any, out: dict[str, Any], sizes: tuple[int, int, int, int]) -> No
         _generate(llm, {name: history}, 12, out)
         history = history + out[name]["tokens"] + _tokens(more, 200 + turn)
     _generate(llm, {"long": _tokens(long, 3)}, 8, out)
+    if parallel:
+        _parallel(llm, out)
     _aborted(llm, out)
+
+
+def _parallel(llm: Any, out: dict[str, Any]) -> None:
+    """One request with ``n=3`` (seeded sampling): vLLM's front end splits it in three."""
+    from vllm import SamplingParams, TokensPrompt
+
+    params = SamplingParams(n=3, temperature=1.0, seed=11, ignore_eos=True, max_tokens=8)
+    (r,) = llm.generate([TokensPrompt(prompt_token_ids=_tokens(40, 9))], params, use_tqdm=False)
+    for i, o in enumerate(r.outputs):
+        out[f"parallel-{i}"] = {"tokens": list(o.token_ids), "cached": r.num_cached_tokens or 0}
 
 
 def preempt(llm: Any, out: dict[str, Any], prompt: int) -> None:
@@ -155,9 +189,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kv-events", default=None)
     p.add_argument("--hybrid", action="store_true")
     p.add_argument("--blocks", type=int, default=0, help="KV cache blocks (0: vLLM's sizing)")
-    p.add_argument("--batched-tokens", type=int, default=256)
+    p.add_argument(
+        "--batched-tokens",
+        type=int,
+        default=None,
+        help="max_num_batched_tokens (default: 256; --hybrid: the context length)",
+    )
     p.add_argument("--max-seqs", type=int, default=8)
-    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--max-model-len", type=int, default=None, help="default: 2048; --hybrid: 4096")
     p.add_argument("--running", type=int, default=64)
     p.add_argument("--no-check", action="store_true", help="skip kvsched's invariant checks")
     p.add_argument(
@@ -169,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     out: dict[str, Any] = {}
     t0 = time.perf_counter()
     if args.workload == "mixed":
-        mixed(llm, out, SIZES["hybrid" if args.hybrid else "attention"])
+        mixed(llm, out, SIZES["hybrid" if args.hybrid else "attention"], not args.hybrid)
     elif args.workload == "preempt":
         preempt(llm, out, 1240 if args.hybrid else 160)  # (decode grows a block)
     else:

@@ -79,6 +79,8 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # (vLLM is untyped h
         opts = cfg.options(vllm_config)
         self.log_path: str | None = opts.get("log")
         self._vllm_hashes = opts.get("block_hashes") == "vllm"
+        if self.log_path:
+            cfg.check_log_path(self.log_path, opts["overwrite_log"])
         log = create_log(self.log_path, self.config) if self.log_path else None
         self.engine = Engine(
             self.config, log=log, check_invariants=bool(opts.get("check_invariants"))
@@ -90,7 +92,9 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # (vLLM is untyped h
         if mamba_groups:
             self._mamba_groups = mamba_groups
             self.mamba = MambaLayout(
-                self.config.num_blocks - 1, self.config.num_state_slots, len(mamba_groups),
+                self.config.num_blocks - 1,
+                self.config.num_state_slots,
+                len(mamba_groups),
                 block_size,
             )
             assert self.mamba.num_ids <= kv_cache_config.num_blocks
@@ -131,6 +135,13 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # (vLLM is untyped h
             events_config, vllm_config.parallel_config.data_parallel_index
         )
         logger.info("kvsched scheduler: %s; event log: %s", self.config, self.log_path)
+        if not cfg.has_request_check(vllm_config):
+            logger.warning(
+                "kvsched: requests the adapter refuses (prompt logprobs, min_tokens, structured "
+                "outputs) will fail with an internal error; add --logits-processors %s "
+                "(LLM(logits_processors=[...])) to refuse them up front with the reason",
+                "kvsched.integrations.vllm:RequestCheck",
+            )
 
     # ------------------------------------------------------------------ requests in
 
@@ -189,8 +200,13 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # (vLLM is untyped h
         restore = dict(plan.state_restore[:, ::-1].tolist()) if len(plan.state_restore) else {}
         runtime = plan.state_slots.tolist()
         for i, (seq_id, start, end, n) in enumerate(
-            zip(plan.seq_ids.tolist(), plan.starts.tolist(), plan.ends.tolist(),
-                plan.num_blocks.tolist(), strict=True)
+            zip(
+                plan.seq_ids.tolist(),
+                plan.starts.tolist(),
+                plan.ends.tolist(),
+                plan.num_blocks.tolist(),
+                strict=True,
+            )
         ):
             request = req_of[seq_id]
             name = request.request_id
@@ -254,8 +270,10 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # (vLLM is untyped h
         if len(plan.copy_blocks) or len(plan.copy_blocks_after) or len(plan.zero_blocks):
             raise AdapterMismatch("the plan copies or zeroes KV blocks: vLLM cannot do that")
         if len(plan.state_save_before) or len(plan.state_save_within):
-            raise AdapterMismatch("the plan saves states before or inside a forward: vLLM "
-                                  "saves them at the end of a step only")
+            raise AdapterMismatch(
+                "the plan saves states before or inside a forward: vLLM "
+                "saves them at the end of a step only"
+            )
 
     def _fold_decisions(self, result: StepResult) -> set[str]:
         """What this step's decisions mean for vLLM's side; returns the preempted names."""
@@ -264,8 +282,9 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # (vLLM is untyped h
             self._events += self._kv_events.translate(result.decisions, self._req_of.__getitem__)
         for d in result.decisions:
             if isinstance(d, ev.SequenceFinished):
-                self._check_cached(d.seq_ids.tolist(), d.cached_local, d.cached_checkpoint,
-                                   d.cached_external)
+                self._check_cached(
+                    d.seq_ids.tolist(), d.cached_local, d.cached_checkpoint, d.cached_external
+                )
                 for seq_id, reason in zip(d.seq_ids.tolist(), d.reasons, strict=True):
                     self._retire(seq_id, reason)
             elif isinstance(d, ev.SequenceAborted):
