@@ -180,7 +180,7 @@ def _pct_top(values: Sequence[float]) -> float:
 def _top(values: Sequence[float]) -> float:
     """Top of an axis that starts at 0: the data's peak and a margin."""
     finite = [float(v) for v in values if np.isfinite(v)]
-    return max(max(finite, default=0.0) * 1.15, 1e-3)
+    return max(max(finite, default=0.0) * 1.15, 1.0)
 
 
 def _plain(value: float, _pos: object = None) -> str:
@@ -216,7 +216,7 @@ def ttft_figure(ttft: np.ndarray, title: str) -> Any:
         lo = max(float(ms.min()), 0.1)
         hi = max(float(ms.max()), lo * 1.5)
         ax1.hist(np.clip(ms, lo, hi), bins=np.geomspace(lo, hi, 50), color="#4477aa")
-        xs = np.sort(ms)
+        xs = np.sort(np.maximum(ms, lo))  # a log axis: 0 ms shows at its left edge
         ax2.plot(xs, np.arange(1, len(xs) + 1) / len(xs), color="#4477aa")
         for q, style in ((50, "-"), (90, "--"), (99, ":")):
             v = float(np.percentile(ms, q))
@@ -446,7 +446,7 @@ def sweep_figure(
         top = _pct_top(hits) if ax is axes[0] else _top([get(m) for m in runs])
         ax.set(ylabel=ylabel, ylim=(0, top), xlim=(-0.5, len(values) - 0.5))
         ax.set_xticks(range(len(values)), labels)
-        ax.set_xlabel(key or "runs")
+        ax.set_xlabel(key)
         ax.grid(axis="y", alpha=0.3)
     handles, names = axes[0].get_legend_handles_labels()
     fig.legend(handles, names, loc="lower center", ncol=min(len(names), 5), frameon=False)
