@@ -14,7 +14,9 @@ Definitions (all on the driver's simulated clock):
   (``KVLoadAdmitted``; a load that later fails still counts here);
 * cache use: blocks held by running sequences or sessions / usable blocks, and blocks holding
   any KV (held plus cached-evictable) / usable blocks;
-* queue length: waiting requests at the start of each step (after the step's arrivals).
+* queue length: waiting requests at the start of each step (after the step's arrivals);
+* evictions: cached KV blocks reused for other data (``kv_block_evictions``; ``evictions``
+  is its old name) and hybrid state checkpoints evicted (``checkpoint_evictions``).
 """
 
 from __future__ import annotations
@@ -184,7 +186,9 @@ class Recorder:
             "e2e_p50_s": percentile(e2e, 50),
             "e2e_p99_s": percentile(e2e, 99),
             "preemptions": summary.preemptions,
-            "evictions": pool.num_evictions,
+            "kv_block_evictions": pool.num_evictions,
+            "checkpoint_evictions": self.engine.state.ckpts.evictions,
+            "evictions": pool.num_evictions,  # the old name of kv_block_evictions
             "max_waiting": max(s.waiting, default=0),
             "max_cache_use": max(s.used, default=0) / self.usable,
             "max_cache_held": max(s.held, default=0) / self.usable,

@@ -58,7 +58,10 @@ def summary_rows(m: dict[str, Any]) -> list[tuple[str, str]]:
         ),
         ("throughput (clock)", f"{m['throughput_tok_s']:,.0f} output tok/s"),
         ("preemptions", f"{m['preemptions']:,}"),
-        ("evictions", f"{m['evictions']:,} blocks"),
+        (
+            "evictions",
+            f"{m['kv_block_evictions']:,} KV blocks, {m['checkpoint_evictions']:,} checkpoints",
+        ),
         (
             "cache",
             f"{m['cache_blocks']:,} blocks x {m['block_size']} tokens, "
@@ -87,18 +90,20 @@ def format_table(title: str, m: dict[str, Any]) -> str:
 
 def format_sweep(key: str, runs: Sequence[dict[str, Any]]) -> str:
     """One line per run: the checkpoint policy (when compared), the sweep value (when
-    swept), hit rate, TTFT and evictions."""
+    swept), hit rate, TTFT and evictions (KV blocks and checkpoints)."""
     policies = any(m.get("checkpoint_policy") for m in runs)
     head = f"  {'policy':<11}" if policies else ""
     head += f"{key:>20}" if key else ""
-    head += f"  {'hit rate':>9}  {'TTFT p50':>10}  {'TTFT p99':>10}  {'evictions':>10}"
+    head += f"  {'hit rate':>9}  {'TTFT p50':>10}  {'TTFT p99':>10}"
+    head += f"  {'KV evictions':>12}  {'ckpt evictions':>14}"
     lines = [head]
     for m in runs:
         line = f"  {m.get('checkpoint_policy', ''):<11}" if policies else ""
         line += f"{m['sweep_value']:>20,}" if key else ""
         line += (
             f"  {_pct(m['token_hit_rate']):>9}  {_ms(m['ttft_p50_s']):>10}"
-            f"  {_ms(m['ttft_p99_s']):>10}  {m['evictions']:>10,}"
+            f"  {_ms(m['ttft_p99_s']):>10}  {m['kv_block_evictions']:>12,}"
+            f"  {m['checkpoint_evictions']:>14,}"
         )
         lines.append(line)
     return "\n".join(lines)
@@ -133,6 +138,11 @@ def _windows(clock: np.ndarray, values: np.ndarray, edges: np.ndarray) -> np.nda
     return sums
 
 
+DPI = 90
+_OUTSIDE = {"loc": "upper left", "bbox_to_anchor": (1.01, 1.0), "fontsize": "small"}
+QUEUE_BUCKETS = 400  # queue.png: at most this many time buckets (min, mean, max each)
+
+
 def write_report(
     out_dir: str | Path,
     metrics: dict[str, Any],
@@ -146,165 +156,303 @@ def write_report(
     write_json(out / "metrics.json", metrics)
     write_json(out / "timeseries.json", _downsample(series))
     plt = _pyplot()
-    clock = np.asarray(series["clock"], dtype=np.float64)
-    usable = max(int(metrics["cache_blocks"]) - 1, 1)
-    files = [out / "metrics.json", out / "timeseries.json"]
+    figures = (
+        ttft_figure(ttft, title),
+        cache_figure(metrics, series, title),
+        queue_figure(series, title),
+    )
+    for name, fig in zip(PLOTS, figures, strict=True):
+        fig.savefig(out / name, dpi=DPI)
+        plt.close(fig)
+    return [out / "metrics.json", out / "timeseries.json", *(out / p for p in PLOTS)]
 
-    # TTFT distribution: histogram (log-spaced) and CDF, with the percentiles marked.
+
+# ----------------------------------------------------------------------- axes
+
+
+def _pct_top(values: Sequence[float]) -> float:
+    """Top of a percentage axis that starts at 0: the data's peak and a margin, at least
+    1 %, at most 105 %."""
+    finite = [float(v) for v in values if np.isfinite(v)]
+    return float(min(max(max(finite, default=0.0) * 1.15, 1.0), 105.0))
+
+
+def _top(values: Sequence[float]) -> float:
+    """Top of an axis that starts at 0: the data's peak and a margin."""
+    finite = [float(v) for v in values if np.isfinite(v)]
+    return max(max(finite, default=0.0) * 1.15, 1.0)
+
+
+def _plain(value: float, _pos: object = None) -> str:
+    return f"{value:,g}"
+
+
+def _log_ms_axis(ax: Any, lo: float, hi: float) -> None:
+    """A log x axis in ms with plain-number labels (on 1-2-5 ticks; 1-10-100 past three
+    decades, 1-2-3-...-9 under one) and unlabelled minor ticks: no overlapping labels, no
+    powers of ten."""
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
+    ax.set_xscale("log")
+    decades = np.log10(hi / lo)
+    subs: tuple[float, ...] = (
+        (1.0,) if decades > 3 else (1.0, 2.0, 5.0) if decades > 1 else tuple(range(1, 10))
+    )
+    ax.xaxis.set_major_locator(LogLocator(base=10, subs=subs))
+    ax.xaxis.set_major_formatter(FuncFormatter(_plain))
+    ax.xaxis.set_minor_formatter(NullFormatter())
+    ax.set_xlim(lo, hi)
+
+
+# ----------------------------------------------------------------------- ttft.png
+
+
+def ttft_figure(ttft: np.ndarray, title: str) -> Any:
+    """TTFT histogram (log-spaced bins) and CDF in ms, p50/p90/p99 marked."""
+    plt = _pyplot()
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
-    if len(ttft):
-        lo = max(float(ttft.min()), 1e-4)
-        hi = max(float(ttft.max()), lo * 10)
-        ax1.hist(ttft, bins=np.geomspace(lo, hi, 50), color="#4477aa")
-        ax1.set_xscale("log")
-        xs = np.sort(ttft)
+    ms = 1000 * np.asarray(ttft, dtype=np.float64)
+    if len(ms):
+        lo = max(float(ms.min()), 0.1)
+        hi = max(float(ms.max()), lo * 1.5)
+        ax1.hist(np.clip(ms, lo, hi), bins=np.geomspace(lo, hi, 50), color="#4477aa")
+        xs = np.sort(np.maximum(ms, lo))  # a log axis: 0 ms shows at its left edge
         ax2.plot(xs, np.arange(1, len(xs) + 1) / len(xs), color="#4477aa")
-        ax2.set_xscale("log")
         for q, style in ((50, "-"), (90, "--"), (99, ":")):
-            v = float(np.percentile(ttft, q))
+            v = float(np.percentile(ms, q))
             for ax in (ax1, ax2):
-                ax.axvline(v, color="#cc3311", linestyle=style, label=f"p{q} {1000 * v:,.0f} ms")
-    ax1.set(xlabel="TTFT (s)", ylabel="requests", title="TTFT histogram")
-    ax2.set(xlabel="TTFT (s)", ylabel="fraction of requests", title="TTFT CDF")
-    ax1.legend()
+                ax.axvline(v, color="#cc3311", linestyle=style, label=f"p{q} {v:,.1f} ms")
+        for ax in (ax1, ax2):
+            _log_ms_axis(ax, lo / 1.1, hi * 1.1)
+        ax1.legend()
+    ax1.set(xlabel="TTFT (ms, log scale)", ylabel="requests", title="TTFT histogram")
+    ax2.set(xlabel="TTFT (ms, log scale)", ylabel="fraction of requests", title="TTFT CDF")
+    ax2.set_ylim(0, 1.02)
     fig.suptitle(title)
     fig.tight_layout()
-    fig.savefig(out / PLOTS[0], dpi=100)
-    plt.close(fig)
+    return fig
 
-    # Hit rate and cache use over time (two panels sharing the time axis).
-    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(11, 6.5), sharex=True)
+
+# ----------------------------------------------------------------------- cache.png
+
+
+def cache_figure(metrics: dict[str, Any], series: dict[str, np.ndarray], title: str) -> Any:
+    """Hit rate per window and cumulative (the whole-trace sequential ideal as a mark at the
+    cumulative line's end, where the two compare); cache use over time."""
+    plt = _pyplot()
+    clock = np.asarray(series["clock"], dtype=np.float64)
+    usable = max(int(metrics["cache_blocks"]) - 1, 1)
+    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(12, 6.5), sharex=True, layout="constrained")
     span = float(clock[-1]) if len(clock) else 1.0
     edges = np.linspace(0.0, max(span, 1e-9), 51)
     hit = _windows(clock, series["hit_tokens"], edges)
     query = _windows(clock, series["query_tokens"], edges)
     with np.errstate(invalid="ignore", divide="ignore"):
-        window = np.where(query > 0, hit / query, np.nan)
+        window = 100 * np.where(query > 0, hit / query, np.nan)
     cum_q = np.cumsum(series["query_tokens"])
     cum_h = np.cumsum(series["hit_tokens"])
-    with np.errstate(invalid="ignore", divide="ignore"):
-        cumulative = np.where(cum_q > 0, cum_h / np.maximum(cum_q, 1), np.nan)
+    cumulative = 100 * np.where(cum_q > 0, cum_h / np.maximum(cum_q, 1), np.nan)
     width = edges[1] - edges[0]
     ax1.bar(
         edges[:-1],
-        100 * np.nan_to_num(window),
+        np.nan_to_num(window),
         width=width,
         align="edge",
         color="#88ccaa",
         edgecolor="white",
         label=f"per {width:,.1f} s window",
     )
-    ax1.plot(clock, 100 * cumulative, color="#117733", label="cumulative")
-    if metrics.get("ideal_hit_rate") is not None:
-        ax1.axhline(
-            100 * metrics["ideal_hit_rate"],
-            color="#117733",
-            linestyle=":",
-            label="sequential ideal (infinite cache)",
+    ax1.plot(clock, cumulative, color="#117733", label="cumulative (since the start)")
+    peaks = [*window, *cumulative]
+    ideal = metrics.get("ideal_hit_rate")
+    if ideal is not None and len(clock):
+        ax1.plot(
+            [clock[-1]],
+            [100 * ideal],
+            marker="*",
+            markersize=14,
+            linestyle="none",
+            color="#cc3311",
+            label=f"sequential ideal, whole trace:\n{100 * ideal:.1f} % (compare with the\n"
+            "cumulative line's end)",
         )
-    ax1.set(ylabel="token hit rate (%)", ylim=(0, 105))
+        peaks.append(100 * ideal)
+    ax1.set(ylabel="token hit rate (%)", ylim=(0, _pct_top(peaks)))
     ax1.set_title(f"{title}: prefix hit rate and cache use")
-    ax1.legend(loc="upper left", fontsize="small")
-    ax2.plot(clock, 100 * series["used"] / usable, color="#4477aa", label="blocks holding KV")
-    ax2.plot(clock, 100 * series["held"] / usable, color="#cc6677", label="blocks held by requests")
+    ax1.legend(**_OUTSIDE)
+    used = 100 * np.asarray(series["used"]) / usable
+    held = 100 * np.asarray(series["held"]) / usable
+    ax2.fill_between(
+        clock, used, color="#aaccee", step="post", label="blocks holding KV\n(held + cached)"
+    )
+    same = bool(np.array_equal(series["used"], series["held"]))
+    note = "\n(= blocks holding KV: none cached unheld)" if same else ""
+    ax2.step(
+        clock,
+        held,
+        where="post",
+        color="#aa3377",
+        linestyle="--",
+        lw=1.2,
+        label=f"blocks held by requests\nand sessions{note}",
+    )
     ax2.set(xlabel="simulated time (s)", ylabel=f"% of {usable + 1:,} blocks", ylim=(0, 105))
-    ax2.legend(loc="upper left", fontsize="small")
-    fig.tight_layout()
-    fig.savefig(out / PLOTS[1], dpi=100)
-    plt.close(fig)
+    ax2.legend(**_OUTSIDE)
+    return fig
 
-    # Queue length over time.
-    fig, ax = plt.subplots(figsize=(11, 4))
-    ax.step(clock, series["running"], where="post", color="#4477aa", label="running", lw=0.8)
-    ax.step(clock, series["waiting"], where="post", color="#cc3311", label="waiting", lw=0.8)
-    ax.set(xlabel="simulated time (s)", ylabel="requests", title=f"{title}: queue length")
-    ax.legend(loc="upper right")
-    fig.tight_layout()
-    fig.savefig(out / PLOTS[2], dpi=100)
-    plt.close(fig)
-    return [*files, *(out / p for p in PLOTS)]
+
+# ----------------------------------------------------------------------- queue.png
+
+
+def _buckets(
+    clock: np.ndarray, values: np.ndarray, n: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Edges of ``n`` equal time buckets and each bucket's min, mean and max of ``values``
+    (NaN where a bucket holds no step)."""
+    start, end = float(clock[0]), float(clock[-1])
+    edges = np.linspace(start, max(end, start + 1e-9), n + 1)
+    which = np.minimum(((clock - start) / (edges[1] - start)).astype(np.int64), n - 1)
+    v = np.asarray(values, dtype=np.float64)
+    count = np.bincount(which, minlength=n)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        mean = np.bincount(which, weights=v, minlength=n) / count
+    lo = np.full(n, np.inf)
+    np.minimum.at(lo, which, v)
+    hi = np.full(n, -np.inf)
+    np.maximum.at(hi, which, v)
+    empty = count == 0
+    lo[empty] = hi[empty] = np.nan
+    return edges, lo, mean, hi
+
+
+def queue_figure(series: dict[str, np.ndarray], title: str, buckets: int = QUEUE_BUCKETS) -> Any:
+    """Running and waiting requests over time: each step when there are at most ``buckets``
+    steps, else per time bucket the mean (line) and min-max range (band)."""
+    plt = _pyplot()
+    clock = np.asarray(series["clock"], dtype=np.float64)
+    fig, ax = plt.subplots(figsize=(12, 4), layout="constrained")
+    what = "per step"
+    for name, colour in (("running", "#4477aa"), ("waiting", "#cc3311")):
+        values = np.asarray(series[name])
+        if len(clock) <= buckets:
+            ax.step(clock, values, where="post", color=colour, label=name, lw=1.0)
+            continue
+        edges, lo, mean, hi = _buckets(clock, values, buckets)
+        mid = (edges[:-1] + edges[1:]) / 2
+        ax.fill_between(mid, lo, hi, color=colour, alpha=0.25, lw=0, label=f"{name}: min-max")
+        ax.plot(mid, mean, color=colour, lw=1.2, label=f"{name}: mean")
+        what = f"per {edges[1] - edges[0]:,.2f} s bucket ({len(clock):,} steps)"
+    ax.set(xlabel="simulated time (s)", ylabel="requests", title=f"{title}: queue length {what}")
+    ax.set_ylim(bottom=0)
+    ax.legend(**_OUTSIDE)
+    return fig
+
+
+# ----------------------------------------------------------------------- sweep.png
 
 
 def write_sweep(
     out_dir: str | Path, key: str, values: Sequence[int], runs: Sequence[dict[str, Any]], title: str
 ) -> list[Path]:
-    """sweep.json and sweep.png: hit rate and TTFT against the swept value; with several
-    checkpoint policies, one line per policy against the state memory each run had."""
+    """sweep.json and sweep.png: hit rate, TTFT p50 and TTFT p99 against the swept value,
+    one line per checkpoint policy when policies are compared."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     write_json(out / "sweep.json", {"key": key, "values": list(values), "runs": list(runs)})
-    policies = list(dict.fromkeys(m.get("checkpoint_policy", "") for m in runs))
-    if len(policies) > 1 or policies[0]:
-        _plot_policies(out, key, runs, policies, title)
-    else:
-        _plot_sweep(out, key, values, runs, title)
+    plt = _pyplot()
+    fig = sweep_figure(key, values, runs, title)
+    fig.savefig(out / SWEEP_PLOT, dpi=DPI)
+    plt.close(fig)
     return [out / "sweep.json", out / SWEEP_PLOT]
 
 
-def _plot_sweep(
-    out: Path, key: str, values: Sequence[int], runs: Sequence[dict[str, Any]], title: str
-) -> None:
-    plt = _pyplot()
-    fig, ax1 = plt.subplots(figsize=(8, 4.5))
-    hit = [100 * m["token_hit_rate"] for m in runs]
-    ax1.plot(values, hit, "o-", color="#228833", label="token hit rate")
-    _ideal_line(ax1, runs)
-    ax1.set(xlabel=key, ylabel="token hit rate (%)", ylim=(0, 100))
-    ax1.set_xscale("log", base=2)
-    ax2 = ax1.twinx()
-    for q, style in ((50, "s-"), (99, "^--")):
-        ax2.plot(
-            values, [m[f"ttft_p{q}_s"] for m in runs], style, color="#cc3311", label=f"TTFT p{q}"
-        )
-    ax2.set_ylabel("TTFT (s)")
-    ax2.set_yscale("log")
-    lines = ax1.get_legend_handles_labels()
-    more = ax2.get_legend_handles_labels()
-    ax1.legend(lines[0] + more[0], lines[1] + more[1], loc="center right")
-    ax1.set_title(f"{title}: sweep of {key}")
-    fig.tight_layout()
-    fig.savefig(out / SWEEP_PLOT, dpi=100)
-    plt.close(fig)
-
-
-def _ideal_line(ax: Any, runs: Sequence[dict[str, Any]]) -> None:
-    if runs and runs[0].get("ideal_hit_rate") is not None:
-        ax.axhline(
-            100 * runs[0]["ideal_hit_rate"],
-            color="#228833",
-            linestyle=":",
-            label="sequential ideal (infinite cache)",
-        )
-
-
 _POLICY_COLOURS = ("#228833", "#4477aa", "#cc3311", "#aa3377", "#ccbb44", "#66ccee")
+_MARKERS = ("o", "s", "^", "D", "v", "P")
+_LINES = ("-", "--", "-.", ":")
 
 
-def _plot_policies(
-    out: Path, key: str, runs: Sequence[dict[str, Any]], policies: list[str], title: str
-) -> None:
-    """Two panels, one line per policy: token hit rate and TTFT p50 (p99 dashed) against
-    the state memory of the checkpoint budget (GiB)."""
+def _gib(n: float) -> str:
+    return f"{n / (1 << 30):,.3g} GiB"
+
+
+def sweep_labels(key: str, values: Sequence[int], runs: Sequence[dict[str, Any]]) -> list[str]:
+    """The x tick labels of sweep.png: the swept values as given (sizes in GiB), and under a
+    checkpoint budget the state memory it allows (when every policy has the same)."""
+    if not key:
+        return ["as configured"]
+    labels = []
+    for v in values:
+        text = _gib(v) if key.endswith("memory") else f"{v:,}"
+        memory = {m.get("state_memory_bytes", -1) for m in runs if m.get("sweep_value") == v}
+        hybrid = all(m.get("hybrid") for m in runs if m.get("sweep_value") == v)
+        if key == "checkpoint-budget" and hybrid and len(memory) == 1 and -1 not in memory:
+            text += f"\n({_gib(float(memory.pop()))})"
+        labels.append(text)
+    return labels
+
+
+def _hit_pct(m: dict[str, Any]) -> float:
+    return 100 * float(m["token_hit_rate"])
+
+
+def _p50_ms(m: dict[str, Any]) -> float:
+    return 1000 * float(m["ttft_p50_s"])
+
+
+def _p99_ms(m: dict[str, Any]) -> float:
+    return 1000 * float(m["ttft_p99_s"])
+
+
+def sweep_figure(
+    key: str, values: Sequence[int], runs: Sequence[dict[str, Any]], title: str
+) -> Any:
+    """Three panels against the swept values (evenly spaced, in the order given): token hit
+    rate, TTFT p50 and TTFT p99 (ms), each from 0 to its data's peak; one line per checkpoint
+    policy, each with its own colour, marker and dash, nudged sideways so that equal lines
+    stay visible; one legend below the panels."""
     plt = _pyplot()
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    policies = list(dict.fromkeys(m.get("checkpoint_policy", "") for m in runs))
+    fig, axes = plt.subplots(1, 3, figsize=(13, 4.6))
+    pos = {v: i for i, v in enumerate(values)}
+    panels = (
+        (_hit_pct, "token hit rate (%)"),
+        (_p50_ms, "TTFT p50 (ms)"),
+        (_p99_ms, "TTFT p99 (ms)"),
+    )
+    nudge = 0.06 if len(policies) > 1 else 0.0
     for i, policy in enumerate(policies):
         mine = [m for m in runs if m.get("checkpoint_policy", "") == policy]
-        x = [m["state_memory_bytes"] / (1 << 30) for m in mine]
-        colour = _POLICY_COLOURS[i % len(_POLICY_COLOURS)]
-        name = policy or "config"
-        ax1.plot(x, [100 * m["token_hit_rate"] for m in mine], "o-", color=colour, label=name)
-        ax2.plot(x, [m["ttft_p50_s"] for m in mine], "s-", color=colour, label=f"{name} p50")
-        ax2.plot(x, [m["ttft_p99_s"] for m in mine], "^--", color=colour, alpha=0.6)
-    _ideal_line(ax1, runs)
-    ax1.set(xlabel="checkpoint state memory (GiB)", ylabel="token hit rate (%)", ylim=(0, 100))
-    ax2.set(xlabel="checkpoint state memory (GiB)", ylabel="TTFT (s): p50 solid, p99 dashed")
-    for ax in (ax1, ax2):
-        ax.set_xscale("log", base=2)
-    ax2.set_yscale("log")
-    ax1.legend(loc="lower right")
-    ax2.legend(loc="upper right")
-    swept = f", sweep of {key}" if key else ""
-    fig.suptitle(f"{title}: checkpoint policies side by side{swept}")
-    fig.tight_layout()
-    fig.savefig(out / SWEEP_PLOT, dpi=100)
-    plt.close(fig)
+        x = [
+            pos.get(m.get("sweep_value", 0), 0) + (i - (len(policies) - 1) / 2) * nudge
+            for m in mine
+        ]
+        style = {
+            "color": _POLICY_COLOURS[i % len(_POLICY_COLOURS)],
+            "marker": _MARKERS[i % len(_MARKERS)],
+            "linestyle": _LINES[i % len(_LINES)],
+            "label": policy or "replay",
+        }
+        for ax, (get, _label) in zip(axes, panels, strict=True):
+            ax.plot(x, [get(m) for m in mine], **style)
+    hits = [100 * m["token_hit_rate"] for m in runs]
+    ideal = runs[0].get("ideal_hit_rate") if runs else None
+    if ideal is not None:
+        axes[0].axhline(
+            100 * ideal, color="#555555", linestyle=":", label="sequential ideal (infinite cache)"
+        )
+        hits.append(100 * ideal)
+    labels = sweep_labels(key, values, runs)
+    for ax, (get, ylabel) in zip(axes, panels, strict=True):
+        top = _pct_top(hits) if ax is axes[0] else _top([get(m) for m in runs])
+        ax.set(ylabel=ylabel, ylim=(0, top), xlim=(-0.5, len(values) - 0.5))
+        ax.set_xticks(range(len(values)), labels)
+        ax.set_xlabel(key)
+        ax.grid(axis="y", alpha=0.3)
+    handles, names = axes[0].get_legend_handles_labels()
+    fig.legend(handles, names, loc="lower center", ncol=min(len(names), 5), frameon=False)
+    swept = f": sweep of {key}" if key else ""
+    side = ", checkpoint policies side by side" if policies != [""] else ""
+    fig.suptitle(f"{title}{swept}{side}")
+    rows = -(-len(names) // 5)
+    fig.tight_layout(rect=(0, 0.04 + 0.05 * rows, 1, 1))
+    return fig
