@@ -4,6 +4,7 @@ vLLM. ``kvsched: error: ...`` exits 2; Ctrl-C exits 130; a closed stdout exits 1
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import resource
@@ -18,6 +19,7 @@ import pytest
 import kvsched.cli
 import kvsched.integrations.vllm.models
 import kvsched.replay.driver
+import kvsched.replay.traces
 from kvsched.events.log import read_log
 from kvsched.replay.verify import verify_log
 
@@ -178,3 +180,18 @@ def test_bench_vllm_without_vllm_says_how_to_get_it_before_writing_a_model(
     assert (code, out, built) == (2, "", [])
     assert err.startswith("kvsched: error: kvsched bench vllm needs vLLM") and err.count("\n") == 1
     assert "scripts/vllm_env.sh" in err and ".venv-vllm/bin/kvsched" in err
+
+
+def test_a_trace_that_cannot_be_read_is_one_error_line_naming_it(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text('{"timestamp": 0, "input_length": 10, "output_length": 2, "hash_ids": [0]}\n')
+
+    def denied(path: object, *args: object, **kwargs: object) -> None:
+        raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(path))
+
+    monkeypatch.setattr(kvsched.replay.traces, "open", denied, raising=False)  # as chmod 000
+    code, out, err = run_cli(capsys, "replay", str(trace), "--quiet")
+    assert (code, out) == (2, "")
+    assert err == f"kvsched: error: {trace}: Permission denied\n"

@@ -660,7 +660,8 @@ def _stdout_closed() -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``kvsched`` command: its exit status. Ordinary failures are one line
     ``kvsched: error: ...`` and 2 (or the command's own status); Ctrl-C is one line and 130
-    (see :func:`on_interrupt`); a closed stdout (``| head``) ends quietly with 141."""
+    (see :func:`on_interrupt`); a closed stdout (``| head``) ends quietly with 141; any other
+    ``OSError`` (a file that cannot be read or written) is ``kvsched: error: FILE: reason``."""
     try:
         args = build_parser().parse_args(argv)
         code: int = args.func(args)
@@ -671,6 +672,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _interrupted(exc)
     except BrokenPipeError:
         return _stdout_closed()
+    except OSError as exc:  # any other file a command could not read or write
+        where = f"{exc.filename}: " if exc.filename is not None else ""
+        return _fail(f"{where}{exc.strerror or exc}")
     return code
 
 
