@@ -294,3 +294,18 @@ def test_alternate_turn_mode_keeps_decoding_when_the_batch_is_full():
     trace = drive(engine, SimulatedExecutor(VOCAB), schedule, max_steps=100)
 
     assert {s: r for s, (_, r) in trace.finish_reasons().items()} == {0: "length", 1: "length"}
+
+
+@pytest.mark.parametrize(
+    "inputs",
+    [None, 5, "RequestArrived", b"\x00", {}, ev.WakeRequested()],
+    ids=["None", "int", "str", "bytes", "dict", "one event"],
+)
+def test_step_refuses_inputs_that_are_not_a_list_of_events_naming_what_it_expects(
+    inputs: object,
+) -> None:
+    engine = Engine(CONFIG)
+    with pytest.raises(TypeError, match=r"inputs must be a list of input events .* not "):
+        engine.step(inputs, 0.0)  # type: ignore[arg-type]
+    assert engine.halted is None and engine.state.step == 0  # refused before anything folded
+    assert engine.step((request(1, 8, 2),), 0.0).step == 1  # any other iterable still works

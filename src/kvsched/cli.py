@@ -31,7 +31,7 @@ from kvsched.config import (
 )
 from kvsched.events.codec import RecordDecodeError, SchemaVersionError
 from kvsched.events.framing import HEADER_OFFSET, PREFIX_SIZE
-from kvsched.events.log import CorruptLogError, LogOpenError
+from kvsched.events.log import CorruptLogError, LogOpenError, LogWriteError
 from kvsched.events.wire import WireError
 from kvsched.replay.demo import run_demo
 from kvsched.replay.diff import diff_logs, format_diff
@@ -551,10 +551,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def _bench_vllm(args: argparse.Namespace) -> int:
-    try:
+    try:  # vLLM first: nothing is written (the bench's model) without it
+        importlib.import_module("vllm")
         from kvsched.integrations.vllm.bench import run_vllm_bench
     except ImportError as exc:
-        return _fail(f"kvsched bench vllm needs vLLM (scripts/vllm_env.sh): {exc}")
+        return _fail(
+            f"kvsched bench vllm needs vLLM, which {sys.executable} cannot import ({exc}); "
+            "build its environment with scripts/vllm_env.sh, then run "
+            ".venv-vllm/bin/kvsched bench vllm"
+        )
     rows = []
     for running in args.running:
         rows += run_vllm_bench(running=running, samples=args.samples, rounds=args.rounds)
@@ -871,12 +876,58 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+INTERRUPTED = 130  # exit status after Ctrl-C (128 + SIGINT, as a shell reports it)
+STDOUT_CLOSED = 141  # exit status when stdout's reader went away (128 + SIGPIPE)
+
+
+@contextlib.contextmanager
+def on_interrupt(describe: Callable[[], str]) -> Iterator[None]:
+    """Within the block, Ctrl-C ends the command with the one line ``kvsched: describe()``
+    (e.g. "interrupted after N steps; ...") and exit status 130, printed by :func:`main`."""
     try:
+        yield
+    except KeyboardInterrupt as exc:
+        if exc.args:  # already described (e.g. the driver's RunInterrupted)
+            raise
+        raise KeyboardInterrupt(describe()) from None
+
+
+def _interrupted(exc: KeyboardInterrupt) -> int:
+    message = str(exc.args[0]) if exc.args else "interrupted"
+    print(f"kvsched: {message}", file=sys.stderr)
+    return INTERRUPTED
+
+
+def _stdout_closed() -> int:
+    """stdout's reader is gone (``| head``): stop quietly. stdout goes to /dev/null so the
+    interpreter's final flush does not fail again (the Python docs' recipe for SIGPIPE)."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):
+        pass
+    return STDOUT_CLOSED
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the ``kvsched`` command: its exit status. Ordinary failures are one line
+    ``kvsched: error: ...`` and 2 (or the command's own status); Ctrl-C is one line and 130
+    (see :func:`on_interrupt`); a closed stdout (``| head``) ends quietly with 141; any other
+    ``OSError`` (a file that cannot be read or written) is ``kvsched: error: FILE: reason``."""
+    try:
+        args = build_parser().parse_args(argv)
         code: int = args.func(args)
-    except (SetupError, TraceError, LogOpenError, _ReportError, WireError) as exc:
+        sys.stdout.flush()  # inside: a reader gone before the last flush is caught here too
+    except (SetupError, TraceError, LogOpenError, LogWriteError, _ReportError, WireError) as exc:
         return _fail(str(exc))
+    except KeyboardInterrupt as exc:
+        return _interrupted(exc)
+    except BrokenPipeError:
+        return _stdout_closed()
+    except OSError as exc:  # any other file a command could not read or write
+        where = f"{exc.filename}: " if exc.filename is not None else ""
+        return _fail(f"{where}{exc.strerror or exc}")
     return code
 
 

@@ -18,7 +18,7 @@ an input of the next step. The engine holds no clock: the caller passes each ste
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Protocol
 
 import attrs
@@ -75,6 +75,23 @@ def create_log(path: str, config: SchedulerConfig) -> EventLog:
     )
 
 
+def _input_list(inputs: Iterable[ev.Event]) -> list[ev.Event]:
+    """``Engine.step``'s inputs that are not a list: any other iterable of events (a tuple, a
+    generator, read once) as a list; ``TypeError`` naming what was expected otherwise."""
+    if inputs is None or isinstance(inputs, (ev.Event, str, bytes, Mapping)):
+        raise TypeError(_NOT_A_LIST.format(type(inputs).__name__))
+    try:
+        return list(inputs)
+    except TypeError:
+        raise TypeError(_NOT_A_LIST.format(type(inputs).__name__)) from None
+
+
+_NOT_A_LIST = (
+    "Engine.step(inputs, clock): inputs must be a list of input events "
+    "(e.g. [RequestArrived(...)], or [] for none), not {}"
+)
+
+
 class Engine:
     def __init__(
         self,
@@ -113,11 +130,14 @@ class Engine:
         """Check and fold the inputs, decide, plan, record. Returns the plan to execute."""
         if self.halted is not None:
             raise EngineHalted(f"the engine halted after an earlier failure: {self.halted}")
-        if isinstance(clock, bool) or not isinstance(clock, (int, float)) or not math.isfinite(
-            clock
+        if (
+            isinstance(clock, bool)
+            or not isinstance(clock, (int, float))
+            or not math.isfinite(clock)
         ):
             raise MalformedInput(-1, clock, f"the step clock must be a finite number: {clock!r}")
-        ordered = self.state.check_inputs(list(inputs))  # (a one-shot iterable is read once)
+        items = list(inputs) if isinstance(inputs, list) else _input_list(inputs)
+        ordered = self.state.check_inputs(items)
         try:
             return self._step(ordered, float(clock))
         except BaseException as exc:

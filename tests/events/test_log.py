@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import errno
+import io
 import os
 import pickle
 import struct
@@ -11,6 +13,7 @@ import time
 import zlib
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import pytest
@@ -25,6 +28,7 @@ from kvsched.events.log import (
     EventLog,
     LogLockedError,
     LogOpenError,
+    LogWriteError,
     TornTail,
     encode_frame,
     iter_log,
@@ -579,3 +583,80 @@ def test_any_payload_list_round_trips_and_any_cut_keeps_whole_records(
     assert contents.records == kept
     assert contents.valid_size == max([first, *[e for e in ends if e <= cut]])
     assert (contents.torn_tail is None) == (cut == contents.valid_size)
+
+
+# --------------------------------------------------------------------------- write failures
+
+
+class _FullDisk(io.FileIO):
+    """A file on a disk that fills up at ``limit`` bytes: a write reaching it is cut short,
+    the next one fails with ENOSPC (as the kernel does)."""
+
+    limit = 0
+
+    def write(self, data: Any) -> int:
+        room = self.limit - self.tell()
+        if room <= 0:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return super().write(bytes(data)[:room])
+
+
+def _reopen_on_full_disk(path: Path, limit: int) -> EventLog:
+    """``path`` (a log) reopened for appending through a :class:`_FullDisk` of ``limit``."""
+    contents = read_log(path)
+    raw = _FullDisk(path, "r+b")
+    raw.limit = limit
+    raw.seek(contents.size)
+    file = io.BufferedWriter(raw, buffer_size=1 << 16)
+    return EventLog(path, file, contents.header, contents.size)
+
+
+def test_a_full_disk_cuts_the_log_to_its_last_flushed_record_and_says_so(tmp_path: Path) -> None:
+    path = tmp_path / "full.kvlog"
+    write_log(path, [])
+    start = path.stat().st_size
+    log = _reopen_on_full_disk(path, start + 2 * (PREFIX_SIZE + 100) + 50)
+    log.append(b"a" * 100)
+    log.flush()
+    log.append(b"b" * 100)
+    log.flush()
+    log.append(b"c" * 100)  # half of it fits
+    with pytest.raises(LogWriteError) as info:
+        log.flush()
+    assert log.closed
+    error = info.value
+    assert (error.errno, error.steps, error.size) == (errno.ENOSPC, 2, start + 2 * 112)
+    assert str(error) == (
+        f"cannot write event log {path}: No space left on device; the log is closed and "
+        f"verifiable up to its last complete step (2 steps, {start + 224} bytes)"
+    )
+    contents = read_log(path)
+    assert contents.records == [b"a" * 100, b"b" * 100] and contents.torn_tail is None
+    log.close()  # idempotent after the failure
+
+
+def test_close_drops_a_record_that_an_interruption_cut_between_its_two_writes(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "interrupted.kvlog"
+    log = EventLog.create(path, schema_version=3, kvsched_version="0.1.0", config=CONFIG)
+    log.append(b"complete")
+    real, writes = log._file, []
+
+    class Interrupting:  # the file: Ctrl-C arrives after the frame's prefix is written
+        def __getattr__(self, name: str) -> Any:
+            return getattr(real, name)
+
+        def write(self, data: bytes) -> int:
+            writes.append(data)
+            if len(writes) == 2:
+                raise KeyboardInterrupt
+            return real.write(data)
+
+    log._file = Interrupting()  # type: ignore[assignment]
+    with pytest.raises(KeyboardInterrupt):
+        log.append(b"cut short")
+    log.close()
+    contents = read_log(path)
+    assert contents.records == [b"complete"] and contents.torn_tail is None
+    assert log.records == 1

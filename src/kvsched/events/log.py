@@ -18,10 +18,17 @@ holder's file intact.  Readers do not lock.  The lock is advisory: it binds
 only writers that take it (every :class:`EventLog` does); it belongs to the
 open file, so it is released when the writer's process dies (and shared with a
 forked child that inherits the file).
+
+A write that fails (a full disk, a file-size limit, an I/O error) never leaves a half
+record behind: the writer cuts the file back to the end of the last record it flushed
+completely, closes it and raises :class:`LogWriteError`; the log then reads as a clean
+prefix of the run and verifies. ``close`` likewise drops a record that an interruption
+(Ctrl-C) cut between its two writes.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno as _errno
 import fcntl
 import logging
@@ -66,6 +73,7 @@ __all__ = [
     "LogOpenError",
     "LogReader",
     "LogRecord",
+    "LogWriteError",
     "TornTail",
     "encode_frame",
     "iter_log",
@@ -101,6 +109,50 @@ class LogLockedError(LogOpenError):
         errno: int | None = _errno.EWOULDBLOCK,
     ) -> None:
         super().__init__(path, reason, errno)
+
+
+class LogWriteError(OSError):
+    """A write to an open log failed; the log was cut back to its last complete record
+    (``steps`` records, ``size`` bytes: a clean prefix of the run) and closed."""
+
+    def __init__(
+        self, path: StrPath, reason: str, errno: int | None, steps: int, size: int
+    ) -> None:
+        super().__init__(errno, reason)
+        self.path = os.fspath(path)
+        self.reason = reason
+        self.filename = self.path
+        self.steps = steps
+        self.size = size
+
+    def __str__(self) -> str:
+        return (
+            f"cannot write event log {self.path}: {self.reason}; the log is closed and "
+            f"verifiable up to its last complete step ({self.steps} steps, {self.size} bytes)"
+        )
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.path, self.reason, self.errno, self.steps, self.size))
+
+
+def _close_and_cut(file: BinaryIO, size: int) -> None:
+    """Close ``file`` after a failed write, dropping what it still buffers, and cut a regular
+    file back to ``size`` bytes (a device is left as is)."""
+    try:
+        fd = os.dup(file.fileno())
+    except (OSError, ValueError):  # no descriptor: nothing on disk to cut
+        fd = -1
+    with contextlib.suppress(OSError):
+        file.close()  # retries the buffered bytes; whatever lands past ``size`` is cut below
+    if fd < 0:
+        return
+    try:
+        if stat.S_ISREG(os.fstat(fd).st_mode):
+            os.ftruncate(fd, size)
+    except OSError:
+        pass  # the cut failed: a torn tail remains, which readers report and skip
+    finally:
+        os.close(fd)
 
 
 def _open_error(path: StrPath, exc: OSError) -> LogOpenError:
@@ -286,6 +338,9 @@ class EventLog(Closing):
         self.recovered_tail = recovered_tail
         self._file = file
         self._offset = offset
+        self._records = 0  # records appended (one per step)
+        self._flushed = offset  # the end of the last record known to be written out
+        self._flushed_records = 0
 
     @classmethod
     def create(
@@ -325,6 +380,9 @@ class EventLog(Closing):
             file.write(MAGIC)
             file.write(encode_frame(header_bytes))
             file.flush()
+        except OSError as exc:  # a full disk, /dev/full: an empty file, not half a header
+            _close_and_cut(file, 0)
+            raise _open_error(path, exc) from exc
         except BaseException:
             file.close()
             raise
@@ -348,7 +406,7 @@ class EventLog(Closing):
         try:
             _lock(file.fileno(), path)
             reader = LogReader(path, data=file.read())
-            reader.read_all()
+            records = len(reader.read_all()[0])
             end, torn = reader.valid_size, reader.torn_tail
             if torn is not None:
                 _cut_tail(file, path, torn, end)
@@ -356,12 +414,19 @@ class EventLog(Closing):
         except BaseException:
             file.close()
             raise
-        return cls(path, file, reader.header, end, recovered_tail=torn)
+        log = cls(path, file, reader.header, end, recovered_tail=torn)
+        log._records = log._flushed_records = records
+        return log
 
     @property
     def offset(self) -> int:
         """Byte offset at which the next record will be written."""
         return self._offset
+
+    @property
+    def records(self) -> int:
+        """Records appended so far (complete ones: one per engine step)."""
+        return self._records
 
     @property
     def closed(self) -> bool:
@@ -376,24 +441,47 @@ class EventLog(Closing):
             payload = bytes(payload)
         offset = self._offset
         prefix = frame_prefix(payload)
-        self._file.write(prefix)
-        self._file.write(payload)
+        try:
+            self._file.write(prefix)
+            self._file.write(payload)
+        except OSError as exc:
+            raise self._failed(exc) from exc
         self._offset = offset + PREFIX_SIZE + len(payload)
+        self._records += 1
         return offset
 
     def flush(self) -> None:
-        """Push buffered records to the OS."""
-        self._file.flush()
+        """Push buffered records to the OS (:class:`LogWriteError` if that fails)."""
+        try:
+            self._file.flush()
+        except OSError as exc:
+            raise self._failed(exc) from exc
+        self._flushed, self._flushed_records = self._offset, self._records
 
     def sync(self) -> None:
         """Flush and fsync, so records survive an OS crash."""
-        self._file.flush()
-        os.fsync(self._file.fileno())
+        self.flush()
+        try:
+            os.fsync(self._file.fileno())
+        except OSError as exc:
+            raise self._failed(exc) from exc
 
     def close(self) -> None:
-        """Flush and close, releasing the writer's lock; idempotent."""
-        if not self._file.closed:
-            self._file.close()
+        """Flush and close, releasing the writer's lock; idempotent. A record cut short by
+        an interruption (between its prefix and its payload) is dropped."""
+        if self._file.closed:
+            return
+        self.flush()
+        with contextlib.suppress(OSError, ValueError):  # not seekable: nothing to cut
+            if self._file.tell() > self._offset and self._file.seekable():
+                self._file.truncate(self._offset)
+        self._file.close()
+
+    def _failed(self, exc: OSError) -> LogWriteError:
+        """Cut the log back to its last flushed record, close it, and describe why."""
+        _close_and_cut(self._file, self._flushed)
+        reason = exc.strerror or str(exc)
+        return LogWriteError(self.path, reason, exc.errno, self._flushed_records, self._flushed)
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else f"offset={self._offset}"

@@ -91,8 +91,18 @@ class HybridConfig:
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike[str]) -> HybridConfig:
-        with open(Path(path) / "config.json", encoding="utf-8") as f:
-            return cls.from_dict(json.load(f))
+        """From ``path/config.json``; ``ValueError`` naming the file if it lacks a field."""
+        where = Path(path) / "config.json"
+        with open(where, encoding="utf-8") as f:
+            data = json.load(f)
+        try:
+            return cls.from_dict(data)
+        except KeyError as exc:
+            kind = data.get("model_type") if isinstance(data, dict) else None
+            raise ValueError(
+                f"{where} has no {exc}: not a Qwen3.5-style hybrid config "
+                f"(expected model_type qwen3_5_text or qwen3_5, found {kind!r})"
+            ) from None
 
     @property
     def attention_layers(self) -> list[int]:

@@ -31,6 +31,7 @@ This module holds ``HybridModel`` (RoPE tables, forward, checkpoint loading) and
 
 from __future__ import annotations
 
+import json
 import math
 import os
 from collections.abc import Mapping, Sequence
@@ -104,7 +105,14 @@ class HybridModel(nn.Module):
         """Load ``config.json`` and ``*.safetensors`` (Hugging Face names) from ``path``."""
         path = Path(path)
         model = cls(HybridConfig.from_pretrained(path), gdn_mode)
-        model.load_hf_state_dict(read_checkpoint(path))
+        try:
+            model.load_hf_state_dict(read_checkpoint(path))
+        except CheckpointMismatch as exc:
+            found = _model_kind(path)
+            raise CheckpointMismatch(
+                f"{path} is not a checkpoint of the Qwen3.5-style hybrid its config.json "
+                f"describes (expected model_type qwen3_5_text or qwen3_5, found {found}): {exc}"
+            ) from None
         return model.to(device=device, dtype=dtype).eval()
 
     def load_hf_state_dict(self, state: Mapping[str, Tensor]) -> None:
@@ -119,9 +127,8 @@ class HybridModel(nn.Module):
             renamed[name] = tensor
         if self.config.tie_word_embeddings and "lm_head.weight" not in renamed:
             renamed["lm_head.weight"] = renamed["model.embed_tokens.weight"]
-        missing, unexpected = self.load_state_dict(renamed, strict=False)
-        if missing or unexpected:
-            raise ValueError(f"checkpoint mismatch: missing {missing}, unexpected {unexpected}")
+        _check_fits(self.state_dict(), renamed)
+        self.load_state_dict(renamed)
 
     def rope(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         if self._inv_freq.device != positions.device:
@@ -160,6 +167,44 @@ class HybridModel(nn.Module):
         )
 
 
+class CheckpointMismatch(ValueError):
+    """A checkpoint whose tensors do not fit the model: names missing or unexpected, or
+    shapes other than the config's."""
+
+
+def _check_fits(expected: Mapping[str, Tensor], found: Mapping[str, Tensor]) -> None:
+    """One-line :class:`CheckpointMismatch` unless ``found`` has exactly ``expected``'s
+    names and shapes (before ``load_state_dict``'s multi-line error)."""
+    missing = sorted(expected.keys() - found.keys())
+    unexpected = sorted(found.keys() - expected.keys())
+    shapes = [
+        f"{name} {tuple(found[name].shape)} instead of {tuple(want.shape)}"
+        for name, want in expected.items()
+        if name in found and found[name].shape != want.shape
+    ]
+    parts = [
+        f"{len(items)} {what} (e.g. {', '.join(items[:3])})"
+        for what, items in (
+            ("tensors missing", missing),
+            ("unexpected tensors", unexpected),
+            ("tensors of another shape", shapes),
+        )
+        if items
+    ]
+    if parts:
+        raise CheckpointMismatch("; ".join(parts))
+
+
+def _model_kind(path: Path) -> str:
+    """``config.json``'s model_type and architectures, for an error message."""
+    try:
+        with open(path / "config.json", encoding="utf-8") as f:
+            data = json.load(f)
+        return f"{data.get('model_type')!r} {data.get('architectures') or ''}".strip()
+    except (OSError, ValueError, AttributeError):
+        return "an unreadable config.json"
+
+
 def read_checkpoint(path: str | os.PathLike[str]) -> dict[str, Tensor]:
     """Every tensor of the ``*.safetensors`` files in ``path`` (Hugging Face names), on CPU."""
     from safetensors.torch import load_file
@@ -183,6 +228,7 @@ __all__: Sequence[str] = [
     "MLP",
     "Attention",
     "BatchInputs",
+    "CheckpointMismatch",
     "DecoderLayer",
     "GatedDeltaNet",
     "GdnMode",

@@ -67,6 +67,18 @@ def _replace_arrival(turn: Turn, at: float) -> ev.RequestArrived:
     return msgspec.structs.replace(turn.request, arrival_time=at)
 
 
+class RunInterrupted(KeyboardInterrupt):
+    """Ctrl-C (``KeyboardInterrupt``) during :func:`run`: ``steps`` engine steps completed,
+    ``logged`` complete steps in the engine's event log (None: no log). The message is the
+    one line the CLI prints."""
+
+    def __init__(self, steps: int, logged: int | None) -> None:
+        self.steps = steps
+        self.logged = logged
+        held = "" if logged is None else f"; the log holds {logged} complete steps"
+        super().__init__(f"interrupted after {steps} steps{held}")
+
+
 @attrs.frozen
 class Resume:
     """Where a recovered run stands: what already arrived, when each request ended, the clock
@@ -124,34 +136,40 @@ def run(
     if resume is not None and external is not None:
         outcome.extend(ExternalKV.recovered_inputs(engine))
     summary = RunSummary()
-    for _ in range(max_steps):
-        transfers = external.inputs() if external is not None else []
-        outcome.extend(transfers)
-        busy = engine.has_work or bool(outcome)
-        if not queue and not pending and not busy:
-            break
-        if not busy:  # idle: jump to the next arrival or control
-            clock = max(clock, min([q[0] for q in queue[:1]] + [c[0] for c in pending[:1]]))
-        inputs: list[ev.Event] = list(outcome)
-        while queue and queue[0][0] <= clock:
-            at, _, turn = heapq.heappop(queue)
-            inputs.append(_replace_arrival(turn, at))
-        while pending and pending[0][0] <= clock:
-            inputs.append(pending.pop(0)[1])
-        result = engine.step(inputs, clock)
-        if on_step is not None:
-            on_step(result)
-        for done in _ended(result.decisions):
-            for turn in followers.pop(done, ()):
-                heapq.heappush(queue, (clock + turn.think_s, turn.request.seq_id, turn))
-        outcome = []
-        clock = execute_step(executor, result, outcome, clock)
-        if outcome and on_executed is not None and isinstance(outcome[0], ev.StepExecuted):
-            on_executed(result, outcome[0], clock)
-        if external is not None:
-            external.after_step(result.decisions)
-            if result.plan.is_empty and not outcome:
-                external.wait()  # only transfers are outstanding: do not spin
+    steps = 0
+    try:
+        for _ in range(max_steps):
+            transfers = external.inputs() if external is not None else []
+            outcome.extend(transfers)
+            busy = engine.has_work or bool(outcome)
+            if not queue and not pending and not busy:
+                break
+            if not busy:  # idle: jump to the next arrival or control
+                clock = max(clock, min([q[0] for q in queue[:1]] + [c[0] for c in pending[:1]]))
+            inputs: list[ev.Event] = list(outcome)
+            while queue and queue[0][0] <= clock:
+                at, _, turn = heapq.heappop(queue)
+                inputs.append(_replace_arrival(turn, at))
+            while pending and pending[0][0] <= clock:
+                inputs.append(pending.pop(0)[1])
+            result = engine.step(inputs, clock)
+            steps += 1
+            if on_step is not None:
+                on_step(result)
+            for done in _ended(result.decisions):
+                for turn in followers.pop(done, ()):
+                    heapq.heappush(queue, (clock + turn.think_s, turn.request.seq_id, turn))
+            outcome = []
+            clock = execute_step(executor, result, outcome, clock)
+            if outcome and on_executed is not None and isinstance(outcome[0], ev.StepExecuted):
+                on_executed(result, outcome[0], clock)
+            if external is not None:
+                external.after_step(result.decisions)
+                if result.plan.is_empty and not outcome:
+                    external.wait()  # only transfers are outstanding: do not spin
+    except KeyboardInterrupt as exc:
+        logged = engine.log.records if engine.log is not None else None
+        raise RunInterrupted(steps, logged) from exc
     _fill(summary, engine, clock, time.perf_counter() - wall)
     return summary
 
