@@ -317,6 +317,8 @@ def _mooncake_line(text: str) -> tuple[int, int, int, list[int]]:
 def _reason(exc: ValueError) -> str:
     if isinstance(exc, json.JSONDecodeError):
         return f"malformed JSON ({exc.msg} at column {exc.colno})"
+    if "integer string conversion" in str(exc):
+        return "a number of more than 4300 digits (past every limit of the reader)"
     return str(exc)
 
 
@@ -399,6 +401,12 @@ def _azure_int(value: str, name: str, minimum: int, maximum: int) -> int:
     try:
         n = int(value)
     except ValueError:
+        digits = value.strip().lstrip("+-")
+        if digits.isdigit():  # past int()'s 4300 digits
+            raise ValueError(
+                f"field {name!r} must be <= {maximum:,} (the reader's limit), "
+                f"got a {len(digits)}-digit number"
+            ) from None
         raise ValueError(f"field {name!r} must be an integer, got {_show(value)}") from None
     return _check_int(n, name, minimum, maximum)
 
