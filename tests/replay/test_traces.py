@@ -3,8 +3,11 @@ workloads; malformed input is an error naming file and line (or is counted and s
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
+import tracemalloc
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -12,6 +15,11 @@ import pytest
 
 import kvsched.cli
 from kvsched.replay.traces import (
+    MAX_HASH_ID,
+    MAX_HASH_IDS,
+    MAX_OUTPUT_TOKENS,
+    MAX_PROMPT_TOKENS,
+    MAX_TIMESTAMP_MS,
     MOONCAKE_BLOCK,
     TraceError,
     detect_format,
@@ -20,6 +28,7 @@ from kvsched.replay.traces import (
     read_mooncake,
     read_trace,
     sequential_ideal,
+    synth_tokens,
 )
 
 TRACES = Path(__file__).parents[2].parent / "shared" / "traces"
@@ -39,6 +48,38 @@ def write_jsonl(path: Path, rows: list[object]) -> Path:
 
 def req(ts: int, n_in: int, ids: list[int], n_out: int = 4) -> dict[str, object]:
     return {"timestamp": ts, "input_length": n_in, "output_length": n_out, "hash_ids": ids}
+
+
+def _vm_size() -> int:
+    with open("/proc/self/status") as f:
+        for row in f:
+            if row.startswith("VmSize:"):
+                return int(row.split()[1]) * 1024
+    raise OSError("no VmSize in /proc/self/status")
+
+
+@contextlib.contextmanager
+def peak_bytes(cap: int = 1 << 30) -> Iterator[list[int]]:
+    """Yields a list that holds, after the block, the peak bytes traced during it; the
+    address space may grow by at most ``cap`` meanwhile (where the platform allows), so a
+    regression is a MemoryError, not a machine out of memory."""
+    peak: list[int] = []
+    limit: tuple[int, int] | None = None
+    try:
+        import resource
+
+        limit = resource.getrlimit(resource.RLIMIT_AS)
+        resource.setrlimit(resource.RLIMIT_AS, (_vm_size() + cap, limit[1]))
+    except (ImportError, OSError, ValueError):
+        limit = None
+    tracemalloc.start()
+    try:
+        yield peak
+    finally:
+        peak.append(tracemalloc.get_traced_memory()[1])
+        tracemalloc.stop()
+        if limit is not None:
+            resource.setrlimit(resource.RLIMIT_AS, limit)
 
 
 # ------------------------------------------------------------------------ Mooncake
@@ -84,6 +125,106 @@ def test_mooncake_tokens_are_the_same_in_every_read_and_inside_the_vocabulary(tm
 
     assert np.array_equal(first, again)
     assert first.min() >= 1 and first.max() < 1000
+
+
+@pytest.mark.parametrize("big", [3_000_000, 10**9, MAX_HASH_ID])
+def test_a_large_mooncake_hash_id_costs_the_memory_of_the_ids_used_not_a_table_up_to_it(
+    tmp_path: Path, big: int
+):
+    path = write_jsonl(tmp_path / "t.jsonl", [req(0, 10, [0]), req(1, 600, [1, big])])
+
+    with peak_bytes() as peak:
+        turns = read_mooncake(path).workload.turns
+
+    assert peak[0] < 1 << 20  # three ids of 512 tokens: 6 KiB of tokens
+    prompt = np.asarray(turns[1].request.prompt)
+    expected = synth_tokens(np.asarray([1, big], dtype=np.uint64), MOONCAKE_BLOCK, 150_000)
+    assert np.array_equal(prompt, expected.reshape(-1)[:600])
+
+
+def test_mooncake_block_tokens_are_those_of_a_table_of_every_id_up_to_the_largest(
+    tmp_path: Path,
+):
+    ids = [7, 3, 1000, 3]
+    path = write_jsonl(tmp_path / "t.jsonl", [req(0, 4 * MOONCAKE_BLOCK - 5, ids)])
+
+    prompt = read_mooncake(path, vocab_size=5000, seed=3).workload.turns[0].request.prompt
+
+    table = synth_tokens(np.arange(1001), MOONCAKE_BLOCK, 5000, 3)
+    assert np.array_equal(prompt, table[ids].reshape(-1)[: 4 * MOONCAKE_BLOCK - 5])
+
+
+@pytest.mark.parametrize(
+    ("row", "message"),
+    [
+        (req(0, 10, [0], n_out=10**12), "'output_length' must be <= 1,048,576"),
+        (req(0, 10, [0], n_out=MAX_OUTPUT_TOKENS + 1), "'output_length' must be <= 1,048,576"),
+        (req(0, MAX_PROMPT_TOKENS + 1, [0] * (MAX_HASH_IDS + 1)), "'input_length' must be <="),
+        (req(0, 10**12, [0]), "'input_length' must be <= 1,048,576"),
+        (req(MAX_TIMESTAMP_MS + 1, 10, [0]), "'timestamp' must be <= 1,000,000,000,000"),
+        (req(10**400, 10, [0]), "limit), got a 1329-bit integer"),
+        (req(0, 10, [MAX_HASH_ID + 1]), "up to 2**63 - 1, got 9223372036854775808 at index 0"),
+        (req(0, 10, [0] * (MAX_HASH_IDS + 1)), "2,049 hash ids: at most 2,048"),
+        ("[" * 100_000, "malformed JSON (nested too deeply)"),
+        ('{"timestamp": ' + "7" * 5000 + "}", "a number of more than 4300 digits"),
+    ],
+    ids=[
+        "output_1e12",
+        "output_limit+1",
+        "input_limit+1",
+        "input_1e12",
+        "timestamp_limit+1",
+        "timestamp_1e400",
+        "hash_id_2**63",
+        "hash_ids_2049",
+        "nested_json",
+        "5000_digits",
+    ],
+)
+def test_mooncake_value_past_a_documented_limit_is_an_error_naming_file_and_line(
+    tmp_path: Path, row: object, message: str
+):
+    path = write_jsonl(tmp_path / "big.jsonl", [req(0, 10, [0]), row])
+
+    with peak_bytes() as peak, pytest.raises(TraceError) as info:
+        read_mooncake(path)
+
+    assert str(info.value).startswith(f"{path}:2: ") and message in str(info.value)
+    assert peak[0] < 16 << 20  # the parsed line, never its tokens
+
+
+def test_mooncake_values_at_the_limits_are_read(tmp_path: Path):
+    ids = list(range(MAX_HASH_ID - MAX_HASH_IDS + 1, MAX_HASH_ID + 1))
+    path = write_jsonl(
+        tmp_path / "t.jsonl", [req(MAX_TIMESTAMP_MS, MAX_PROMPT_TOKENS, ids, MAX_OUTPUT_TOKENS)]
+    )
+
+    trace = read_mooncake(path)
+
+    (turn,) = trace.workload.turns
+    assert len(turn.request.prompt) == MAX_PROMPT_TOKENS
+    assert turn.request.max_tokens == MAX_OUTPUT_TOKENS
+    assert turn.arrival_s == MAX_TIMESTAMP_MS / 1000
+
+
+def test_replay_of_an_output_length_past_the_limit_is_a_kvsched_error_naming_file_and_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+):
+    path = write_jsonl(tmp_path / "t.jsonl", [req(0, 10, [0], n_out=10**12)])
+
+    code = kvsched.cli.main(["replay", str(path), "--json", "--quiet"])
+
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err.startswith(f"kvsched: error: {path}:1: field 'output_length' must be <= ")
+
+
+def test_a_line_that_is_not_utf8_is_an_error_naming_its_line(tmp_path: Path):
+    path = tmp_path / "t.jsonl"
+    path.write_bytes((json.dumps(req(0, 10, [0])) + "\n").encode() * 2 + b"\xff\xfe\n")
+
+    with pytest.raises(TraceError, match=r"t\.jsonl:3: not UTF-8 text"):
+        read_mooncake(path)
 
 
 def test_unsorted_timestamps_are_replayed_in_timestamp_then_line_order(tmp_path: Path):
@@ -224,6 +365,44 @@ def test_malformed_azure_line_is_an_error_naming_file_and_line(
         read_azure(path)
 
     assert str(info.value).startswith(f"{path}:3: ") and message in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("line", "message"),
+    [
+        ("2023-11-16 18:17:04.1,1000000000000,2", "'ContextTokens' must be <= 1,048,576"),
+        (f"2023-11-16 18:17:04.1,{MAX_PROMPT_TOKENS + 1},2", "'ContextTokens' must be <="),
+        ("2023-11-16 18:17:04.1,5,1000000000000", "'GeneratedTokens' must be <= 1,048,576"),
+        ("2023-11-16 18:17:04.1,5," + "9" * 5000, "limit), got a 5000-digit number"),
+        ("2023-11-16 18:17:04.1,5," + "1" * 200_000, "field larger than field limit"),
+    ],
+    ids=["context_1e12", "context_limit+1", "generated_1e12", "5000_digits", "200k_field"],
+)
+def test_azure_value_past_a_documented_limit_is_an_error_naming_file_and_line(
+    tmp_path: Path, line: str, message: str
+):
+    path = tmp_path / "a.csv"
+    path.write_text(f"TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:17:03.1,5,1\n{line}\n")
+
+    with peak_bytes() as peak, pytest.raises(TraceError) as info:
+        read_azure(path)
+
+    assert str(info.value).startswith(f"{path}:3: ") and message in str(info.value)
+    assert len(str(info.value)) < 200 + len(str(path))  # a long value is shortened
+    assert peak[0] < 16 << 20
+
+
+def test_azure_values_at_the_limits_are_read(tmp_path: Path):
+    path = tmp_path / "a.csv"
+    path.write_text(
+        "TIMESTAMP,ContextTokens,GeneratedTokens\n"
+        f"2023-11-16 18:17:03.1,{MAX_PROMPT_TOKENS},{MAX_OUTPUT_TOKENS}\n"
+    )
+
+    (turn,) = read_azure(path).workload.turns
+
+    assert len(turn.request.prompt) == MAX_PROMPT_TOKENS
+    assert turn.request.max_tokens == MAX_OUTPUT_TOKENS
 
 
 def test_azure_trace_head_reads_with_relative_arrivals():

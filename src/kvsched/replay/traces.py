@@ -14,6 +14,17 @@
 Arrivals are ordered by (timestamp, line), so a replay is deterministic whatever the file's
 order. A malformed line raises ``TraceError`` naming the file and line; with
 ``skip_bad_lines=True`` it is counted (``TraceInfo.bad_lines``) and left out instead.
+
+Memory follows what the trace describes, never the size of a number in it: the reader holds
+each line's parsed fields, the prompt tokens of its requests (4 bytes each) and, for Mooncake,
+the 512 tokens of each hash id that occurs (synthesised on first use, whatever its value).
+Values past these limits are malformed lines, rejected before anything is synthesised:
+
+* ``input_length`` / ``ContextTokens`` at most ``MAX_PROMPT_TOKENS`` (2**20 = 1,048,576);
+* ``output_length`` / ``GeneratedTokens`` at most ``MAX_OUTPUT_TOKENS`` (2**20);
+* ``hash_ids`` at most ``MAX_HASH_IDS`` per line (2,048 = ceil(2**20 / 512)), each id in
+  [0, ``MAX_HASH_ID``] (2**63 - 1: ids key the token generator as unsigned 64-bit integers);
+* a Mooncake ``timestamp`` at most ``MAX_TIMESTAMP_MS`` (10**12 ms, about 31.7 years).
 """
 
 from __future__ import annotations
@@ -35,6 +46,11 @@ from kvsched.replay.workload import Turn, Workload
 TraceFormat = Literal["mooncake", "azure", "log"]
 FORMATS: tuple[str, ...] = ("mooncake", "azure", "log")
 MOONCAKE_BLOCK = 512
+MAX_PROMPT_TOKENS = 1 << 20
+MAX_OUTPUT_TOKENS = 1 << 20
+MAX_HASH_IDS = -(-MAX_PROMPT_TOKENS // MOONCAKE_BLOCK)
+MAX_HASH_ID = (1 << 63) - 1
+MAX_TIMESTAMP_MS = 10**12
 _SUFFIXES = {".jsonl": "mooncake", ".csv": "azure", ".kvlog": "log"}
 
 
@@ -140,26 +156,44 @@ def synth_tokens(keys: np.ndarray, length: int, vocab_size: int, seed: int = 0) 
 
 
 def _open_lines(path: str | Path) -> Iterator[tuple[int, str]]:
+    """(line number, text) of each line; a line that is not UTF-8 is an error naming it."""
+    line = 0
     try:
-        with open(path, encoding="utf-8") as f:
-            yield from enumerate(f, start=1)
+        with open(path, "rb") as f:
+            for line, raw in enumerate(f, start=1):
+                yield line, raw.decode("utf-8")
     except FileNotFoundError:
         raise TraceError(f"{path}: no such trace file") from None
     except IsADirectoryError:
         raise TraceError(f"{path}: is a directory, not a trace file") from None
     except UnicodeDecodeError as exc:
-        raise TraceError(f"{path}: not a text file ({exc.reason})") from None
+        raise TraceError(f"{path}:{line}: not UTF-8 text ({exc.reason})") from None
 
 
-def _int_field(row: dict[str, Any], name: str, minimum: int) -> int:
+def _show(value: object, width: int = 40) -> str:
+    """``repr(value)``, shortened to about ``width`` characters for an error message."""
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 128:
+        return f"a {'negative ' if value < 0 else ''}{value.bit_length()}-bit integer"
+    text = repr(value)
+    return text if len(text) <= width else f"{text[: width - 3]}..."
+
+
+def _check_int(value: object, name: str, minimum: int, maximum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"field {name!r} must be an integer, got {_show(value)}")
+    if value < minimum:
+        raise ValueError(f"field {name!r} must be >= {minimum}, got {_show(value)}")
+    if value > maximum:
+        raise ValueError(
+            f"field {name!r} must be <= {maximum:,} (the reader's limit), got {_show(value)}"
+        )
+    return value
+
+
+def _int_field(row: dict[str, Any], name: str, minimum: int, maximum: int) -> int:
     if name not in row:
         raise ValueError(f"missing field {name!r}")
-    value = row[name]
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"field {name!r} must be an integer, got {value!r}")
-    if value < minimum:
-        raise ValueError(f"field {name!r} must be >= {minimum}, got {value}")
-    return value
+    return _check_int(row[name], name, minimum, maximum)
 
 
 class _Collector:
@@ -214,27 +248,13 @@ def read_mooncake(
             continue
         col.lines += 1
         try:
-            row = json.loads(text)
-            if not isinstance(row, dict):
-                raise ValueError(f"expected a JSON object, got {type(row).__name__}")
-            ts = _int_field(row, "timestamp", 0)
-            n_in = _int_field(row, "input_length", 1)
-            n_out = _int_field(row, "output_length", 1)
-            ids = row.get("hash_ids")
-            if ids is None:
-                raise ValueError("missing field 'hash_ids'")
-            if not isinstance(ids, list) or not all(
-                isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in ids
-            ):
-                raise ValueError("field 'hash_ids' must be a list of non-negative integers")
-            if len(ids) != -(-n_in // MOONCAKE_BLOCK):
-                raise ValueError(
-                    f"{len(ids)} hash ids for input_length {n_in} "
-                    f"(expected ceil({n_in} / {MOONCAKE_BLOCK}))"
-                )
+            ts, n_in, n_out, ids = _mooncake_line(text)
             _check_tails(ids, n_in, tails, line)
         except ValueError as exc:  # json.JSONDecodeError is a ValueError
             col.bad_line(line, _reason(exc))
+            continue
+        except RecursionError:
+            col.bad_line(line, "malformed JSON (nested too deeply)")
             continue
         _commit_tails(ids, n_in, tails, line)
         col.timestamp(ts)
@@ -265,9 +285,40 @@ def read_mooncake(
     return Trace(Workload(f"mooncake:{Path(path).name}", tuple(turns)), info)
 
 
+def _mooncake_line(text: str) -> tuple[int, int, int, list[int]]:
+    """(timestamp, input_length, output_length, hash_ids) of a line, each within its limit."""
+    row = json.loads(text)
+    if not isinstance(row, dict):
+        raise ValueError(f"expected a JSON object, got {type(row).__name__}")
+    ts = _int_field(row, "timestamp", 0, MAX_TIMESTAMP_MS)
+    n_in = _int_field(row, "input_length", 1, MAX_PROMPT_TOKENS)
+    n_out = _int_field(row, "output_length", 1, MAX_OUTPUT_TOKENS)
+    ids = row.get("hash_ids")
+    if ids is None:
+        raise ValueError("missing field 'hash_ids'")
+    if not isinstance(ids, list):
+        raise ValueError(f"field 'hash_ids' must be a list of integers, got {_show(ids)}")
+    if len(ids) > MAX_HASH_IDS:
+        raise ValueError(f"{len(ids):,} hash ids: at most {MAX_HASH_IDS:,} (the reader's limit)")
+    for i, x in enumerate(ids):
+        if isinstance(x, bool) or not isinstance(x, int) or not 0 <= x <= MAX_HASH_ID:
+            raise ValueError(
+                f"field 'hash_ids' must be a list of non-negative integers up to 2**63 - 1, "
+                f"got {_show(x)} at index {i}"
+            )
+    if len(ids) != -(-n_in // MOONCAKE_BLOCK):
+        raise ValueError(
+            f"{len(ids)} hash ids for input_length {n_in} "
+            f"(expected ceil({n_in} / {MOONCAKE_BLOCK}))"
+        )
+    return ts, n_in, n_out, ids
+
+
 def _reason(exc: ValueError) -> str:
     if isinstance(exc, json.JSONDecodeError):
         return f"malformed JSON ({exc.msg} at column {exc.colno})"
+    if "integer string conversion" in str(exc):
+        return "a number of more than 4300 digits (past every limit of the reader)"
     return str(exc)
 
 
@@ -289,21 +340,24 @@ def _commit_tails(ids: list[int], n_in: int, tails: dict[int, tuple[int, int]], 
 
 
 class _BlockTokens:
-    """The 512 tokens of each hash id, synthesised once (ids are dense small integers)."""
+    """The 512 tokens of each hash id that occurs, synthesised on its first use: memory
+    follows the ids a trace uses, whatever their values (token j of id x is the same as in
+    a table of every id up to x)."""
 
     def __init__(self, vocab_size: int, seed: int) -> None:
         self.vocab_size = vocab_size
         self.seed = seed
-        self.table = np.zeros((0, MOONCAKE_BLOCK), dtype=np.int32)
+        self.blocks: dict[int, np.ndarray] = {}
 
     def prompt(self, ids: list[int], n_in: int) -> np.ndarray:
-        top = max(ids) + 1
-        if top > len(self.table):
-            size = max(top, 2 * len(self.table), 1024)
-            keys = np.arange(len(self.table), size, dtype=np.int64)
+        missing = [x for x in dict.fromkeys(ids) if x not in self.blocks]
+        if missing:
+            keys = np.asarray(missing, dtype=np.uint64)
             fresh = synth_tokens(keys, MOONCAKE_BLOCK, self.vocab_size, self.seed)
-            self.table = np.concatenate([self.table, fresh])
-        return self.table[np.asarray(ids, dtype=np.int64)].reshape(-1)[:n_in].copy()
+            self.blocks.update(zip(missing, fresh, strict=True))
+        parts = [self.blocks[x] for x in ids]
+        parts[-1] = parts[-1][: n_in - (len(ids) - 1) * MOONCAKE_BLOCK]
+        return np.concatenate(parts)
 
 
 def sequential_ideal(
@@ -333,25 +387,42 @@ def _azure_time(text: str) -> int:
     kept exactly (a float of epoch seconds would round them)."""
     whole, _, frac = text.strip().partition(".")
     if frac and (not frac.isdigit() or len(frac) > 7):
-        raise ValueError(f"bad timestamp {text!r}")
+        raise ValueError(f"bad timestamp {_show(text)}")
     try:
         stamp = dt.datetime.strptime(whole, "%Y-%m-%d %H:%M:%S").replace(tzinfo=dt.UTC)
     except ValueError:
-        raise ValueError(f"bad timestamp {text!r} (expected YYYY-MM-DD HH:MM:SS.fffffff)") from None
+        raise ValueError(
+            f"bad timestamp {_show(text)} (expected YYYY-MM-DD HH:MM:SS.fffffff)"
+        ) from None
     return int(stamp.timestamp()) * 10_000_000 + int(frac.ljust(7, "0") or 0)
 
 
-def _azure_int(value: str, name: str, minimum: int) -> int:
+def _azure_int(value: str, name: str, minimum: int, maximum: int) -> int:
     try:
         n = int(value)
     except ValueError:
-        raise ValueError(f"field {name!r} must be an integer, got {value!r}") from None
-    if n < minimum:
-        raise ValueError(f"field {name!r} must be >= {minimum}, got {n}")
-    return n
+        digits = value.strip().lstrip("+-")
+        if digits.isdigit():  # past int()'s 4300 digits
+            raise ValueError(
+                f"field {name!r} must be <= {maximum:,} (the reader's limit), "
+                f"got a {len(digits)}-digit number"
+            ) from None
+        raise ValueError(f"field {name!r} must be an integer, got {_show(value)}") from None
+    return _check_int(n, name, minimum, maximum)
 
 
 AZURE_COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
+
+
+def _azure_line(text: str) -> tuple[int, int, int]:
+    """(timestamp in 100 ns ticks, ContextTokens, GeneratedTokens), each within its limit."""
+    fields = next(csv.reader([text]))
+    if len(fields) != 3:
+        raise ValueError(f"expected 3 fields, got {len(fields)}")
+    ts = _azure_time(fields[0])
+    n_in = _azure_int(fields[1], "ContextTokens", 1, MAX_PROMPT_TOKENS)
+    n_out = _azure_int(fields[2], "GeneratedTokens", 1, MAX_OUTPUT_TOKENS)
+    return ts, n_in, n_out
 
 
 def read_azure(
@@ -376,13 +447,8 @@ def read_azure(
             continue
         col.lines += 1
         try:
-            fields = next(csv.reader([text]))
-            if len(fields) != 3:
-                raise ValueError(f"expected 3 fields, got {len(fields)}")
-            ts = _azure_time(fields[0])
-            n_in = _azure_int(fields[1], "ContextTokens", 1)
-            n_out = _azure_int(fields[2], "GeneratedTokens", 1)
-        except ValueError as exc:
+            ts, n_in, n_out = _azure_line(text)
+        except (ValueError, csv.Error) as exc:
             col.bad_line(line, str(exc))
             continue
         col.timestamp(ts)
