@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import struct
 import tempfile
+import tracemalloc
 import zlib
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -557,6 +558,39 @@ def test_cli_verify_of_a_log_followed_by_zeros_reports_crash_padding_and_exits_0
         f"warning: {steps} complete steps, then 4096 zero bytes (crash padding)",
         f"{steps} steps verified, 0 divergences",
     ]
+
+
+def long_prompt_log(path: Path, requests: int, prompt: int) -> None:
+    """A log of ``requests`` arrivals of random ``prompt``-token prompts, one token each."""
+    config = SchedulerConfig(
+        model=ModelSpec(vocab_size=32000, max_context=2 * prompt),
+        block_size=16,
+        num_blocks=4 * prompt // 16,
+        max_batch=2,
+        max_prefill_tokens=prompt,
+    )
+    rng = np.random.default_rng(0)
+    arrivals = {
+        n: [ev.RequestArrived(n, rng.integers(0, 32000, prompt, dtype=np.int32), 1)]
+        for n in range(1, requests + 1)
+    }
+    record_run(str(path), config, arrivals)
+
+
+def test_verify_holds_a_record_at_a_time_not_the_log(tmp_path: Path):
+    path = tmp_path / "long.kvlog"
+    long_prompt_log(path, 100, 16384)  # about 64 KiB a record, 13 MB
+    size = path.stat().st_size
+
+    tracemalloc.start()
+    try:
+        result = verify_log(str(path))
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+
+    assert result.ok and result.steps > 100
+    assert peak < size // 2, (size, peak)  # reading it whole takes twice its size
 
 
 def test_ctrl_c_in_verify_says_how_many_steps_were_verified_and_exits_130(
