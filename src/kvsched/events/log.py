@@ -1,12 +1,15 @@
 """Append-only, crash-tolerant framed record file (the event log): the reader and the one
 writer. The file format (magic, frames, header) is ``framing.py``'s.
 
-Reading never skips anything silently:
+Reading goes one frame at a time (memory follows the largest record, not the file)
+and never skips anything silently:
 
 * an incomplete frame at end of file (a crash mid-append) is a *torn tail*:
   every complete record before it is returned and ``torn_tail`` describes it;
-* a frame whose prefix checksum fails, or whose payload checksum fails, raises
-  :class:`CorruptLogError` naming that frame's byte offset.
+* zero bytes after the last complete record are crash padding (``padding``);
+* a frame whose prefix checksum fails, or whose payload checksum fails, or that
+  claims more bytes than the file holds while a complete frame follows, raises
+  :class:`CorruptLogError` naming that frame's byte offset (``framing.py``).
 
 The writer is single-process, single-thread; it is not safe to share.  A
 writer holds an exclusive advisory lock (``flock(LOCK_EX | LOCK_NB)``) on the
