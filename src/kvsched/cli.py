@@ -47,7 +47,7 @@ from kvsched.replay.setup import (
     trace_config,
 )
 from kvsched.replay.traces import FORMATS, TraceError, detect_format
-from kvsched.replay.verify import LogError, verify_log
+from kvsched.replay.verify import LogError, VerifyInterrupted, verify_log
 from kvsched.stream.watch import StreamError, Watched, dump, summary_line, watch
 
 
@@ -403,14 +403,18 @@ def cmd_diff(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    """Exit 0: verified; 1: a divergence, or a damaged log; 2: a log this kvsched cannot
-    replay (unreadable, another schema version, an invalid config)."""
+    """Exit 0: verified (a torn tail or crash padding after the last complete step is
+    reported); 1: a divergence; 2: a damaged log, or one this kvsched cannot replay
+    (unreadable, another schema version, an invalid config); 130: interrupted."""
     total = None if args.quiet else _count_records(args.log)
     try:
         with tqdm(desc="verify", unit="step", total=total, disable=args.quiet) as bar:
             result = verify_log(args.log, on_step=lambda n: bar.update(1))
+    except VerifyInterrupted as exc:
+        print(exc, file=sys.stderr)
+        return 130
     except CorruptLogError as exc:
-        return _fail(str(exc), 1)
+        return _fail(f"{exc} (the {exc.steps or 0} steps before it verified)")
     except LogError as exc:
         return _fail(str(exc), 2)
     except OSError as exc:
@@ -420,6 +424,11 @@ def cmd_verify(args: argparse.Namespace) -> int:
         print(
             f"torn tail at byte {t.offset} ({t.reason}); "
             f"verified the {result.steps} complete steps before it"
+        )
+    if result.padding:
+        print(
+            f"warning: {result.steps} complete steps, then {result.padding} zero bytes "
+            "(crash padding)"
         )
     if result.divergence is not None:
         print(result.divergence.describe())

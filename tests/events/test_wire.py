@@ -231,6 +231,26 @@ def test_a_skipped_step_seq_is_recorded_as_a_gap_and_every_message_is_still_deli
     assert received[-1] == Message("end", 5, b"")
 
 
+def test_a_message_over_the_subscribers_size_cap_is_never_delivered_and_the_follow_ends(
+    raw_xpub: tuple[zmq.Socket[bytes], str],
+) -> None:
+    socket, endpoint = raw_xpub
+    sub = Subscriber(endpoint, timeout_s=0.5, max_message_bytes=1024)
+    await_subscription(socket)
+    received = iter(sub)
+    socket.send_multipart([TOPIC, b"H", seq(0), HEADER])
+    socket.send_multipart([TOPIC, b"S", seq(0), b"a"])
+    assert [next(received).kind, next(received).payload] == ["header", b"a"]
+
+    socket.send_multipart([TOPIC, b"S", seq(1), bytes(64 * 1024)])  # over the cap
+    # The subscriber drops the connection (its subscription goes) instead of taking it.
+    assert socket.poll(int(SAFETY_S * 1000), zmq.POLLIN) and socket.recv() == b"\x00" + TOPIC
+    socket.send_multipart([TOPIC, b"E", seq(2), b""])
+    with pytest.raises(WireTimeout, match="after 2 messages"):
+        next(received)
+    sub.close()
+
+
 def test_steps_lost_just_before_the_end_show_as_a_gap_at_the_end_message(
     raw_xpub: tuple[zmq.Socket[bytes], str],
 ) -> None:

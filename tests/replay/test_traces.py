@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 import kvsched.cli
+import kvsched.events.log
 from kvsched.replay.traces import (
     MAX_HASH_ID,
     MAX_HASH_IDS,
@@ -23,6 +24,7 @@ from kvsched.replay.traces import (
     MOONCAKE_BLOCK,
     TraceError,
     detect_format,
+    log_config,
     read_azure,
     read_log_trace,
     read_mooncake,
@@ -434,3 +436,21 @@ def test_event_log_trace_replays_the_logged_arrivals_at_their_logged_times(
     assert trace.info.requests == 6
     assert sorted(t.request.seq_id for t in trace.workload.turns) == list(range(6))
     assert all(t.arrival_s == t.request.arrival_time for t in trace.workload.turns)
+
+
+def test_an_event_log_trace_is_read_one_record_at_a_time_not_the_whole_log_at_once(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+):
+    log = tmp_path / "demo.kvlog"
+    demo = ["demo", "--sessions", "3", "--turns", "2", "--quiet", "--log", str(log)]
+    assert kvsched.cli.main(demo) == 0
+    capsys.readouterr()
+
+    def whole_log(path: object) -> None:
+        raise AssertionError("the whole log was read into memory")
+
+    monkeypatch.setattr(kvsched.events.log, "read_log", whole_log)
+    monkeypatch.setattr(kvsched.events.log.LogReader, "read_all", whole_log)
+
+    assert read_log_trace(log).info.requests == 6
+    assert log_config(log)["block_size"] > 0

@@ -4,7 +4,10 @@ logs are reported precisely; the ``kvsched demo`` / ``kvsched verify`` command l
 from __future__ import annotations
 
 import os
+import struct
 import tempfile
+import tracemalloc
+import zlib
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -17,6 +20,7 @@ from hypothesis import strategies as st
 from tests.replay.log_helpers import write_log
 
 import kvsched.cli
+import kvsched.replay.verify
 from kvsched.config import ModelSpec, SchedulerConfig
 from kvsched.engine import Engine, create_log
 from kvsched.events import types as ev
@@ -177,8 +181,12 @@ def test_a_small_cache_run_with_preemptions_and_aborts_verifies_with_zero_diverg
 
 # Config keys that logs before schema 4 did not record (from_log_header pins them).
 _SCHEMA4_KEYS = (
-    "identity", "checkpoint_min_gain_blocks", "keep_aborted_turns", "session_reclaim",
-    "mtp_overlap", "multimodal_safe",
+    "identity",
+    "checkpoint_min_gain_blocks",
+    "keep_aborted_turns",
+    "session_reclaim",
+    "mtp_overlap",
+    "multimodal_safe",
 )
 
 
@@ -210,7 +218,9 @@ def test_a_run_with_mtp_overlaps_and_multimodal_spans_verifies_with_zero_diverge
     result = verify_log(path)
     records = [decode_record(p) for p in read_log(path).records]
     overlaps = [
-        d for r in records for d in r.decisions
+        d
+        for r in records
+        for d in r.decisions
         if isinstance(d, ev.PrefixMatched) and d.overlap_block
     ]
     assert overlaps and engine.state.stats.preemptions > 0  # the run exercised both
@@ -231,7 +241,8 @@ def test_an_mtp_log_with_images_from_before_schema_4_verifies_with_the_rules_it_
     contents = read_log(recorded)
     # (the other pinned keys stay: read as schema 4, only these two rules can differ)
     old_header = {
-        k: v for k, v in contents.header["config"].items()
+        k: v
+        for k, v in contents.header["config"].items()
         if k not in ("mtp_overlap", "multimodal_safe")
     }
     for version, ok in ((3, True), (4, False)):
@@ -242,7 +253,6 @@ def test_an_mtp_log_with_images_from_before_schema_4_verifies_with_the_rules_it_
             for payload in contents.records:
                 log.append(payload)
         assert verify_log(path).ok == ok  # read as schema 4, the new rules decide otherwise
-
 
 
 # ---------------------------------------------------------- (b) changed policy
@@ -510,6 +520,97 @@ def test_cli_verify_of_a_log_with_a_flipped_byte_fails_naming_the_damaged_record
     assert f"corrupt at byte {damaged}" in err
     assert "0 divergences" not in out
     assert "Traceback" not in err
+
+
+def test_cli_verify_of_a_log_with_a_middle_frame_claiming_4_gib_is_corrupt_and_exits_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+):
+    path = demo_log(tmp_path, capsys)
+    offsets = read_log(path).offsets
+    data = bytearray(path.read_bytes())
+    at = offsets[len(offsets) // 2]
+    head = struct.pack("<II", 0xFFFF_FFF0, 0)
+    data[at : at + 12] = head + struct.pack("<I", zlib.crc32(head))  # its own checksum holds
+    path.write_bytes(bytes(data))
+
+    code = kvsched.cli.main(["verify", str(path), "--quiet"])
+
+    out, err = capsys.readouterr()
+    assert code == 2 and out == ""
+    assert f"kvsched: error: event log {path} is corrupt at byte {at}: frame claims" in err
+    assert f"(the {len(offsets) // 2} steps before it verified)" in err
+    assert "torn tail" not in err and "divergence" not in err
+
+
+def test_cli_verify_of_a_log_followed_by_zeros_reports_crash_padding_and_exits_0(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+):
+    path = demo_log(tmp_path, capsys)
+    steps = len(read_log(path).records)
+    with path.open("ab") as f:
+        f.write(bytes(4096))
+
+    code = kvsched.cli.main(["verify", str(path), "--quiet"])
+
+    out, err = capsys.readouterr()
+    assert code == 0 and err == ""
+    assert out.splitlines() == [
+        f"warning: {steps} complete steps, then 4096 zero bytes (crash padding)",
+        f"{steps} steps verified, 0 divergences",
+    ]
+
+
+def long_prompt_log(path: Path, requests: int, prompt: int) -> None:
+    """A log of ``requests`` arrivals of random ``prompt``-token prompts, one token each."""
+    config = SchedulerConfig(
+        model=ModelSpec(vocab_size=32000, max_context=2 * prompt),
+        block_size=16,
+        num_blocks=4 * prompt // 16,
+        max_batch=2,
+        max_prefill_tokens=prompt,
+    )
+    rng = np.random.default_rng(0)
+    arrivals = {
+        n: [ev.RequestArrived(n, rng.integers(0, 32000, prompt, dtype=np.int32), 1)]
+        for n in range(1, requests + 1)
+    }
+    record_run(str(path), config, arrivals)
+
+
+def test_verify_holds_a_record_at_a_time_not_the_log(tmp_path: Path):
+    path = tmp_path / "long.kvlog"
+    long_prompt_log(path, 100, 16384)  # about 64 KiB a record, 13 MB
+    size = path.stat().st_size
+
+    tracemalloc.start()
+    try:
+        result = verify_log(str(path))
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+
+    assert result.ok and result.steps > 100
+    assert peak < size // 2, (size, peak)  # reading it whole takes twice its size
+
+
+def test_ctrl_c_in_verify_says_how_many_steps_were_verified_and_exits_130(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+):
+    path = demo_log(tmp_path, capsys)
+    replay_record = kvsched.replay.verify.replay_record
+
+    def interrupted_at_step_3(engine: Engine, offset: int, payload: bytes, step: int, *a: bool):
+        if step == 3:
+            raise KeyboardInterrupt
+        return replay_record(engine, offset, payload, step, *a)
+
+    monkeypatch.setattr(kvsched.replay.verify, "replay_record", interrupted_at_step_3)
+
+    code = kvsched.cli.main(["verify", str(path), "--quiet"])
+
+    out, err = capsys.readouterr()
+    assert code == 130 and out == ""
+    assert err == "interrupted after 2 steps; 2 steps verified, 0 divergences so far\n"
 
 
 def test_cli_verify_of_a_log_with_an_edited_decision_describes_the_divergence_and_exits_1(

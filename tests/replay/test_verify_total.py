@@ -1,11 +1,13 @@
 """``kvsched verify`` is total: whatever a log holds, ``verify_log`` returns a ``VerifyResult``
 (verified, or with the first divergence) or raises one of the documented log errors
-(``CorruptLogError`` for damaged framing, ``LogError`` for a schema version or config this
-kvsched cannot replay), and ``kvsched verify`` exits 0 / 1 / 2 without a traceback.
+(``CorruptLogError`` for a damaged log: its framing, or a record that is not the next step
+record; ``LogError`` for a schema version or config this kvsched cannot replay), and
+``kvsched verify`` exits 0 / 1 / 2 without a traceback.
 
 Recorded runs (random configs and workloads, simulated executor, injected executor failures)
-get one random edit of their records; the divergence must be reported where the edit is (or,
-for an edited input, where a fresh engine fed the edited inputs first disagrees with the log).
+get one random edit of their records; the divergence (or the damage) must be reported where
+the edit is (or, for an edited input, where a fresh engine fed the edited inputs first
+disagrees with the log).
 """
 
 from __future__ import annotations
@@ -164,7 +166,8 @@ class Mutation:
     what: str
     payloads: list[bytes]
     # "at": a divergence at ``step`` (``index``: the decision, ``entity``, ``plan``: a plan
-    # field, ``offset``: the record's position in ``payloads`` whose byte offset is named);
+    # field); "corrupt": a CorruptLogError at the record ``offset`` (its position in
+    # ``payloads``), ``step`` - 1 steps verified before it;
     # "ok": verified, ``step`` steps; "replay": wherever a fresh engine fed the edited records
     # first disagrees with them (nothing observable changed: verified).
     expect: str
@@ -329,11 +332,11 @@ def mutations(draw: st.DrawFn, payloads: list[bytes]) -> Mutation:
         edited = payloads[:k] + payloads[k + 1 :]
         if k == n - 1:  # a log cut at a record boundary: a shorter run
             return Mutation(what, edited, "ok", n - 1)
-        return Mutation(what, edited, "at", step, entity="record")
+        return Mutation(what, edited, "corrupt", step, offset=k)
 
     if kind == "duplicate record":
         edited = payloads[: k + 1] + payloads[k:]
-        return Mutation(what, edited, "at", step + 1, entity="record")
+        return Mutation(what, edited, "corrupt", step + 1, offset=k + 1)
 
     if kind == "edit clock":
         clock = draw(st.sampled_from(FLOAT_EDITS))(rec.clock)
@@ -349,7 +352,7 @@ def mutations(draw: st.DrawFn, payloads: list[bytes]) -> Mutation:
         edited = with_record(payloads, k, attrs_replace(rec, step=new_step))
         if new_step == rec.step:
             return Mutation(what + " [no change]", edited, "ok", n)
-        return Mutation(what, edited, "at", step, entity="record")
+        return Mutation(what, edited, "corrupt", step, offset=k)
 
     if kind == "replace plan digest":
         size = len(rec.plan)
@@ -369,7 +372,7 @@ def mutations(draw: st.DrawFn, payloads: list[bytes]) -> Mutation:
         garbage = draw(st.binary(max_size=64))
         assume(decodes(garbage) is False)
         edited = [*payloads[:k], garbage, *payloads[k + 1 :]]
-        return Mutation(what, edited, "at", step, entity="record", offset=k)
+        return Mutation(what, edited, "corrupt", step, offset=k)
 
     assert kind == "flip payload byte"
     payload = bytearray(payloads[k])
@@ -378,7 +381,7 @@ def mutations(draw: st.DrawFn, payloads: list[bytes]) -> Mutation:
     edited = [*payloads[:k], bytes(payload), *payloads[k + 1 :]]
     what += f" at {j}"
     if not decodes(bytes(payload)):
-        return Mutation(what, edited, "at", step, entity="record", offset=k)
+        return Mutation(what, edited, "corrupt", step, offset=k)
     return Mutation(what + " [decodes]", edited, "replay")
 
 
@@ -396,23 +399,34 @@ def decodes(payload: bytes) -> bool:
 
 
 def first_replay_difference(config: SchedulerConfig, payloads: Sequence[bytes]) -> int | None:
-    """The first step at which a fresh engine fed these records' inputs and clocks refuses
-    them, or decides or plans differently from them (None: it reproduces all of them)."""
+    """The first step at which a record is damaged (see ``first_damage``), or a fresh engine
+    fed these records' inputs and clocks refuses them, or decides or plans differently from
+    them (None: it reproduces all of them)."""
     engine = Engine(config)
     for n, payload in enumerate(payloads, 1):
-        try:
-            rec = decode_record(payload)
-        except RecordDecodeError:
+        if first_damage(payloads[n - 1 : n], n) is not None:
             return n
-        if rec.step != n:
-            return n
+        rec = decode_record(payload)
         try:
             result = engine.step(rec.inputs, rec.clock)
         except Exception:
             return n
         if first_event_difference(rec.decisions, result.decisions) is not None:
             return n
-        if rec.plan and rec.plan != plan_digest(result.plan, engine.config.identity):
+        if rec.plan != plan_digest(result.plan, engine.config.identity):
+            return n
+    return None
+
+
+def first_damage(payloads: Sequence[bytes], first: int = 1) -> int | None:
+    """The first step (counting from ``first``) whose record does not decode, holds another
+    step or carries no plan digest."""
+    for n, payload in enumerate(payloads, first):
+        try:
+            rec = decode_record(payload)
+        except RecordDecodeError:
+            return n
+        if rec.step != n or not rec.plan:
             return n
     return None
 
@@ -433,10 +447,24 @@ def verify_totally(path: str) -> VerifyResult | CorruptLogError | LogError:
         return exc
 
 
-def check_mutation(config: SchedulerConfig, src: str, dst: str, mutation: Mutation) -> VerifyResult:
+def check_mutation(
+    config: SchedulerConfig, src: str, dst: str, mutation: Mutation
+) -> VerifyResult | CorruptLogError:
     offsets = write_log(src, dst, mutation.payloads)
     got = verify_totally(dst)
     what = mutation.what
+    damaged = first_damage(mutation.payloads)
+    if mutation.expect == "corrupt" or (mutation.expect == "replay" and damaged is not None):
+        # Only the records changed: a damaged one is named by its byte offset, never a
+        # divergence, and every step before it was verified.
+        assert isinstance(got, CorruptLogError), f"{what}: {got}"
+        step = mutation.step if mutation.expect == "corrupt" else damaged
+        assert step == damaged, f"{what}: {got}"
+        k = mutation.offset if mutation.offset is not None else step - 1
+        assert got.offset == offsets[k], f"{what}: {got}"
+        assert got.steps == step - 1, f"{what}: {got}"
+        assert "the record " in got.reason
+        return got
     # Only the records changed: the header and the framing are intact.
     assert isinstance(got, VerifyResult), f"{what}: {type(got).__name__}: {got}"
     div = got.divergence
@@ -468,8 +496,6 @@ def check_mutation(config: SchedulerConfig, src: str, dst: str, mutation: Mutati
         assert div.index == mutation.index, f"{what}: {shown}"
     if mutation.entity is not None:
         assert div.entity == mutation.entity, f"{what}: {shown}"
-    if mutation.offset is not None:
-        assert f"byte {offsets[mutation.offset]}" in shown, f"{what}: {shown}"
     if mutation.plan:
         rec = decode_record(mutation.payloads[mutation.step - 1])
         replayed = decode_record(payloads_of(src)[mutation.step - 1]).plan
@@ -606,13 +632,10 @@ CLI_MUTATIONS = [
     "dropped outcome",
     "clock",
     "nan clock",
-    "step number",
     "plan digest",
     "short plan digest",
-    "dropped record",
-    "duplicated record",
-    "garbage payload",
 ]
+DAMAGING_MUTATIONS = ["step number", "dropped record", "duplicated record", "garbage payload"]
 
 
 @pytest.mark.parametrize("name", CLI_MUTATIONS)
@@ -634,6 +657,29 @@ def test_cli_verify_of_an_edited_log_exits_1_with_one_divergence_and_no_tracebac
     assert out.strip().splitlines()[-1] == "1 divergence"
     assert re.search(rf"^divergence at step {step if step else '[0-9]+'}\b", out, re.M), out
     assert err == ""
+
+
+@pytest.mark.parametrize("name", DAMAGING_MUTATIONS)
+def test_cli_verify_of_a_log_with_a_damaged_record_exits_2_naming_its_offset_not_a_divergence(
+    name: str,
+    fixed_run: tuple[str, list[bytes], list[StepPlan]],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+):
+    path, payloads, _ = fixed_run
+    edited, step = cli_mutations(payloads)[name]
+    assert step is not None
+    bad = str(tmp_path / "edited.kvlog")
+    offsets = write_log(path, bad, edited)
+
+    code = kvsched.cli.main(["verify", bad, "--quiet"])
+
+    out, err = capsys.readouterr()
+    assert code == 2, out + err
+    assert "divergence" not in out + err and "{" not in err and "Traceback" not in err
+    assert err.startswith(f"kvsched: error: event log {bad} is corrupt at byte ")
+    assert f"corrupt at byte {offsets[step - 1]}: the record " in err
+    assert f"(the {step - 1} steps before it verified)" in err
 
 
 def test_cli_verify_of_the_unedited_run_exits_0(
@@ -854,7 +900,7 @@ def test_any_edit_of_the_header_config_is_verified_diverges_or_is_a_log_error(
 # ---------------------------------------------- (5) a record that does not decode
 
 
-def test_a_record_that_does_not_decode_is_a_divergence_at_its_step_naming_its_byte_offset(
+def test_a_record_that_does_not_decode_is_a_corrupt_log_at_its_byte_offset_not_a_divergence(
     fixed_run: tuple[str, list[bytes], list[StepPlan]],
     tmp_path: Path,
     capsys: pytest.CaptureFixture[str],
@@ -867,24 +913,37 @@ def test_a_record_that_does_not_decode_is_a_divergence_at_its_step_naming_its_by
     bad = str(tmp_path / "garbage.kvlog")
     offsets = write_log(path, bad, [*payloads[: step - 1], garbage, *payloads[step:]])
 
-    result = verify_log(bad)
+    with pytest.raises(CorruptLogError) as info:
+        verify_log(bad)
 
-    div = result.divergence
-    assert div is not None
-    assert (div.step, div.index, div.entity) == (step, -1, "record")
-    assert result.steps == step - 1
-    assert f"the record at byte {offsets[step - 1]} " in div.describe()
+    assert info.value.offset == offsets[step - 1] and info.value.steps == step - 1
+    assert info.value.reason.startswith(f"the record of step {step} is not a step record")
     code = kvsched.cli.main(["verify", bad, "--quiet"])
     out, err = capsys.readouterr()
-    assert code == 1 and err == ""
-    assert f"divergence at step {step}, record:" in out
-    assert f"byte {offsets[step - 1]}" in out
+    assert code == 2 and out == ""
+    assert f"corrupt at byte {offsets[step - 1]}: the record of step {step} is not" in err
+
+
+def test_a_record_holding_a_map_where_an_event_is_expected_is_corrupt_not_a_divergence(
+    fixed_run: tuple[str, list[bytes], list[StepPlan]], tmp_path: Path
+):
+    path, payloads, _ = fixed_run
+    raw = msgspec.msgpack.decode(payloads[2])
+    raw["decisions"][0] = {"seq_id": 1, "note": "not an event"}  # a map with no type tag
+    bad = str(tmp_path / "map.kvlog")
+    offsets = write_log(path, bad, [*payloads[:2], msgspec.msgpack.encode(raw), *payloads[3:]])
+
+    with pytest.raises(CorruptLogError) as info:
+        verify_log(bad)
+
+    assert (info.value.offset, info.value.steps) == (offsets[2], 2)
+    assert "the record of step 3 is not a step record" in str(info.value)
 
 
 # ----------------------------------------------------------------- known bugs (src)
 
 
-def test_a_record_whose_array_field_is_not_an_array_is_a_divergence_not_an_exception(
+def test_a_record_whose_array_field_is_not_an_array_is_corrupt_not_an_exception(
     tmp_path: Path,
 ):
     path = str(tmp_path / "list-prompt.kvlog")
@@ -892,10 +951,10 @@ def test_a_record_whose_array_field_is_not_an_array_is_a_divergence_not_an_excep
     record_ = {"step": 1, "clock": 0.0, "inputs": [arrival], "decisions": []}
     header_log(path, SCHEMA_VERSION, CONFIG.to_dict(), [msgspec.msgpack.encode(record_)])
 
-    result = verify_log(path)
+    with pytest.raises(CorruptLogError) as info:
+        verify_log(path)
 
-    div = result.divergence
-    assert div is not None and (div.step, div.entity) == (1, "record")
+    assert info.value.steps == 0 and "the record of step 1 is not" in info.value.reason
 
 
 def test_a_log_whose_config_is_too_large_to_allocate_is_refused_with_a_log_error(
@@ -937,17 +996,17 @@ def with_deep_junk_key(payload: bytes) -> bytes:
     return bytes([payload[0] + 1]) + payload[1:] + b"\xa4junk" + DEEP
 
 
-def test_a_record_with_a_deeply_nested_unknown_field_is_a_divergence_not_an_exception(
+def test_a_record_with_a_deeply_nested_unknown_field_is_corrupt_not_an_exception(
     fixed_run: tuple[str, list[bytes], list[StepPlan]], tmp_path: Path
 ):
     path, payloads, _ = fixed_run
     bad = str(tmp_path / "deep.kvlog")
-    write_log(path, bad, [*payloads[:2], with_deep_junk_key(payloads[2]), *payloads[3:]])
+    offsets = write_log(path, bad, [*payloads[:2], with_deep_junk_key(payloads[2]), *payloads[3:]])
 
-    result = verify_log(bad)
+    with pytest.raises(CorruptLogError) as info:
+        verify_log(bad)
 
-    div = result.divergence
-    assert div is not None and (div.step, div.entity) == (3, "record")
+    assert (info.value.offset, info.value.steps) == (offsets[2], 2)
 
 
 def test_a_header_with_a_deeply_nested_extra_key_is_a_documented_log_error(tmp_path: Path):
@@ -961,14 +1020,15 @@ def test_a_header_with_a_deeply_nested_extra_key_is_a_documented_log_error(tmp_p
         verify_log(str(path))
 
 
-def test_a_record_stripped_of_its_plan_digest_is_a_divergence(
+def test_a_record_stripped_of_its_plan_digest_is_corrupt(
     tmp_path: Path, fixed_run: tuple[str, list[bytes], list[StepPlan]]
 ):
     path, payloads, _ = fixed_run
     k = len(payloads) // 2
     stripped = msgspec.structs.replace(decode_record(payloads[k]), plan=b"")
     bad = str(tmp_path / "stripped.kvlog")
-    write_log(path, bad, [*payloads[:k], encode(stripped), *payloads[k + 1 :]])
-    div = verify_log(bad).divergence
-    assert div is not None and (div.step, div.entity) == (k + 1, "plan")
-    assert "no plan digest" in div.describe()
+    offsets = write_log(path, bad, [*payloads[:k], encode(stripped), *payloads[k + 1 :]])
+    with pytest.raises(CorruptLogError) as info:
+        verify_log(bad)
+    assert (info.value.offset, info.value.steps) == (offsets[k], k)
+    assert f"the record of step {k + 1} carries no plan digest" in str(info.value)

@@ -1,12 +1,15 @@
 """Append-only, crash-tolerant framed record file (the event log): the reader and the one
 writer. The file format (magic, frames, header) is ``framing.py``'s.
 
-Reading never skips anything silently:
+Reading goes one frame at a time (memory follows the largest record, not the file)
+and never skips anything silently:
 
 * an incomplete frame at end of file (a crash mid-append) is a *torn tail*:
   every complete record before it is returned and ``torn_tail`` describes it;
-* a frame whose prefix checksum fails, or whose payload checksum fails, raises
-  :class:`CorruptLogError` naming that frame's byte offset.
+* zero bytes after the last complete record are crash padding (``padding``);
+* a frame whose prefix checksum fails, or whose payload checksum fails, or that
+  claims more bytes than the file holds while a complete frame follows, raises
+  :class:`CorruptLogError` naming that frame's byte offset (``framing.py``).
 
 The writer is single-process, single-thread; it is not safe to share.  A
 writer holds an exclusive advisory lock (``flock(LOCK_EX | LOCK_NB)``) on the
@@ -31,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import errno as _errno
 import fcntl
+import io
 import logging
 import os
 import stat
@@ -50,6 +54,7 @@ from kvsched.events.framing import (
     CorruptLogError,
     StrPath,
     TornTail,
+    ZeroPadding,
     check_magic,
     encode_frame,
     frame_prefix,
@@ -58,6 +63,7 @@ from kvsched.events.framing import (
 )
 
 _WRITE_BUFFER = 1 << 16
+_READ_BUFFER = 1 << 20
 _PREFIX = struct.Struct("<III")
 _crc32 = zlib.crc32
 _logger = logging.getLogger("kvsched.events.log")
@@ -75,6 +81,7 @@ __all__ = [
     "LogRecord",
     "LogWriteError",
     "TornTail",
+    "ZeroPadding",
     "encode_frame",
     "iter_log",
     "read_log",
@@ -177,7 +184,8 @@ class LogContents:
     """Everything :func:`read_log` found.
 
     ``size`` is the file size in bytes; ``valid_size`` is the offset just past
-    the last complete record (equal to ``size`` unless the tail is torn).
+    the last complete record (equal to ``size`` unless the tail is torn or
+    padded); ``padding`` is the count of zero bytes after it (crash padding).
     """
 
     header: dict[str, Any]
@@ -186,6 +194,7 @@ class LogContents:
     torn_tail: TornTail | None
     size: int
     valid_size: int
+    padding: int = 0
 
 
 class LogRecord(NamedTuple):
@@ -201,69 +210,56 @@ class LogRecord(NamedTuple):
 class LogReader:
     """Reader: checks magic and header on construction, frames when iterated.
 
-    Iterating yields :class:`LogRecord` items lazily; :meth:`read_all` is the
-    fast bulk path.  ``torn_tail`` and ``valid_size`` are only known once a
-    scan has finished; reading them earlier raises ``RuntimeError`` so an
-    unfinished scan is never mistaken for a clean one.
+    Iterating reads the file one frame at a time (memory follows the largest record,
+    not the file) and yields :class:`LogRecord` items; :meth:`read_all` collects them.
+    ``torn_tail``, ``padding`` and ``valid_size`` are only known once a scan has
+    finished; reading them earlier raises ``RuntimeError`` so an unfinished scan is
+    never mistaken for a clean one. ``data`` reads those bytes instead of the file.
     """
 
     def __init__(self, path: StrPath, *, data: bytes | None = None) -> None:
         self.path = os.fspath(path)
-        if data is None:
-            with open(path, "rb") as file:
-                data = file.read()
         self._data = data
-        self._buf = memoryview(data)
-        self.size = len(data)
-        check_magic(self._buf, self.path)
-        self.header, self._first = read_header(self._buf, self.path)
+        with self._open() as file:
+            self.size = _size(file)
+            check_magic(file, self.path)
+            self.header, self._first = read_header(file, self.size, self.path)
         self._end: int | None = None
         self._torn: TornTail | None = None
+        self._padding = 0
+
+    def _open(self) -> BinaryIO:
+        if self._data is not None:
+            return io.BytesIO(self._data)
+        return open(self.path, "rb", buffering=_READ_BUFFER)
 
     def __iter__(self) -> Iterator[LogRecord]:
-        buf, path, size = self._buf, self.path, self.size
-        offset = self._first
-        while offset < size:
-            frame = read_frame(buf, offset, path)
-            if isinstance(frame, TornTail):
-                self._finish(offset, frame)
-                return
-            yield LogRecord(offset, bytes(buf[frame.start : frame.end]))
-            offset = frame.end
+        path, offset = self.path, self._first
+        with self._open() as file:
+            size = self.size = _size(file)
+            file.seek(offset)
+            while offset < size:
+                frame = read_frame(file, offset, size, path)
+                if isinstance(frame, TornTail | ZeroPadding):
+                    self._finish(offset, frame)
+                    return
+                yield LogRecord(offset, frame)
+                offset += PREFIX_SIZE + len(frame)
         self._finish(offset, None)
 
     def read_all(self) -> tuple[list[bytes], list[int]]:
-        """Return all complete records and their offsets (fast path)."""
+        """Return all complete records and their offsets."""
         records: list[bytes] = []
         offsets: list[int] = []
-        data, buf, size = self._data, self._buf, self.size
-        unpack, crc = _PREFIX.unpack_from, _crc32
-        offset = self._first
-        while offset <= size - PREFIX_SIZE:
-            length, payload_crc, prefix_crc = unpack(data, offset)
-            end = offset + PREFIX_SIZE + length
-            if end > size or crc(buf[offset : offset + 8]) != prefix_crc:
-                break
-            payload = data[offset + PREFIX_SIZE : end]
-            if crc(payload) != payload_crc:
-                break
+        for offset, payload in self:
             records.append(payload)
             offsets.append(offset)
-            offset = end
-        self._finish(offset, self._stop_reason(offset))
         return records, offsets
 
-    def _stop_reason(self, offset: int) -> TornTail | None:
-        """Classify why the fast path stopped at ``offset`` (raises if corrupt)."""
-        if offset == self.size:
-            return None
-        frame = read_frame(self._buf, offset, self.path)
-        if not isinstance(frame, TornTail):
-            raise AssertionError(f"reader stopped at valid frame {offset}")  # pragma: no cover
-        return frame
-
-    def _finish(self, end: int, torn: TornTail | None) -> None:
-        self._end, self._torn = end, torn
+    def _finish(self, end: int, stop: TornTail | ZeroPadding | None) -> None:
+        self._end = end
+        self._torn = stop if isinstance(stop, TornTail) else None
+        self._padding = stop.length if isinstance(stop, ZeroPadding) else 0
 
     def _require_done(self) -> int:
         if self._end is None:
@@ -277,9 +273,19 @@ class LogReader:
         return self._torn
 
     @property
+    def padding(self) -> int:
+        """Zero bytes after the last complete record (crash padding), after a complete scan."""
+        self._require_done()
+        return self._padding
+
+    @property
     def valid_size(self) -> int:
         """Offset just past the last complete record (after a complete scan)."""
         return self._require_done()
+
+
+def _size(file: BinaryIO) -> int:
+    return file.seek(0, os.SEEK_END) - file.seek(0)
 
 
 def iter_log(path: StrPath) -> LogReader:
@@ -288,7 +294,7 @@ def iter_log(path: StrPath) -> LogReader:
 
 
 def read_log(path: StrPath) -> LogContents:
-    """Read the whole log; raise :class:`CorruptLogError` on any damage."""
+    """Read the whole log into memory; raise :class:`CorruptLogError` on any damage."""
     reader = LogReader(path)
     records, offsets = reader.read_all()
     return LogContents(
@@ -298,6 +304,7 @@ def read_log(path: StrPath) -> LogContents:
         torn_tail=reader.torn_tail,
         size=reader.size,
         valid_size=reader.valid_size,
+        padding=reader.padding,
     )
 
 

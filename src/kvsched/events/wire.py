@@ -23,7 +23,10 @@ Message
     * frame 3, payload: the header bytes (``H``), one step record (``S``), empty (``E``).
 
     A message with another frame count, topic, kind or seq length is malformed; the subscriber
-    raises :class:`WireError` on it.
+    raises :class:`WireError` on it. A subscriber refuses a frame longer than its
+    ``max_message_bytes`` (ZeroMQ's ``MAXMSGSIZE``, 256 MiB unless told): ZeroMQ drops the
+    connection instead of delivering (or allocating) it, and does not reconnect after such a
+    protocol error, so nothing more arrives and the follow ends at the subscriber's timeout.
 
 Sequence numbers
     A message's seq is the number of step messages the publisher sent before it. Step
@@ -77,6 +80,7 @@ from kvsched.events.closing import Closing
 
 __all__ = [
     "KINDS",
+    "MAX_MESSAGE_BYTES",
     "TOPIC",
     "Message",
     "Publisher",
@@ -88,6 +92,7 @@ __all__ = [
 ]
 
 TOPIC: Final = b"kvsched"
+MAX_MESSAGE_BYTES: Final = 256 << 20  # a subscriber's default cap on one received frame
 Kind = Literal["header", "step", "end"]
 KINDS: Final[dict[bytes, Kind]] = {b"H": "header", b"S": "step", b"E": "end"}
 _KIND_BYTES: Final[dict[Kind, bytes]] = {kind: code for code, kind in KINDS.items()}
@@ -263,7 +268,13 @@ class Publisher(Closing):
 class Subscriber(Closing):
     """Follows a stream: iterate it for messages, in order, up to and including the end."""
 
-    def __init__(self, endpoint: str, *, timeout_s: float | None = None) -> None:
+    def __init__(
+        self,
+        endpoint: str,
+        *,
+        timeout_s: float | None = None,
+        max_message_bytes: int = MAX_MESSAGE_BYTES,
+    ) -> None:
         self.endpoint = endpoint
         self.timeout_s = timeout_s
         self.header: bytes | None = None
@@ -277,6 +288,7 @@ class Subscriber(Closing):
         self._socket = self._context.socket(zmq.SUB)
         try:
             self._socket.setsockopt(zmq.RCVHWM, 0)
+            self._socket.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
             self._socket.setsockopt(zmq.SUBSCRIBE, TOPIC)
             self._socket.connect(endpoint)
         except zmq.ZMQError as exc:

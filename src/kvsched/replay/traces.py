@@ -481,31 +481,17 @@ def read_azure(
 
 def read_log_trace(path: str | Path, *, limit: int | None = None) -> Trace:
     """The arrivals of a kvsched event log, at their logged arrival times (open loop)."""
-    from kvsched.events.codec import RecordDecodeError, check_schema, decode_record
-    from kvsched.events.log import CorruptLogError, read_log
+    from kvsched.events.codec import RecordDecodeError
+    from kvsched.events.log import CorruptLogError
 
     try:
-        contents = read_log(str(path))
-        check_schema(contents.header, f"event log {path}")
-        records = [decode_record(payload) for payload in contents.records]
+        rows = _log_arrivals(str(path), limit)
     except (CorruptLogError, RecordDecodeError, ValueError) as exc:
         raise TraceError(str(exc)) from None
     except FileNotFoundError:
         raise TraceError(f"{path}: no such event log") from None
     except OSError as exc:
         raise TraceError(f"{path}: cannot read event log ({exc.strerror or exc})") from None
-    rows: list[tuple[float, int, ev.RequestArrived]] = []
-    order = 0
-    for record in records:
-        e: ev.Event
-        for e in record.inputs:
-            if isinstance(e, ev.RequestArrived):
-                order += 1
-                rows.append((e.arrival_time, order, e))
-                if limit is not None and len(rows) >= limit:
-                    break
-        if limit is not None and len(rows) >= limit:
-            break
     if not rows:
         raise TraceError(f"{path}: the event log holds no requests")
     ordered = _order(rows)
@@ -517,11 +503,29 @@ def read_log_trace(path: str | Path, *, limit: int | None = None) -> Trace:
     return Trace(Workload(f"log:{Path(path).name}", turns), info)
 
 
-def log_config(path: str | Path) -> dict[str, Any]:
-    """The scheduler config recorded in an event log's header."""
-    from kvsched.events.log import read_log
+def _log_arrivals(path: str, limit: int | None) -> list[tuple[float, int, ev.RequestArrived]]:
+    """(arrival time, order, arrival) of a log's arrivals, read one record at a time."""
+    from kvsched.events.codec import check_schema, decode_record
+    from kvsched.events.log import LogReader
 
-    header = read_log(str(path)).header
+    reader = LogReader(path)
+    check_schema(reader.header, f"event log {path}")
+    rows: list[tuple[float, int, ev.RequestArrived]] = []
+    for _, payload in reader:
+        e: ev.Event
+        for e in decode_record(payload).inputs:
+            if isinstance(e, ev.RequestArrived):
+                rows.append((e.arrival_time, len(rows) + 1, e))
+                if limit is not None and len(rows) >= limit:
+                    return rows
+    return rows
+
+
+def log_config(path: str | Path) -> dict[str, Any]:
+    """The scheduler config recorded in an event log's header (only the header is read)."""
+    from kvsched.events.log import LogReader
+
+    header = LogReader(str(path)).header
     config = header.get("config")
     if not isinstance(config, dict):
         raise TraceError(f"{path}: the log header has no config")

@@ -7,14 +7,25 @@ divergence: step, entity (or plan field), logged value, new value.
 
 Verification is total: whatever a log holds, the result is a ``VerifyResult`` (with or
 without a divergence) or a ``LogError`` naming what makes the log unusable (a schema version
-this kvsched cannot read, a config it cannot build), never an unexpected exception. Inside
-the log, a record that does not decode, an input the engine refuses and a fold that fails are
-divergences of their step. Damaged framing is ``events.log.CorruptLogError``.
+this kvsched cannot read, a config it cannot build), never an unexpected exception. The log is
+read one record at a time (memory does not grow with its size).
+
+Three reports for three kinds of trouble:
+
+* a divergence: re-executing a step decides or plans differently from the log (a decision, a
+  plan field, or the engine refusing the logged inputs);
+* damage: ``events.log.CorruptLogError`` naming the byte offset, with ``steps`` verified before
+  it: damaged framing, or a record that does not decode, carries no plan digest, or holds
+  another step than the next one;
+* a crash's leftovers, reported beside a verified result: a torn tail (``torn_tail``) or zero
+  bytes after the last complete step (``padding``).
+
+Ctrl-C raises ``VerifyInterrupted`` (a ``KeyboardInterrupt``) carrying the steps verified.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import attrs
 import msgspec
@@ -31,7 +42,7 @@ from kvsched.events.codec import (
     encode,
     to_builtins,
 )
-from kvsched.events.log import TornTail, read_log
+from kvsched.events.log import CorruptLogError, LogReader, TornTail
 from kvsched.events.types import CheckpointReserved, Event, entity_of
 from kvsched.plan import (
     FIELD_DIGEST_SIZE,
@@ -46,9 +57,10 @@ from kvsched.policy import Policy
 __all__ = [
     "Divergence",
     "LogError",
+    "RecordDamage",
+    "VerifyInterrupted",
     "VerifyResult",
     "first_difference",
-    "iter_records",
     "load_config",
     "replay_record",
     "verify_log",
@@ -57,6 +69,30 @@ __all__ = [
 
 class LogError(ValueError):
     """A log this kvsched cannot replay at all (its schema version or its config)."""
+
+
+class VerifyInterrupted(KeyboardInterrupt):
+    """Ctrl-C during a verification, after ``steps`` verified steps (and no divergence)."""
+
+    def __init__(self, steps: int) -> None:
+        super().__init__(steps)
+        self.steps = steps
+
+    def __str__(self) -> str:
+        n = self.steps
+        return f"interrupted after {n} steps; {n} steps verified, 0 divergences so far"
+
+
+@attrs.frozen
+class RecordDamage:
+    """A record that is not the next step record of its log (damage, not a divergence)."""
+
+    step: int  # the step the record should hold
+    offset: int  # its frame's byte offset
+    reason: str  # what is wrong with it: "is not a step record ...", "holds step 7 ..."
+
+    def describe(self) -> str:
+        return f"the record at byte {self.offset} {self.reason}"
 
 
 @attrs.frozen
@@ -77,7 +113,8 @@ class Divergence:
             )
         if self.index < 0:
             what = self.logged if self.logged is not None else self.new
-            return f"divergence at step {self.step}, {self.entity}: {what}"
+            shown = what["error"] if what is not None and set(what) == {"error"} else what
+            return f"divergence at step {self.step}, {self.entity}: {shown}"
         return (
             f"divergence at step {self.step}, decision #{self.index}, {self.entity}:\n"
             f"  logged: {self.logged}\n"
@@ -91,6 +128,7 @@ class VerifyResult:
     divergence: Divergence | None
     torn_tail: TornTail | None
     config: SchedulerConfig
+    padding: int = 0  # zero bytes after the last complete step (crash padding)
 
     @property
     def ok(self) -> bool:
@@ -134,14 +172,6 @@ def load_config(header: dict[str, object], path: str) -> SchedulerConfig:
         raise LogError(f"event log {path}: {why}") from exc
 
 
-def iter_records(
-    path: str,
-) -> tuple[dict[str, object], Iterator[tuple[int, bytes]], TornTail | None]:
-    """(header, (byte offset, payload) of each complete record, torn tail)."""
-    contents = read_log(path)
-    return contents.header, zip(contents.offsets, contents.records, strict=True), contents.torn_tail
-
-
 def _step_divergence(step: int, entity: str, message: str) -> Divergence:
     return Divergence(step, -1, entity, {"error": message}, None)
 
@@ -152,24 +182,40 @@ def verify_log(
     policy_factory: Callable[[SchedulerConfig], Policy] | None = None,
     on_step: Callable[[int], None] | None = None,
 ) -> VerifyResult:
-    header, records, torn = iter_records(path)
-    config = load_config(header, path)
-    legacy = is_legacy(header)
+    """Verify the log at ``path`` step by step (see the module docstring). Raises
+    ``CorruptLogError`` (with ``steps``), ``LogError``, ``OSError`` or ``VerifyInterrupted``."""
+    steps = 0
+    try:
+        reader = LogReader(path)
+        config = load_config(reader.header, path)
+        engine = _engine(path, config, policy_factory)
+        legacy = is_legacy(reader.header)
+        for offset, payload in reader:
+            _, problem = replay_record(engine, offset, payload, steps + 1, legacy)
+            if isinstance(problem, RecordDamage):
+                raise CorruptLogError(path, offset, f"the record {problem.reason}")
+            if problem is not None:
+                return VerifyResult(steps, problem, None, config)
+            steps += 1
+            if on_step is not None:
+                on_step(steps)
+    except CorruptLogError as exc:
+        exc.steps = steps
+        raise
+    except KeyboardInterrupt:
+        raise VerifyInterrupted(steps) from None
+    return VerifyResult(steps, None, reader.torn_tail, config, reader.padding)
+
+
+def _engine(
+    path: str, config: SchedulerConfig, policy_factory: Callable[[SchedulerConfig], Policy] | None
+) -> Engine:
     try:
         policy = policy_factory(config) if policy_factory else None
-        engine = Engine(config, policy=policy)
+        return Engine(config, policy=policy)
     except (TypeError, ValueError, MemoryError) as exc:
         why = f"cannot build an engine from its config: {type(exc).__name__}: {exc}"
         raise LogError(f"event log {path}: {why}") from exc
-    steps = 0
-    for offset, payload in records:
-        _, divergence = replay_record(engine, offset, payload, steps + 1, legacy)
-        if divergence is not None:
-            return VerifyResult(steps, divergence, torn, config)
-        steps += 1
-        if on_step is not None:
-            on_step(steps)
-    return VerifyResult(steps, None, torn, config)
 
 
 def is_legacy(header: dict[str, object]) -> bool:
@@ -180,24 +226,27 @@ def is_legacy(header: dict[str, object]) -> bool:
 
 def replay_record(
     engine: Engine, offset: int, payload: bytes, step: int, legacy: bool = False
-) -> tuple[tuple[StepRecord, StepResult] | None, Divergence | None]:
+) -> tuple[tuple[StepRecord, StepResult] | None, Divergence | RecordDamage | None]:
     """Replay one logged record (the ``step``-th, at byte ``offset``) through ``engine`` and
-    check it: ((record, the replay's result), None), or (None, its divergence). Any failure
-    of the replay is the step's divergence."""
+    check it: ((record, the replay's result), None), or (None, what is wrong): a
+    ``RecordDamage`` if the record is not the step's record (it does not decode, holds
+    another step or carries no plan digest: the engine is not run), else the divergence of
+    the replay (a decision, the plan, or the engine refusing the logged inputs)."""
     try:
         record = decode_record(payload)
     except RecordDecodeError as exc:
-        return None, _step_divergence(step, "record", f"the record at byte {offset} {exc}")
+        return None, RecordDamage(step, offset, f"of step {step} is {exc}")
     if record.step != step:
-        why = f"the record at byte {offset} is step {record.step}"
-        return None, _step_divergence(step, "record", why)
+        why = f"holds step {record.step} where step {step} was expected"
+        return None, RecordDamage(step, offset, why)
+    if not record.plan:  # every record of schema 2 on has a digest
+        return None, RecordDamage(step, offset, f"of step {step} carries no plan digest")
     try:
         result = engine.step(record.inputs, record.clock)
     except Exception as exc:
-        return None, _step_divergence(step, "engine", f"{type(exc).__name__}: {exc}")
+        why = f"the engine refused the logged inputs: {type(exc).__name__}: {exc}"
+        return None, _step_divergence(step, "engine", why)
     divergence = first_difference(step, list(record.decisions), list(result.decisions), legacy)
-    if divergence is None and not record.plan:  # every record of schema 2 has a digest
-        divergence = _step_divergence(step, "plan", "the record carries no plan digest")
     if divergence is None:
         divergence = _plan_divergence(record, result.plan, engine.config.identity)
     return ((record, result), None) if divergence is None else (None, divergence)
