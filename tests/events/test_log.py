@@ -378,6 +378,25 @@ def test_open_append_after_torn_tail_truncates_and_continues(
     assert "torn tail" in caplog.text
 
 
+def test_open_append_after_crash_padding_cuts_the_zeros_and_leaves_a_clean_log(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = tmp_path / "run.kvlog"
+    write_log(path, PAYLOADS)
+    size = path.stat().st_size
+    with path.open("ab") as file:
+        file.write(bytes(4096))
+
+    with EventLog.open_append(path) as log:
+        assert log.append(b"after-padding") == size
+    contents = read_log(path)
+
+    assert contents.records == [*PAYLOADS, b"after-padding"]
+    assert contents.torn_tail is None
+    assert contents.padding == 0
+    assert "crash padding" in caplog.text
+
+
 def test_open_append_on_clean_log_appends_after_last_record(tmp_path: Path) -> None:
     path = tmp_path / "run.kvlog"
     write_log(path, PAYLOADS)

@@ -398,7 +398,7 @@ class EventLog(Closing):
 
     @classmethod
     def open_append(cls, path: StrPath) -> EventLog:
-        """Reopen an existing log for appending, cutting off a torn tail first.
+        """Reopen an existing log for appending, cutting off a torn tail or crash padding first.
 
         The lock is taken before the log is read.  A cut tail is logged as a
         warning and kept in ``recovered_tail``.  Raises :class:`CorruptLogError`
@@ -412,11 +412,13 @@ class EventLog(Closing):
             raise _open_error(path, exc) from exc
         try:
             _lock(file.fileno(), path)
-            reader = LogReader(path, data=file.read())
-            records = len(reader.read_all()[0])
+            reader = LogReader(path)  # a second descriptor: read a frame at a time
+            records = sum(1 for _ in reader)
             end, torn = reader.valid_size, reader.torn_tail
             if torn is not None:
                 _cut_tail(file, path, torn, end)
+            elif reader.padding:
+                _cut_padding(file, path, reader.padding, end)
             file.seek(end)
         except BaseException:
             file.close()
@@ -495,6 +497,16 @@ class EventLog(Closing):
         return f"EventLog({self.path!r}, {state})"
 
 
+def _cut_padding(file: BinaryIO, path: StrPath, length: int, end: int) -> None:
+    _logger.warning(
+        "event log %s: discarding %d zero bytes of crash padding at byte %d",
+        os.fspath(path),
+        length,
+        end,
+    )
+    _truncate(file, end)
+
+
 def _cut_tail(file: BinaryIO, path: StrPath, torn: TornTail, end: int) -> None:
     _logger.warning(
         "event log %s: discarding torn tail at byte %d (%s)",
@@ -502,6 +514,10 @@ def _cut_tail(file: BinaryIO, path: StrPath, torn: TornTail, end: int) -> None:
         torn.offset,
         torn.reason,
     )
+    _truncate(file, end)
+
+
+def _truncate(file: BinaryIO, end: int) -> None:
     file.truncate(end)
     file.flush()
     os.fsync(file.fileno())
