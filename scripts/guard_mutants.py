@@ -50,7 +50,7 @@ SETTLE_STOP = """            if verdict == "stop" and stop_on_failure:
 SIZE = "cdiv(n, chunk) - start // chunk"
 SAFE_LOOP = "step = min(starts) // block_size * block_size"
 SPARES = "limit - 2)"
-MISSING = "return TornTail(offset, PREFIX_SIZE - available, reason)"
+MISSING = "return _torn(file, offset, size, path, offset + PREFIX_SIZE)"
 REL = "rel = sorted((b - first_block, x) for b, x in extras.items() if x)"
 ADMISSION, ORDERING = "tests/policy/test_admission.py", "tests/policy/test_ordering.py"
 MUTANTS = [
@@ -114,7 +114,7 @@ MUTANTS = [
     m("policy/spans.py", SAFE_LOOP, "return min(starts) // block_size",
       "tests/policy/test_spans.py"),
     m("policy/growth.py", SPARES, "limit - 1)", "tests/policy/test_growth.py"),
-    m("events/framing.py", MISSING, MISSING.replace("PREFIX_SIZE - available", "PREFIX_SIZE"),
+    m("events/framing.py", MISSING, MISSING.replace("offset + PREFIX_SIZE", "size + PREFIX_SIZE"),
       "tests/events/test_framing_rules.py"),
     # issue 24: slips once caught only far from their code
     m(
