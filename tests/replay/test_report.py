@@ -9,6 +9,9 @@ from typing import Any
 
 import numpy as np
 import pytest
+
+pytest.importorskip("matplotlib", reason="the report's plots need matplotlib (kvsched[plots])")
+
 from matplotlib.collections import PolyCollection
 from matplotlib.figure import Figure
 
