@@ -8,6 +8,7 @@ import pytest
 from kvsched.config import CHECKPOINT_POLICIES, PLACEMENTS, ModelSpec, SchedulerConfig
 from kvsched.events import types as ev
 from kvsched.gpu.fingerprint import FingerprintExecutor
+from kvsched.policy.eviction import ValueEviction
 
 from .helpers import VOCAB, Harness, config, matched, of_type, request, tokens
 
@@ -146,30 +147,30 @@ def test_a_superseded_interior_checkpoint_is_evicted_before_a_deeper_one():
 
 def test_a_branch_checkpoint_outranks_a_chunk_end_of_equal_depth():
     h = hybrid(checkpoint_budget=1)
-    state, pol = h.state, h.engine.policy.checkpoints
-    branch = pol._candidate_priority(state, 7, 32, "branch", 1)
-    chunk = pol._candidate_priority(state, 8, 32, "chunk_end", 1)
+    ckpts, value = h.state.ckpts, ValueEviction(h.config)
+    branch = value.candidate_priority(ckpts, 7, 32, "branch", 1)
+    chunk = value.candidate_priority(ckpts, 8, 32, "chunk_end", 1)
     assert branch > chunk > 0
-    assert pol._candidate_priority(state, 8, 64, "chunk_end", 1) > chunk  # deeper: worth more
+    assert value.candidate_priority(ckpts, 8, 64, "chunk_end", 1) > chunk  # deeper: worth more
 
 
 def test_a_restore_raises_a_checkpoints_priority():
     h = hybrid(checkpoint_placement=("chunk_end",), max_prefill_tokens=32)
     serve(h, 0, tokens(40, seed=15))
     (c,) = h.state.ckpts.ckpts.values()
-    before = h.engine.policy.checkpoints.priority(h.state, c)
+    value = ValueEviction(h.config)
+    before = value.priority(h.state.ckpts, c)
     serve(h, 1, np.concatenate([tokens(40, seed=15)[:32], tokens(9, seed=16)]))
     assert c.hits == 1
-    assert h.engine.policy.checkpoints.priority(h.state, c) == pytest.approx(4 * before)
+    assert value.priority(h.state.ckpts, c) == pytest.approx(4 * before)
 
 
 def test_a_continuation_rule_never_restored_loses_its_weight():
     h = hybrid(checkpoint_placement=("prompt_end",))
     for i in range(3):
         serve(h, i, tokens(30, seed=20 + i))
-    pol = h.engine.policy.checkpoints
     assert h.state.ckpts.saves_by_kind == {"prompt_end": 3}
-    assert pol._weights(h.state) == {"prompt_end": pytest.approx(1 / 4)}
+    assert ValueEviction.weights(h.state.ckpts) == {"prompt_end": pytest.approx(1 / 4)}
 
 
 # ---------------------------------------------------------------------- byte budget
@@ -258,7 +259,7 @@ def test_the_eviction_ranking_gives_each_checkpoint_its_priority():
     doc = tokens(50, seed=60)
     for i in range(5):
         serve(h, i, np.concatenate([doc[: 20 + 6 * i], tokens(7, seed=61 + i)]), session_id=i % 2)
-    pol, state = h.engine.policy.checkpoints, h.state
-    ranked = pol._ranked(state)
+    value, ckpts = ValueEviction(h.config), h.state.ckpts
+    ranked = value.scored(ckpts)
     assert ranked and any(p > c.floor for p, _, c in ranked)
-    assert [p for p, _, _ in ranked] == [pol.priority(state, c) for _, _, c in ranked]
+    assert [p for p, _, _ in ranked] == [value.priority(ckpts, c) for _, _, c in ranked]

@@ -229,13 +229,14 @@ def test_two_sequences_pin_one_checkpoint_and_it_is_published_again_after_the_la
     pins = of_type(result.decisions, ev.CheckpointPinned)
     assert [(p.ckpt_id, p.seq_id) for p in pins] == [(c.ckpt_id, 1), (c.ckpt_id, 2)]
     assert (c.state, c.pins) == (CkptState.PINNED, 2)
-    assert c not in h.state.ckpts.eviction_order()
+    assert c not in h.engine.policy.checkpoints.eviction_order(h.state)
     done = h.step()
     assert [d.seq_id for d in of_type(done.decisions, ev.CheckpointUnpinned)] == [1]
     assert (c.state, c.pins) == (CkptState.PINNED, 1)  # more_pins: still pinned
     h.run_until_idle()
     assert (c.state, c.pins) == (CkptState.PUBLISHED, 0)  # last_pin
-    assert h.state.ckpts.eviction_order()[-1] is c  # the last unpin refreshed its LRU stamp
+    order = h.engine.policy.checkpoints.eviction_order(h.state)
+    assert order[-1] is c  # the last unpin refreshed its LRU stamp
     assert h.state.ckpts.restores == 2
 
 
@@ -245,7 +246,7 @@ def test_kv_pressure_evicts_unpinned_checkpoints_frozen_tails_first_then_least_r
     serve(h, 1, tokens(40, seed=12))  # frozen tail
     serve(h, 2, tokens(32, seed=13))
     by_seq = {c.seq_id: c.ckpt_id for c in h.state.ckpts.ckpts.values()}
-    assert [c.seq_id for c in h.state.ckpts.eviction_order()] == [1, 0, 2]
+    assert [c.seq_id for c in h.engine.policy.checkpoints.eviction_order(h.state)] == [1, 0, 2]
     # 15 usable blocks; checkpoints hold 2 + (2 + 1) + 2 = 7; a 144-token prompt needs 9.
     result = h.step([request(3, tokens(144, seed=14), max_tokens=20)])
     assert evicted(result) == [by_seq[1]]  # frozen tail first, and that is enough
@@ -267,7 +268,8 @@ def test_a_pinned_checkpoint_is_never_evicted_under_kv_pressure():
     user = request(2, np.concatenate([prompt, tokens(8, seed=18)]), max_tokens=40, priority=5)
     h.step([user])
     assert a.state == CkptState.PINNED
-    assert [c.ckpt_id for c in h.state.ckpts.eviction_order()][:1] == [b.ckpt_id]
+    order = h.engine.policy.checkpoints.eviction_order(h.state)
+    assert [c.ckpt_id for c in order][:1] == [b.ckpt_id]
     results = [h.step([request(3, tokens(160, seed=19), max_tokens=4)])]
     assert b.ckpt_id in evicted(results[0]) and admitted(results[0]) == [3]
     while 2 in h.state.seqs.seqs:

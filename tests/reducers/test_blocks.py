@@ -19,6 +19,7 @@ from hypothesis.stateful import (
 
 from kvsched.events import types as ev
 from kvsched.identity import HashChain
+from kvsched.policy.eviction import LruBlocks, plan_allocation
 from kvsched.reducers.blocks import NULL_BLOCK, BlockPool, BlockPoolError
 from kvsched.reducers.errors import ReplayMismatch
 
@@ -56,7 +57,7 @@ def fold(pool: BlockPool, event: ev.Event) -> None:
 
 def allocate(pool: BlockPool, n: int) -> np.ndarray:
     """Allocate ``n`` blocks the way the policy does: evictions first, then the allocation."""
-    peek = pool.peek_allocate(n)
+    peek = plan_allocation(pool, n, LruBlocks())
     if peek is None:
         raise BlockPoolError(f"cannot allocate {n} blocks: {pool.num_available} available")
     evict, blocks = peek
@@ -108,7 +109,7 @@ def test_an_allocation_larger_than_what_is_available_fails_and_changes_nothing()
     before = pool.snapshot()
     with pytest.raises(BlockPoolError):
         allocate(pool, 2)
-    assert pool.peek_allocate(2) is None
+    assert plan_allocation(pool, 2, LruBlocks()) is None
     assert pool.snapshot() == before
     pool.check_invariants([held])
 
@@ -152,19 +153,28 @@ def test_registering_a_hash_that_is_already_cached_returns_the_canonical_block()
     pool.check_invariants([first, copy])
 
 
-def test_peek_allocate_predicts_allocate_exactly_and_changes_nothing():
-    pool = BlockPool(6)
-    cached = cache_chain(pool, chain([1, 2, 3]))
-    pool.release(cached)
+def test_evictable_blocks_offers_released_cached_blocks_leaf_first_and_changes_nothing():
+    pool = BlockPool(8)
+    first = cache_chain(pool, chain([1, 2, 3]))
+    other = cache_chain(pool, chain([9]))
+    pool.release(first)
+    pool.release(other)
     before = pool.snapshot()
-    predicted = pool.peek_allocate(4)
+    assert list(pool.evictable_blocks()) == [*first[::-1].tolist(), *other.tolist()]
     assert pool.snapshot() == before
-    assert predicted is not None
-    evict, blocks = predicted
-    # 2 free blocks and 2 evicted cached ones, leaf first; the evicted come first.
-    assert evict.tolist() == cached[::-1][:2].tolist()
-    assert blocks.tolist() == [*evict.tolist(), 4, 5]
-    assert allocate(pool, 4).tolist() == blocks.tolist()
+    pool.attach(first[:1])  # held again: no longer a candidate
+    assert list(pool.evictable_blocks()) == [*first[:0:-1].tolist(), *other.tolist()]
+    pool.release(first[:1])  # re-released: the most recently released
+    assert list(pool.evictable_blocks())[-1] == int(first[0])
+    pool.check_invariants([])
+
+
+def test_free_top_names_the_blocks_an_allocation_takes_in_order():
+    pool = BlockPool(6)
+    assert pool.free_top(3).tolist() == [1, 2, 3]
+    assert pool.free_top(0).tolist() == []
+    assert allocate(pool, 2).tolist() == [1, 2]
+    assert pool.free_top(3).tolist() == [3, 4, 5]
 
 
 def test_a_released_cached_chain_is_evicted_leaf_first_and_the_index_stays_prefix_closed():
@@ -336,7 +346,7 @@ class BlockPoolMachine(RuleBasedStateMachine):
             return None  # does not fit: a tentative match is simply not acted on
         pool.attach(blocks)
         self._model_attach(blocks.tolist())
-        predicted = pool.peek_allocate(need)
+        predicted = plan_allocation(pool, need, LruBlocks())
         fresh = allocate(pool, need)
         assert predicted is not None and predicted[1].tolist() == fresh.tolist()
         assert fresh.tolist() == self._model_allocate(need)

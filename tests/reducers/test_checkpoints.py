@@ -124,7 +124,7 @@ def test_a_reserved_checkpoint_is_invisible_to_lookups_until_published():
     table = make_table(max_batch=1, budget=2)
     c = reserve(table, 20, b"p", frozen=9)
     assert table.find(b"p") is None and table.find_partials(ANCHOR_A) == {}
-    assert c not in table.eviction_order()
+    assert c not in table.evictable()
     publish(table, c, path(4))
     assert table.find(b"p") is c
     assert table.find_partials(ANCHOR_A) == {20: 1}
@@ -176,7 +176,7 @@ def test_a_pinned_checkpoint_can_be_neither_evicted_nor_released(event: type[ev.
     table = make_table(max_batch=1, budget=2)
     c = published(table, 16, b"k")
     pin(table, c)
-    assert c not in table.eviction_order()
+    assert c not in table.evictable()
     with pytest.raises(IllegalTransition):
         drop(table, c, event)
     assert table.find(b"k") is c and c.slot not in table.free_slots
@@ -227,16 +227,18 @@ def test_partial_identity_depends_on_the_anchor_and_every_tail_token():
 # ------------------------------------------------------------------ eviction order
 
 
-def test_eviction_order_puts_frozen_tails_first_then_least_recently_used():
+def test_evictable_offers_unpinned_published_checkpoints_least_recently_used_first():
     table = make_table(max_batch=2, budget=4)
     old = published(table, 16, b"old")
     tail = published(table, 20, b"tail", frozen=9)
     new = published(table, 32, b"new")
-    assert table.eviction_order() == [tail, old, new]
+    reserve(table, 48, b"reserved")  # not published: not a candidate
+    assert table.evictable() == [old, tail, new]
     pin(table, old)
-    assert table.eviction_order() == [tail, new]  # pinned: not a candidate
+    assert table.evictable() == [tail, new]  # pinned: not a candidate
     unpin(table, old)  # the last unpin makes it the most recently used
-    assert table.eviction_order() == [tail, new, old]
+    assert table.evictable() == [tail, new, old]
+    assert len(list(table.checkpoints())) == 4  # every live one, reserved included
 
 
 def test_the_lazy_lru_queue_stays_bounded_under_many_pin_cycles():
@@ -246,7 +248,7 @@ def test_the_lazy_lru_queue_stays_bounded_under_many_pin_cycles():
         pin(table, c)
         unpin(table, c)
     assert len(table.lru) <= 4 * (len(table.ckpts) + 16)
-    assert table.eviction_order() == [c]
+    assert table.evictable() == [c]
 
 
 # ---------------------------------------------------------------------- invariants
@@ -334,9 +336,7 @@ def test_folding_a_reservation_that_disagrees_with_the_pool_is_a_replay_mismatch
     seq = state.seq(0)
     key, anchor = state.seqs.identity_at(seq, 40)
     assert state.ckpts.find(key) is None
-    peek = state.pool.peek_allocate(1)
-    assert peek is not None
-    wrong = int(peek[1][0]) + 1
+    wrong = int(state.pool.free_top(1)[0]) + 1
     slot = state.ckpts.peek_slot()
     event = ev.CheckpointReserved(state.ckpts.next_id, 0, slot, 40, key, anchor, wrong)
     before = state.pool.snapshot()

@@ -32,9 +32,9 @@ def _run_prefill(state: EngineState, seq_id: int, n_tokens: int, end: int) -> No
     state.apply(ev.RequestArrived(seq_id, prompt, 4))
     row = state.seqs.peek_free_row()
     state.apply(ev.SequenceAdmitted(seq_id, row))
-    taken = state.pool.peek_allocate(-(-end // 16))
-    assert taken is not None
-    blocks = taken[1]
+    need = -(-end // 16)
+    assert need <= state.pool.num_free
+    blocks = state.pool.free_top(need)
     counts = np.asarray([len(blocks)], np.int32)
     state.apply(ev.BlocksAllocated(np.asarray([seq_id]), counts, blocks))
     state.apply(ev.PrefillScheduled(np.asarray([seq_id]), np.asarray([0]), np.asarray([end])))

@@ -8,19 +8,11 @@ chunk), decode rules by the scheduler, end-of-sequence rules when a sequence fin
 runtime slot is saved before the next forward).
 
 What to keep: a checkpoint needs a state slot and room in the capacity (a count, or bytes).
-When there is none, unpinned checkpoints are evicted in the order of the configured eviction
-("lru", "frozen_first", or "value"). Under "value" a checkpoint's priority is
-greedy-dual-size-frequency (Cao and Irani, 1997; Marconi's compute-per-byte score):
-
-    priority = floor at its last touch + (frequency ** 2) x (prefill seconds a hit saves) / cost
-
-where the frequency is 1 + its hits (+1 for a branch checkpoint, born of a request that shared
-the prefix), the saved seconds come from ``value_token_s`` and ``value_pair_s`` (tokens and
-causal attention pairs), and the cost is what it uses of the capacity. Each eviction raises
-the floor to the victim's priority, so an old checkpoint ages. A checkpoint made redundant by
-a deeper one of the same producer (interior prefill points, or the prompt end once the
-sequence's end is saved) is worth only its floor. A new checkpoint worth less than the one it
-would evict is declined. Saves are best effort: a save that finds no room is skipped.
+When there is none, unpinned checkpoints are evicted in the order of the eviction strategy
+``config.checkpoint_eviction`` names (``policy/eviction.py``: "lru", "frozen_first", or
+"value", greedy-dual-size-frequency). A new checkpoint worth less than the one it would evict
+is declined (only "value" has worths). Saves are best effort: a save that finds no room is
+skipped.
 """
 
 from __future__ import annotations
@@ -33,33 +25,12 @@ from kvsched.config import SchedulerConfig
 from kvsched.events import types as ev
 from kvsched.policy import spans
 from kvsched.policy.common import Emit
+from kvsched.policy.eviction import CHECKPOINT_EVICTION
 from kvsched.policy.growth import Growth
 from kvsched.reducers.checkpoints import Checkpoint
 from kvsched.reducers.sequences import Seq
 from kvsched.reducers.state import EngineState
 from kvsched.statemachines import CkptState
-
-INTERIOR = frozenset(["chunk_end", "interval"])  # prefill points inside a prompt
-ENDS = frozenset(["sequence_end", "session_end"])  # a finished sequence's end
-# Points only an exact continuation reuses (a retry, a next turn): whether a workload has
-# those is learned from how many of each rule's checkpoints were ever restored.
-CONTINUATIONS = frozenset(
-    ["prompt_end", "prompt_tail", "sequence_end", "session_end", "decode_latest"]
-)
-# The rules whose deeper checkpoint (same producer) makes a checkpoint redundant.
-_DEEPER: dict[str, frozenset[str]] = {
-    "chunk_end": INTERIOR, "interval": INTERIOR, "prompt_end": ENDS
-}
-_GROUPS_OF: dict[str, tuple[frozenset[str], ...]] = {
-    kind: tuple(g for g in (INTERIOR, ENDS) if kind in g) for kind in INTERIOR | ENDS
-}
-# A branch checkpoint's frequency at birth: a request already shared its prefix (4, not 2:
-# chosen on the Mooncake trace, docs/benchmarks.md).
-BRANCH_BIRTH = 4
-
-
-def _RANK(item: tuple[float, int, Checkpoint]) -> tuple[float, int]:
-    return item[0], item[1]  # priority, then least recently used
 
 
 class Checkpoints:
@@ -68,6 +39,7 @@ class Checkpoints:
         self.bs = config.block_size
         self.growth = growth
         self.by_value = config.checkpoint_eviction == "value"
+        self.eviction = CHECKPOINT_EVICTION[config.checkpoint_eviction](config)
         self.min_gain = config.checkpoint_min_gain_blocks * config.block_size
         self.mm_safe = config.multimodal_safe
 
@@ -100,7 +72,7 @@ class Checkpoints:
         if phase == "before" and step >= self.bs and anchor not in state.pool.index:
             return  # its prefix is not indexed (a chain past a private copy): no path to hold
         cost = ckpts.cost_of(not aligned)
-        worth = self._candidate_priority(state, seq.seq_id, step, kind, cost)
+        worth = self.eviction.candidate_priority(ckpts, seq.seq_id, step, kind, cost)
         if not self._make_room(state, cost, worth, emit):
             return
         frozen = 0
@@ -179,105 +151,12 @@ class Checkpoints:
 
     # ------------------------------------------------------------------ what to keep
 
-    def saved_seconds(self, tokens: int) -> float:
-        """Prefill seconds a hit of ``tokens`` saves (linear work and attention pairs)."""
-        c = self.config
-        return tokens * c.value_token_s + tokens * tokens / 2 * c.value_pair_s
-
-    @staticmethod
-    def _redundant(state: EngineState, seq_id: int, kind: str, step: int) -> bool:
-        """Whether a deeper checkpoint of producer ``seq_id`` makes a ``kind`` checkpoint at
-        ``step`` redundant: a deeper interior prefill point, or, for the prompt end, the
-        sequence's end."""
-        deeper = _DEEPER.get(kind)
-        if deeper is None:
-            return False
-        return any(o.kind in deeper and o.step > step for o in state.ckpts.produced_by(seq_id))
-
-    def superseded(self, state: EngineState, c: Checkpoint) -> bool:
-        return self._redundant(state, c.seq_id, c.kind, c.step)
-
-    def priority(self, state: EngineState, c: Checkpoint) -> float:
-        """The "value" eviction's priority (the lowest is evicted first)."""
-        return self._priority(state, c.seq_id, c.kind, c.step, c.hits, c.cost, c.floor)
-
-    def _candidate_priority(
-        self, state: EngineState, seq_id: int, step: int, kind: str, cost: int
-    ) -> float:
-        """The priority a checkpoint about to be reserved would have."""
-        return self._priority(state, seq_id, kind, step, 0, cost, state.ckpts.floor)
-
-    def _priority(
-        self,
-        state: EngineState,
-        seq_id: int,
-        kind: str,
-        step: int,
-        hits: int,
-        cost: int,
-        floor: float,
-    ) -> float:
-        if self._redundant(state, seq_id, kind, step):
-            return floor
-        weight = self._weights(state).get(kind, 1.0)
-        return floor + weight * self._worth(kind, step, hits, cost)
-
-    def _worth(self, kind: str, step: int, hits: int, cost: int) -> float:
-        freq = hits + (BRANCH_BIRTH if kind == "branch" else 1)
-        return freq * freq * self.saved_seconds(step) / cost
-
-    @staticmethod
-    def _weights(state: EngineState) -> dict[str, float]:
-        """Continuation rules' weights: the share of their checkpoints ever restored
-        (Laplace-smoothed); other rules weigh 1."""
-        ckpts = state.ckpts
-        reused = ckpts.reused_by_kind
-        return {
-            kind: (reused.get(kind, 0) + 1) / (made + 1)
-            for kind, made in ckpts.saves_by_kind.items()
-            if kind in CONTINUATIONS
-        }
-
-    def _ranked(self, state: EngineState) -> list[tuple[float, int, Checkpoint]]:
-        """(priority, stamp, checkpoint) of every evictable checkpoint, in one pass."""
-        ckpts = state.ckpts
-        weights = self._weights(state)
-        deepest: dict[tuple[int, frozenset[str]], int] = {}
-        for c in ckpts.ckpts.values():
-            for group in _GROUPS_OF.get(c.kind, ()):
-                key = (c.seq_id, group)
-                if c.step > deepest.get(key, -1):
-                    deepest[key] = c.step
-        out: list[tuple[float, int, Checkpoint]] = []
-        published = CkptState.PUBLISHED
-        token_s, pair_s = self.config.value_token_s, self.config.value_pair_s
-        for c in ckpts.ckpts.values():
-            if c.state != published:
-                continue
-            kind, step = c.kind, c.step
-            deeper = _DEEPER.get(kind)
-            if deeper is not None and deepest.get((c.seq_id, deeper), -1) > step:
-                out.append((c.floor, c.stamp, c))
-                continue
-            # (self._worth inlined, the same arithmetic in the same order: the hot loop)
-            freq = c.hits + (BRANCH_BIRTH if kind == "branch" else 1)
-            worth = freq * freq * (step * token_s + step * step / 2 * pair_s) / c.cost
-            out.append((c.floor + weights.get(kind, 1.0) * worth, c.stamp, c))
-        return out
-
     def ranked_victims(
         self, state: EngineState, keep: int = -1
     ) -> list[tuple[float | None, Checkpoint]]:
         """Unpinned published checkpoints (never ``keep``), the first to be evicted first,
-        each with its priority under the "value" eviction (else None)."""
-        ckpts = state.ckpts
-        eviction = self.config.checkpoint_eviction
-        if eviction == "value":
-            ranked = sorted(self._ranked(state), key=_RANK)
-            victims: list[tuple[float | None, Checkpoint]] = [(p, c) for p, _, c in ranked]
-        else:
-            order = ckpts.eviction_order() if eviction == "frozen_first" else ckpts.evictable()
-            victims = [(None, c) for c in order]
+        each with its priority under the eviction strategy (None: it has none)."""
+        victims = self.eviction.ranked(state.ckpts)
         return [(p, c) for p, c in victims if c.ckpt_id != keep]
 
     def eviction_order(self, state: EngineState, keep: int = -1) -> list[Checkpoint]:

@@ -14,6 +14,7 @@ import numpy as np
 from kvsched.config import SchedulerConfig
 from kvsched.events import types as ev
 from kvsched.policy.common import I32, Emit, arr
+from kvsched.policy.eviction import BLOCK_EVICTION, plan_allocation
 from kvsched.reducers.sequences import Seq, SequenceTable
 from kvsched.reducers.sessions import SessionTable
 from kvsched.reducers.state import EngineState
@@ -26,13 +27,15 @@ class Growth:
     def __init__(self, config: SchedulerConfig) -> None:
         self.config = config
         self.bs = config.block_size
+        self.block_eviction = BLOCK_EVICTION["lru"]()  # (the one order prefix closure admits)
 
     # ------------------------------------------------------------------ allocation
 
     def take_blocks(self, state: EngineState, n: int, emit: Emit) -> np.ndarray:
         """The blocks an allocation of ``n`` takes, after emitting the evictions it needs
-        (the caller checked that ``n`` are available)."""
-        peek = state.pool.peek_allocate(n)
+        (victims chosen by the block eviction strategy; the caller checked that ``n`` are
+        available)."""
+        peek = plan_allocation(state.pool, n, self.block_eviction)
         assert peek is not None, f"{n} blocks are not available"
         evict, blocks = peek
         if len(evict):

@@ -17,6 +17,9 @@ Prefix closure: a block is registered only while its parent hash is registered, 
 only when no cached child remains. Holders of a cached block always hold its cached parent
 too, and releases drop a sequence's blocks leaf first, so the LRU queue (ordered by release)
 offers a child before its parent; ``find_prefix_len`` can binary-search a request's chain.
+The pool chooses no victim: it offers the evictable blocks in that order
+(``evictable_blocks``) and the policy's block eviction strategy (``policy/eviction.py``)
+picks among them.
 
 Prefix paths: each cached block at depth d knows its chain's path and d, where
 ``path.arr[: d + 1]`` are the canonical blocks of its prefix, root first. A chain that grows
@@ -27,8 +30,8 @@ one lookup of the deepest hash and a read-only view of its path.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
-from itertools import islice, repeat
+from collections.abc import Callable, Iterator
+from itertools import repeat
 from typing import Any
 
 import numpy as np
@@ -39,10 +42,6 @@ from kvsched.identity import HashChain
 from kvsched.reducers.errors import RefChange, ReplayMismatch
 
 NULL_BLOCK = 0
-
-_NO_BLOCKS = np.zeros(0, dtype=np.int32)
-_NO_BLOCKS.flags.writeable = False
-
 
 class BlockPoolError(RuntimeError):
     """A block operation that would break the pool's invariants."""
@@ -163,21 +162,15 @@ class BlockPool:
             and self.hash_of[block] is not None
         )
 
-    def peek_allocate(self, n: int) -> tuple[np.ndarray, np.ndarray] | None:
-        """(cached blocks to evict, blocks allocated) for an allocation of ``n`` blocks, or
-        None when fewer are available. Evicted blocks (least recently released first) come
-        first in the allocation, then free blocks from the top of the stack."""
-        if n == 1 and self.free:  # (the common admission: one tail block, a free one)
-            return _NO_BLOCKS, np.asarray(self.free[-1:], dtype=np.int32)
-        if n > self.num_available:
-            return None
-        take = min(n, len(self.free))
-        evict: list[int] = []
-        if take < n:
-            live = (b for s, b in self.lru if self._live(s, b))
-            evict = list(islice(live, n - take))
-        fresh = self.free[len(self.free) - take :][::-1]
-        return np.asarray(evict, dtype=np.int32), np.asarray(evict + fresh, dtype=np.int32)
+    def evictable_blocks(self) -> Iterator[int]:
+        """The cached blocks nobody holds, least recently released first: a block's cached
+        children before it (the candidates an eviction strategy chooses from)."""
+        return (b for s, b in self.lru if self._live(s, b))
+
+    def free_top(self, n: int) -> np.ndarray:
+        """The ``n`` blocks an allocation takes from the free stack, in the order it takes
+        them (``n`` <= ``num_free``; blocks evicted for an allocation come before them)."""
+        return np.asarray(self.free[len(self.free) - n :][::-1], dtype=np.int32)
 
     def hashes_of(self, blocks: np.ndarray) -> bytes:
         out = []

@@ -21,9 +21,11 @@ executed) takes its path references at reservation: its producer releases its bl
 
 Accounting: every checkpoint uses ``cost`` of the table's ``capacity`` (one per checkpoint, or
 bytes: the state plus a frozen block's KV); the policy evicts before it reserves, so ``used``
-never exceeds the capacity. For the "value" eviction the table keeps each checkpoint's hits
-(restores by sequences), its placement rule, the aging ``floor`` at its last touch, and the
-table's floor (raised to each evicted checkpoint's priority).
+never exceeds the capacity. The table chooses no victim: it offers the unpinned published
+checkpoints least recently used first (``evictable``) and the facts the policy's eviction
+strategies (``policy/eviction.py``) read: for "value", each checkpoint's hits (restores by
+sequences), its placement rule, the aging ``floor`` at its last touch, and the table's floor
+(raised to each evicted checkpoint's priority).
 
 The table folds the checkpoint events, and the pins a save lease takes (``KVSaveStarted`` /
 ``KVSaveFinished``). It reads the block pool for a published checkpoint's prefix path, and
@@ -33,7 +35,7 @@ returns the references it takes or drops as a ``RefChange``.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import attrs
@@ -51,7 +53,6 @@ _EMPTY = np.zeros(0, dtype=np.int32)
 PHASES = ("after", "within", "before")
 BEFORE = "before"
 _LAST_PIN, _MORE_PINS = frozenset(["last_pin"]), frozenset(["more_pins"])
-_PIN = CkptEvent.pin  # (read once: a member read through its enum class costs ~100 ns)
 
 
 @attrs.define(slots=True, eq=False)
@@ -181,12 +182,13 @@ class CheckpointTable:
         return c is not None and c.state == CkptState.PUBLISHED and c.stamp == stamp
 
     def evictable(self) -> list[Checkpoint]:
-        """Unpinned published checkpoints, least recently used first."""
+        """Unpinned published checkpoints, least recently used first: the candidates the
+        policy's eviction strategy (``policy/eviction.py``) orders."""
         return [self.ckpts[i] for s, i in self.lru if self._evictable(s, i)]
 
-    def eviction_order(self) -> list[Checkpoint]:
-        """Unpinned published checkpoints, those with a frozen block first, then LRU."""
-        return sorted(self.evictable(), key=lambda c: (c.frozen_block == 0, c.stamp))
+    def checkpoints(self) -> Iterable[Checkpoint]:
+        """Every live checkpoint (reserved, published or pinned), oldest first (a view)."""
+        return self.ckpts.values()
 
     def peek_slot(self) -> int:
         return self.free_slots[-1] if self.free_slots else 0
@@ -314,7 +316,7 @@ class CheckpointTable:
         return RefChange(release=dropped)
 
     def _pin(self, c: Checkpoint, e: ev.Event) -> None:
-        c.state = fire(CHECKPOINT, e, c.ckpt_id, c.state, _PIN)  # (the restore's hot path)
+        self._fire(c, e, CkptEvent.pin)
         c.pins += 1
         self.restores += 1
 

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from operator import attrgetter
 from typing import Any, Protocol
 
 import msgspec
@@ -234,39 +233,8 @@ _CHECKS: dict[type[ev.Event], tuple[tuple[str, Callable[[str, object], str | Non
 }
 
 
-_ARRIVAL_INTS = attrgetter("seq_id", "max_tokens", "priority", "session_id", "eos_token_id", "seed")
-_INT = {int}
-
-
-def _well_formed_arrival(e: ev.RequestArrived) -> bool:
-    """The fast path of the hot input: every field of an arrival has its exact common type
-    and an in-range value, in one expression. False sends it to the field-by-field checks
-    (which accept more, e.g. numpy integers, and name the first offending field)."""
-    p, ints, a, t = e.prompt, _ARRIVAL_INTS(e), e.arrival_time, e.temperature
-    return (
-        type(p) is np.ndarray and p.ndim == 1 and p.dtype.kind in "iu"
-        and set(map(type, ints)) == _INT and min(ints) >= -_I64 and max(ints) < _I64
-        and type(a) is float and type(t) is float and math.isfinite(a + t)
-        and type(e.adapter) is str and type(e.cache_salt) is str
-        and (e.adapter + e.cache_salt).isascii()
-        and type(e.mm_spans) is tuple and not e.mm_spans
-        and type(e.return_routed_experts) is bool and type(e.block_hashes) is bytes
-    )
-
-
-# Every field of an arrival is read by its fast path (checked where this module is loaded).
-_FAST_ARRIVAL_FIELDS = {
-    "prompt", "seq_id", "max_tokens", "priority", "session_id", "eos_token_id", "seed",
-    "arrival_time", "temperature", "adapter", "cache_salt", "mm_spans",
-    "return_routed_experts", "block_hashes",
-}
-if {name for name, _ in _FIELDS[ev.RequestArrived]} != _FAST_ARRIVAL_FIELDS:
-    raise TypeError("RequestArrived's fields changed: update _well_formed_arrival")
-
-
 def _check_fields(event: ev.Event) -> str | None:
-    fast = type(event) is ev.RequestArrived and _well_formed_arrival(event)
-    for name, check in () if fast else _CHECKS[type(event)]:
+    for name, check in _CHECKS[type(event)]:
         reason = check(name, getattr(event, name))
         if reason is not None:
             return reason

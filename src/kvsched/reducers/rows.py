@@ -23,8 +23,6 @@ from kvsched.reducers.errors import ReplayMismatch
 from kvsched.reducers.seq import FREE_ROW, Seq
 from kvsched.statemachines import SeqEvent
 
-_BEGIN_LOAD = SeqEvent.begin_load  # (read once: a member read through its enum class costs ~100 ns)
-
 
 class RowTable:
     def __init__(self, max_batch: int, max_blocks_per_seq: int, block_size: int) -> None:
@@ -145,7 +143,7 @@ class RowTable:
         if not self.free_rows or self.free_rows[-1] != row:
             raise ReplayMismatch(f"sequence {seq.seq_id}: row {row} is not the next free row")
         seq.fire(event, trigger)
-        self.loading[row] = trigger is _BEGIN_LOAD
+        self.loading[row] = trigger is SeqEvent.begin_load
         self.row_state[row] = seq.state
         self.free_rows.pop()
         seq.row = row

@@ -37,7 +37,6 @@ from kvsched.statemachines import SEQUENCE, SeqEvent, SeqState, fire_many
 __all__ = ["FREE_ROW", "History", "Seq", "SequenceTable"]
 
 _NO_ROWS = np.zeros(0, dtype=np.int64)
-_ADMIT = SeqEvent.admit  # (read once: a member read through its enum class costs ~100 ns)
 
 
 class _Arrival(NamedTuple):
@@ -316,7 +315,7 @@ class SequenceTable(RowTable):
     def _on_admitted(self, e: ev.SequenceAdmitted) -> None:
         seq = self.seq(e.seq_id)
         seq.num_hit_tokens = 0  # (until this admission's PrefixMatched, if any)
-        self.activate(seq, e.row, e, _ADMIT)
+        self.activate(seq, e.row, e, SeqEvent.admit)
         self.waiting.pop(e.seq_id, None)
 
     def _on_load_admitted(self, e: ev.KVLoadAdmitted) -> None:

@@ -1,0 +1,254 @@
+"""Eviction strategies: which cached blocks and which checkpoints are given up for room.
+
+The owners keep the candidates and the facts a strategy reads, and choose nothing:
+``BlockPool.evictable_blocks`` (cached blocks nobody holds, least recently released first)
+and ``CheckpointTable.evictable`` (unpinned published checkpoints, least recently used first;
+their hits, costs, rules and the aging floor). A strategy orders the candidates; the policy
+emits the evictions (``BlocksEvicted`` before the allocation that reuses the blocks,
+``CheckpointEvicted`` with the victim's priority). Configuration names a strategy by its key:
+
+* blocks (``BLOCK_EVICTION``): ``lru``, the only order the pool's prefix closure admits as
+  is (a child is released, so offered, before its parent);
+* checkpoints (``CHECKPOINT_EVICTION``, ``config.checkpoint_eviction``): ``lru``,
+  ``frozen_first`` (lmdeploy: frozen partial tails first, then LRU) and ``value``
+  (greedy-dual-size-frequency, ``ValueEviction``).
+
+Every strategy is a pure function of the state it reads: a replay makes the same choices.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from itertools import islice
+from typing import Protocol
+
+import numpy as np
+
+from kvsched.config import EVICTIONS, SchedulerConfig
+from kvsched.reducers.blocks import BlockPool
+from kvsched.reducers.checkpoints import Checkpoint, CheckpointTable
+from kvsched.statemachines import CkptState
+
+_NO_BLOCKS = np.zeros(0, dtype=np.int32)
+_NO_BLOCKS.flags.writeable = False
+
+Ranked = list[tuple[float | None, Checkpoint]]
+
+
+class BlockEviction(Protocol):
+    def victims(self, pool: BlockPool, n: int) -> np.ndarray:
+        """``n`` of ``pool.evictable_blocks()`` to evict, in event order: a block's cached
+        children before it (the pool refuses an eviction that breaks prefix closure)."""
+        ...
+
+
+class CheckpointEviction(Protocol):
+    def ranked(self, ckpts: CheckpointTable) -> Ranked:
+        """Every evictable checkpoint, the first to evict first, each with its priority
+        (None: the strategy has none, and never declines a new checkpoint)."""
+        ...
+
+    def candidate_priority(
+        self, ckpts: CheckpointTable, seq_id: int, step: int, kind: str, cost: int
+    ) -> float:
+        """The priority a checkpoint about to be reserved would have (compared with its
+        victims' priorities: a victim worth more declines it)."""
+        ...
+
+
+class LruBlocks:
+    """The least recently released cached blocks first (the pool's own order)."""
+
+    def victims(self, pool: BlockPool, n: int) -> np.ndarray:
+        return np.fromiter(islice(pool.evictable_blocks(), n), dtype=np.int32, count=n)
+
+
+def plan_allocation(
+    pool: BlockPool, n: int, strategy: BlockEviction
+) -> tuple[np.ndarray, np.ndarray] | None:
+    """(cached blocks to evict, blocks allocated) for an allocation of ``n`` blocks, or None
+    when fewer are available: free blocks first; when too few are free, the strategy's
+    victims, which come first in the allocation. A pure query."""
+    fresh = pool.num_free
+    if n <= fresh:  # (the common case: nothing to evict)
+        return _NO_BLOCKS, pool.free_top(n)
+    if n > pool.num_available:
+        return None
+    evict = strategy.victims(pool, n - fresh)
+    return evict, np.concatenate((evict, pool.free_top(fresh)))
+
+
+# ------------------------------------------------------------------------- checkpoints
+
+
+class LruCheckpoints:
+    """The least recently used (published or last unpinned) first."""
+
+    def __init__(self, config: SchedulerConfig) -> None:
+        pass
+
+    def ranked(self, ckpts: CheckpointTable) -> Ranked:
+        return [(None, c) for c in ckpts.evictable()]
+
+    def candidate_priority(
+        self, ckpts: CheckpointTable, seq_id: int, step: int, kind: str, cost: int
+    ) -> float:
+        return math.inf
+
+
+class FrozenFirst(LruCheckpoints):
+    """lmdeploy's order: checkpoints that own a frozen partial tail block first, then LRU."""
+
+    def ranked(self, ckpts: CheckpointTable) -> Ranked:
+        order = sorted(ckpts.evictable(), key=lambda c: (c.frozen_block == 0, c.stamp))
+        return [(None, c) for c in order]
+
+
+INTERIOR = frozenset(["chunk_end", "interval"])  # prefill points inside a prompt
+ENDS = frozenset(["sequence_end", "session_end"])  # a finished sequence's end
+# Points only an exact continuation reuses (a retry, a next turn): whether a workload has
+# those is learned from how many of each rule's checkpoints were ever restored.
+CONTINUATIONS = frozenset(
+    ["prompt_end", "prompt_tail", "sequence_end", "session_end", "decode_latest"]
+)
+# The rules whose deeper checkpoint (same producer) makes a checkpoint redundant.
+_DEEPER: dict[str, frozenset[str]] = {
+    "chunk_end": INTERIOR,
+    "interval": INTERIOR,
+    "prompt_end": ENDS,
+}
+_GROUPS_OF: dict[str, tuple[frozenset[str], ...]] = {
+    kind: tuple(g for g in (INTERIOR, ENDS) if kind in g) for kind in INTERIOR | ENDS
+}
+# A branch checkpoint's frequency at birth: a request already shared its prefix (4, not 2:
+# chosen on the Mooncake trace, docs/benchmarks.md).
+BRANCH_BIRTH = 4
+
+
+def _rank(item: tuple[float, int, Checkpoint]) -> tuple[float, int]:
+    return item[0], item[1]  # priority, then least recently used
+
+
+class ValueEviction:
+    """Greedy-dual-size-frequency (Cao and Irani, 1997; Marconi's compute-per-byte score):
+
+        priority = floor at its last touch + weight x (frequency ** 2) x saved seconds / cost
+
+    the lowest evicted first (ties: least recently used). The frequency is 1 + its hits (+3
+    for a branch checkpoint, born of a request that shared the prefix); the saved seconds
+    are the prefill a hit of its step saves (``value_token_s``, ``value_pair_s``); the cost is
+    what it uses of the capacity; a continuation rule's weight is the share of its
+    checkpoints ever restored (Laplace-smoothed), others weigh 1. A checkpoint made redundant
+    by a deeper one of its producer (interior prefill points, or the prompt end once the
+    sequence's end is saved) is worth only its floor."""
+
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.token_s = config.value_token_s
+        self.pair_s = config.value_pair_s
+
+    def saved_seconds(self, tokens: int) -> float:
+        """Prefill seconds a hit of ``tokens`` saves (linear work and attention pairs)."""
+        return tokens * self.token_s + tokens * tokens / 2 * self.pair_s
+
+    @staticmethod
+    def redundant(ckpts: CheckpointTable, seq_id: int, kind: str, step: int) -> bool:
+        """Whether a deeper checkpoint of producer ``seq_id`` makes a ``kind`` checkpoint at
+        ``step`` redundant."""
+        deeper = _DEEPER.get(kind)
+        if deeper is None:
+            return False
+        return any(o.kind in deeper and o.step > step for o in ckpts.produced_by(seq_id))
+
+    @staticmethod
+    def weights(ckpts: CheckpointTable) -> dict[str, float]:
+        """Continuation rules' weights: the share of their checkpoints ever restored
+        (Laplace-smoothed); other rules weigh 1."""
+        reused = ckpts.reused_by_kind
+        return {
+            kind: (reused.get(kind, 0) + 1) / (made + 1)
+            for kind, made in ckpts.saves_by_kind.items()
+            if kind in CONTINUATIONS
+        }
+
+    def worth(self, kind: str, step: int, hits: int, cost: int) -> float:
+        freq = hits + (BRANCH_BIRTH if kind == "branch" else 1)
+        return freq * freq * self.saved_seconds(step) / cost
+
+    def priority(self, ckpts: CheckpointTable, c: Checkpoint) -> float:
+        """A checkpoint's priority (the lowest is evicted first)."""
+        return self._priority(ckpts, c.seq_id, c.kind, c.step, c.hits, c.cost, c.floor)
+
+    def candidate_priority(
+        self, ckpts: CheckpointTable, seq_id: int, step: int, kind: str, cost: int
+    ) -> float:
+        return self._priority(ckpts, seq_id, kind, step, 0, cost, ckpts.floor)
+
+    def _priority(
+        self,
+        ckpts: CheckpointTable,
+        seq_id: int,
+        kind: str,
+        step: int,
+        hits: int,
+        cost: int,
+        floor: float,
+    ) -> float:
+        if self.redundant(ckpts, seq_id, kind, step):
+            return floor
+        return floor + self.weights(ckpts).get(kind, 1.0) * self.worth(kind, step, hits, cost)
+
+    def scored(self, ckpts: CheckpointTable) -> list[tuple[float, int, Checkpoint]]:
+        """(priority, stamp, checkpoint) of every evictable checkpoint, in one pass."""
+        everyone = ckpts.checkpoints()
+        weights = self.weights(ckpts)
+        deepest = _deepest(everyone)
+        out: list[tuple[float, int, Checkpoint]] = []
+        published = CkptState.PUBLISHED
+        for c in everyone:
+            if c.state != published:
+                continue
+            kind, step = c.kind, c.step
+            deeper = _DEEPER.get(kind)
+            if deeper is not None and deepest.get((c.seq_id, deeper), -1) > step:
+                out.append((c.floor, c.stamp, c))
+                continue
+            worth = self.worth(kind, step, c.hits, c.cost)
+            out.append((c.floor + weights.get(kind, 1.0) * worth, c.stamp, c))
+        return out
+
+    def ranked(self, ckpts: CheckpointTable) -> Ranked:
+        return [(p, c) for p, _, c in sorted(self.scored(ckpts), key=_rank)]
+
+
+def _deepest(everyone: Iterable[Checkpoint]) -> dict[tuple[int, frozenset[str]], int]:
+    """The deepest step of each producer's checkpoints per group of rules."""
+    deepest: dict[tuple[int, frozenset[str]], int] = {}
+    for c in everyone:
+        for group in _GROUPS_OF.get(c.kind, ()):
+            key = (c.seq_id, group)
+            if c.step > deepest.get(key, -1):
+                deepest[key] = c.step
+    return deepest
+
+
+BLOCK_EVICTION: dict[str, Callable[[], BlockEviction]] = {"lru": LruBlocks}
+CHECKPOINT_EVICTION: dict[str, Callable[[SchedulerConfig], CheckpointEviction]] = {
+    "lru": LruCheckpoints,
+    "frozen_first": FrozenFirst,
+    "value": ValueEviction,
+}
+if tuple(CHECKPOINT_EVICTION) != EVICTIONS:
+    raise TypeError("config.EVICTIONS and CHECKPOINT_EVICTION name different strategies")
+
+__all__ = [
+    "BLOCK_EVICTION",
+    "CHECKPOINT_EVICTION",
+    "BlockEviction",
+    "CheckpointEviction",
+    "FrozenFirst",
+    "LruBlocks",
+    "LruCheckpoints",
+    "ValueEviction",
+    "plan_allocation",
+]

@@ -1,0 +1,137 @@
+"""The eviction strategies (``policy/eviction.py``): what each orders first, the allocation
+plan that evicts for room, and the registries configuration names."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from tests.reducers.test_blocks import allocate, cache_chain, chain
+from tests.reducers.test_checkpoints import make_table, pin, published, unpin
+
+from kvsched.config import EVICTIONS
+from kvsched.events import types as ev
+from kvsched.policy.eviction import (
+    BLOCK_EVICTION,
+    CHECKPOINT_EVICTION,
+    FrozenFirst,
+    LruBlocks,
+    LruCheckpoints,
+    ValueEviction,
+    plan_allocation,
+)
+from kvsched.reducers.blocks import BlockPool
+
+from .helpers import Harness, config, request, tokens
+
+
+def test_every_configured_checkpoint_eviction_names_a_registered_strategy() -> None:
+    assert tuple(CHECKPOINT_EVICTION) == EVICTIONS
+    assert set(BLOCK_EVICTION) == {"lru"}
+    cfg = config(hybrid=True)
+    for key in EVICTIONS:
+        assert CHECKPOINT_EVICTION[key](cfg).ranked(make_table(max_batch=1, budget=2)) == []
+
+
+def test_an_allocation_plan_evicts_least_recently_released_blocks_leaf_first_and_changes_nothing():
+    pool = BlockPool(6)
+    cached = cache_chain(pool, chain([1, 2, 3]))
+    pool.release(cached)
+    before = pool.snapshot()
+    predicted = plan_allocation(pool, 4, LruBlocks())
+    assert pool.snapshot() == before
+    assert predicted is not None
+    evict, blocks = predicted
+    # 2 free blocks and 2 evicted cached ones, leaf first; the evicted come first.
+    assert evict.tolist() == cached[::-1][:2].tolist()
+    assert blocks.tolist() == [*evict.tolist(), 4, 5]
+    assert allocate(pool, 4).tolist() == blocks.tolist()
+
+
+def test_an_allocation_plan_takes_free_blocks_before_evicting_any() -> None:
+    pool = BlockPool(8)
+    cached = cache_chain(pool, chain([1, 2]))
+    pool.release(cached)
+    for n in (1, 3, 5):
+        plan = plan_allocation(pool, n, LruBlocks())
+        assert plan is not None
+        assert plan[0].tolist() == [] and plan[1].tolist() == pool.free_top(n).tolist()
+    assert plan_allocation(pool, 8, LruBlocks()) is None  # 5 free + 2 cached: 7 available
+
+
+class _Youngest:
+    """A strategy that picks the most recently released blocks (to show the plan uses it)."""
+
+    def victims(self, pool: BlockPool, n: int) -> np.ndarray:
+        return np.asarray(list(pool.evictable_blocks())[::-1][:n], dtype=np.int32)
+
+
+def test_an_allocation_plan_evicts_the_blocks_its_strategy_picks() -> None:
+    pool = BlockPool(4)
+    old = cache_chain(pool, chain([1]))
+    young = cache_chain(pool, chain([2]))
+    pool.release(old)
+    pool.release(young)
+    allocate(pool, 1)  # the one free block
+    assert plan_allocation(pool, 1, LruBlocks())[0].tolist() == old.tolist()  # type: ignore[index]
+    assert plan_allocation(pool, 1, _Youngest())[0].tolist() == young.tolist()  # type: ignore[index]
+
+
+def _three() -> tuple[object, ...]:
+    table = make_table(max_batch=2, budget=4)
+    old = published(table, 16, b"old")
+    tail = published(table, 20, b"tail", frozen=9)
+    new = published(table, 32, b"new")
+    return table, old, tail, new
+
+
+def test_lru_offers_the_least_recently_used_first_and_never_a_pinned_one() -> None:
+    table, old, tail, new = _three()
+    lru = LruCheckpoints(config(hybrid=True))
+    assert lru.ranked(table) == [(None, old), (None, tail), (None, new)]  # type: ignore[arg-type]
+    pin(table, old)  # type: ignore[arg-type]
+    assert [c for _, c in lru.ranked(table)] == [tail, new]  # type: ignore[arg-type]
+    assert lru.candidate_priority(table, 1, 16, "chunk_end", 1) == float("inf")  # type: ignore[arg-type]
+
+
+def test_frozen_first_puts_frozen_tails_first_then_least_recently_used() -> None:
+    table, old, tail, new = _three()
+    frozen = FrozenFirst(config(hybrid=True))
+    order = lambda: [c for _, c in frozen.ranked(table)]  # type: ignore[arg-type]  # noqa: E731
+    assert order() == [tail, old, new]
+    pin(table, old)  # type: ignore[arg-type]
+    assert order() == [tail, new]  # pinned: not a candidate
+    unpin(table, old)  # type: ignore[arg-type]  # the last unpin makes it the most recent
+    assert order() == [tail, new, old]
+
+
+def test_value_ranks_the_lowest_priority_first_each_with_its_priority() -> None:
+    table, old, tail, new = _three()
+    value = ValueEviction(config(hybrid=True, checkpoint_eviction="value"))
+    ranked = value.ranked(table)  # type: ignore[arg-type]
+    # Never restored, each costs 1: a deeper step saves more prefill, so it ranks later.
+    assert [c for _, c in ranked] == [old, tail, new]
+    assert [p for p, _ in ranked] == [value.priority(table, c) for _, c in ranked]  # type: ignore[arg-type]
+    assert ranked[0][0] == pytest.approx(value.saved_seconds(16))
+
+
+def test_the_configured_strategy_chooses_which_checkpoint_kv_pressure_evicts() -> None:
+    """Same workload, two strategies: frozen_first evicts the frozen tail, lru the oldest."""
+    evicted: dict[str, list[int]] = {}
+    for key in ("frozen_first", "lru"):
+        h = Harness(
+            hybrid=True,
+            num_blocks=16,
+            max_prefill_tokens=256,
+            checkpoint_budget=8,
+            checkpoint_placement=("prompt_end",),
+            checkpoint_eviction=key,
+        )
+        for seq_id, n in ((0, 32), (1, 40), (2, 32)):  # the second leaves a frozen tail
+            h.step([request(seq_id, tokens(n, seed=11 + seq_id), max_tokens=1)])
+            h.run_until_idle()
+        by_ckpt = {c.ckpt_id: c.seq_id for c in h.state.ckpts.checkpoints()}
+        result = h.step([request(3, tokens(144, seed=14), max_tokens=20)])
+        evicted[key] = [
+            by_ckpt[d.ckpt_id] for d in result.decisions if isinstance(d, ev.CheckpointEvicted)
+        ]
+    assert evicted == {"frozen_first": [1], "lru": [0]}
