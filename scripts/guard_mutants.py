@@ -348,12 +348,8 @@ VLLM_ROUND_2 = [
         'cfg.check_log_path(self.log_path, opts.get("overwrite", False))',
         SCHEDULER_TESTS, "-k", "existing_log",
     ),
-    m(
-        "integrations/vllm/checks.py",
-        "raise VLLMValidationError(reason)",
-        "raise ValueError(reason)",
-        SCHEDULER_TESTS, "-k", "offline_generate_raises",
-    ),
+    # (survives, left: RequestCheck raising ValueError; LLM.generate still reported
+    # VLLMValidationError with the reason in vLLM 0.32, so no observable change was found)
 ]  # fmt: skip
 
 
@@ -431,7 +427,7 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             caught, why = run_one(tree, mu, env, python)
             survived += not caught
-            first = mu.new.strip().splitlines()[0]
+            first = (mu.new.strip() or f"(deleted) {mu.old.strip()}").splitlines()[0]
             print(f"{'CAUGHT  ' if caught else 'SURVIVED'} {mu.path}: {first}\n         {why}")
             sys.stdout.flush()
     return 1 if survived or errors else 0
