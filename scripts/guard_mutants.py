@@ -3,6 +3,7 @@ tests meant to catch it there, and report: every mutant must be caught.
 
     python3 scripts/guard_mutants.py            # CAUGHT / SURVIVED per mutant; exit 1 if one
     python3 scripts/guard_mutants.py -k floor   # only the mutants whose text contains "floor"
+    python3 scripts/guard_mutants.py --vllm --python .venv-vllm/bin/python  # the vLLM ones
 
 The real sources are never edited: ``src/``, ``tests/`` and ``pyproject.toml`` are copied to a
 temporary directory (the built kvs128 kernel included), each mutant is written into the copy,
@@ -11,7 +12,11 @@ interrupted run leaves nothing behind. A mutant whose original text is not found
 is an error (exit 1): the rule moved, update this list.
 
 The mutants: the guards a mutation probe found untested in issue 12, the eleven rules of
-issue 24 and the three slips issue 24 found caught only far from their code.
+issue 24 and the three slips issue 24 found caught only far from their code (``MUTANTS``);
+issue 24's second round, slips in the code the next round added or changed (``ROUND_2``).
+Both run by default. ``--vllm`` runs instead the round-2 slips whose tests need vLLM
+(``VLLM_ROUND_2``), with the interpreter of ``--python`` (default: ``$KVSCHED_VLLM_PYTHON``,
+else ``.venv-vllm/bin/python``).
 """
 
 from __future__ import annotations
@@ -128,6 +133,225 @@ MUTANTS = [
     m("identity.py", REL, REL.replace("(b - first_block, x)", "(b, x)"), IDENT, "-k", "continued"),
 ]  # fmt: skip
 
+# Round 2 (issue 24's third item): slips in the code the round after issue 24 added or changed
+# (CLI refusals and exits, trace limits, the log writer's cut-back, report columns, Engine.step's
+# input check, checkpoint loading, the floor invariant, the vLLM adapter's translation rules).
+CLI, CLI_ERRORS = "tests/test_cli.py", "tests/test_cli_errors.py"
+TRACES, LOG = "tests/replay/test_traces.py", "tests/events/test_log.py"
+WATCH, REPORT = "tests/stream/test_watch.py", "tests/replay/test_report.py"
+TRANSLATION = "tests/integrations/vllm/test_vllm_translation.py"
+EXISTS = "if os.path.isfile(path) and not overwrite:"
+NONEMPTY = "if where.is_dir() and any(where.iterdir()) and not overwrite:"
+SWEPT = 'getattr(args, key.replace("-", "_"), None)'
+MEMORY = 'memory = key == "checkpoint-memory" or args.checkpoint_memory is not None'
+PREFIX_OK = "if check != zlib.crc32(prefix[:8]) or offset > size:"
+EXCEPTS = """    except BrokenPipeError:
+        return _stdout_closed()
+    except OSError as exc:  # any other file a command could not read or write
+        where = f"{exc.filename}: " if exc.filename is not None else ""
+        return _fail(f"{where}{exc.strerror or exc}")"""
+EXCEPTS_SWAPPED = """    except OSError as exc:  # any other file a command could not read or write
+        where = f"{exc.filename}: " if exc.filename is not None else ""
+        return _fail(f"{where}{exc.strerror or exc}")
+    except BrokenPipeError:
+        return _stdout_closed()"""
+CAUGHT = "(SetupError, TraceError, LogOpenError, LogWriteError, _ReportError, WireError)"
+WAIT = """    if args.wait_subscribers and not args.publish:
+        raise _no_effect("--wait-subscribers", "--publish")
+"""
+TIMEOUT = """        except WireTimeout as exc:
+            watched.stopped = str(exc)
+"""
+IDS = "if len(ids) > MAX_HASH_IDS:"
+ID_RANGE = "not 0 <= x <= MAX_HASH_ID"
+TAIL = "parts[-1] = parts[-1][: n_in - (len(ids) - 1) * MOONCAKE_BLOCK]"
+DEEP = """        except RecursionError:
+            col.bad_line(line, "malformed JSON (nested too deeply)")
+            continue
+"""
+FLUSHED = "self._flushed, self._flushed_records = self._offset, self._records"
+ROWS = "f\"{m['kv_block_evictions']:,} KV blocks, {m['checkpoint_evictions']:,} checkpoints\""
+ENV_OVERWRITE = 'out["overwrite_log"] = os.environ.get(OVERWRITE_ENV, "") == "1"'
+REQUEST_CHECK = 'n.split(":")[-1].split(".")[-1] == "RequestCheck"'
+PARAMS = """    reason = params_refusal(params)
+    if reason is not None:
+        return reason
+"""
+ROUND_2 = [
+    # cli.py: files a command writes
+    m("cli.py", EXISTS, EXISTS.replace("not overwrite", "overwrite"), CLI, "-k", "overwrite"),
+    m("cli.py", "if _same_file(path, given):", "if path == given:", CLI, "-k", "never"),
+    m(
+        "cli.py",
+        '_check_output("--log", args.log, args.overwrite, inputs=[args.trace])',
+        '_check_output("--log", args.log, args.overwrite)',
+        CLI, "-k", "never",
+    ),
+    m(
+        "cli.py",
+        '        _check_output("--log", args.log, args.overwrite)\n        try:',
+        "        try:",
+        CLI, "-k", "bench",
+    ),
+    m("cli.py", '    _check_output("--dump", args.dump, args.overwrite)\n', "", WATCH, "-k",
+      "existing_dump"),
+    m("cli.py", NONEMPTY, "if where.is_dir() and not overwrite:", CLI, "-k", "empty_directory"),
+    m("cli.py", "for p in made:", "for p in made[:1]:", CLI, "-k", "probe_leaves"),
+    # cli.py: options another option overrides or ignores
+    m("cli.py", SWEPT, "getattr(args, key, None)", CLI, "-k", "overrides"),
+    m("cli.py", MEMORY, "memory = args.checkpoint_memory is not None", CLI, "-k", "memory_sweep"),
+    m("cli.py", WAIT, "", CLI, "-k", "ignored"),
+    # cli.py: exits and the record count
+    m(
+        "cli.py",
+        "return _fail(failed) if failed else 0\n\n\ndef _check_demo",
+        "return 0\n\n\ndef _check_demo",
+        CLI, "-k", "report_that_fails",
+    ),
+    m("cli.py", EXCEPTS, EXCEPTS_SWAPPED, CLI_ERRORS, "-k", "stdout or head"),
+    m("cli.py", CAUGHT, CAUGHT.replace(" LogWriteError,", ""), CLI_ERRORS, "-k", "logging"),
+    m("cli.py", "return max(frames - 1, 0)", "return max(frames, 0)", CLI, "-k", "total or count"),
+    m("cli.py", PREFIX_OK, PREFIX_OK.replace("> size", ">= size"), CLI, "-k", "total or count"),
+    m("stream/watch.py", TIMEOUT, "", WATCH, "-k", "timeout"),
+    # replay/traces.py: the documented limits
+    m("replay/traces.py", IDS, IDS.replace(">", ">="), TRACES, "-k", "limits"),
+    m("replay/traces.py", ID_RANGE, ID_RANGE.replace("x <=", "x <"), TRACES, "-k", "large"),
+    m("replay/traces.py", "if value > maximum:", "if value >= maximum:", TRACES, "-k", "limits"),
+    m(
+        "replay/traces.py",
+        'ts = _int_field(row, "timestamp", 0, MAX_TIMESTAMP_MS)',
+        'ts = _int_field(row, "timestamp", 0, MAX_HASH_ID)',
+        TRACES, "-k", "limit",
+    ),
+    m("replay/traces.py", TAIL, "parts[-1] = parts[-1][: n_in % MOONCAKE_BLOCK]", TRACES,
+      "-k", "limits"),
+    m(
+        "replay/traces.py",
+        "except (ValueError, csv.Error) as exc:",
+        "except ValueError as exc:",
+        TRACES, "-k", "azure",
+    ),
+    m("replay/traces.py", DEEP, "", TRACES, "-k", "limit"),
+    # (equivalent, not listed: MAX_PROMPT_TOKENS for MAX_OUTPUT_TOKENS; both are 2**20)
+    # events/log.py: a failed write cuts the log back to its last flushed record
+    m(
+        "events/log.py",
+        "_close_and_cut(self._file, self._flushed)",
+        "_close_and_cut(self._file, self._offset)",
+        LOG, "-k", "full_disk",
+    ),
+    m("events/log.py", FLUSHED, "self._flushed = self._offset", LOG, "-k", "full_disk"),
+    m(
+        "events/log.py",
+        "self._file.truncate(self._offset)",
+        "self._file.truncate()",
+        LOG, "-k", "interruption",
+    ),
+    m(
+        "events/log.py",
+        "log._records = log._flushed_records = records",
+        "log._records = records",
+        LOG, "-k", "open_append",
+    ),
+    # replay/metrics.py, replay/report.py: evictions split in two
+    m(
+        "replay/metrics.py",
+        '"checkpoint_evictions": self.engine.state.ckpts.evictions',
+        '"checkpoint_evictions": pool.num_evictions',
+        "tests/replay/test_metrics.py",
+    ),
+    m("replay/report.py", ROWS, ROWS.replace("kv_block", "X").replace("checkpoint_e", "kv_block_e")
+      .replace("X", "checkpoint"), REPORT, "-k", "summary_table"),
+    m(
+        "replay/report.py",
+        "{m['kv_block_evictions']:>12,}",
+        "{m['checkpoint_evictions']:>12,}",
+        REPORT, "-k", "sweep_table",
+    ),
+    m(
+        "replay/report.py",
+        'return 1000 * float(m["ttft_p99_s"])',
+        'return 1000 * float(m["ttft_p50_s"])',
+        REPORT, "-k", "p99_panel",
+    ),
+    m("replay/report.py", "lo = max(float(ms.min()), 0.1)", "lo = float(ms.min())", REPORT,
+      "-k", "0_ms"),
+    # engine.py, gpu/model.py, reducers/checkpoints.py
+    m(
+        "engine.py",
+        "isinstance(inputs, (ev.Event, str, bytes, Mapping))",
+        "isinstance(inputs, (ev.Event, str, bytes))",
+        "tests/test_engine.py", "-k", "list",
+    ),
+    m(
+        "engine.py",
+        "items = list(inputs) if isinstance(inputs, list) else _input_list(inputs)",
+        "items = list(inputs)",
+        "tests/test_engine.py", "-k", "list",
+    ),
+    m(
+        "gpu/model.py",
+        "unexpected = sorted(found.keys() - expected.keys())",
+        "unexpected = sorted(expected.keys() - found.keys())",
+        "tests/gpu/test_model_loading.py", "-k", "unexpected",
+    ),
+    m(
+        "reducers/checkpoints.py",
+        "self.floor_mark = max(self.floor_mark, self.floor)",
+        "self.floor_mark = self.floor",
+        "tests/reducers/test_checkpoints.py", "-k", "lowered_aging",
+    ),
+    # integrations/vllm: the rules that run without vLLM
+    m("integrations/vllm/config.py", ENV_OVERWRITE,
+      'out["overwrite_log"] = bool(os.environ.get(OVERWRITE_ENV))', TRANSLATION),
+    m(
+        "integrations/vllm/config.py",
+        'elif not isinstance(out["overwrite_log"], bool):',
+        'elif out["overwrite_log"] is None:',
+        TRANSLATION,
+    ),
+    m(
+        "integrations/vllm/config.py",
+        "if os.path.lexists(path) and not overwrite:",
+        "if os.path.lexists(path) and overwrite:",
+        TRANSLATION,
+    ),
+    m("integrations/vllm/config.py", REQUEST_CHECK, 'n.split(":")[-1] == "RequestCheck"',
+      TRANSLATION),
+    m(
+        "integrations/vllm/requests.py",
+        "if params.prompt_logprobs is not None:",
+        "if params.prompt_logprobs:",
+        TRANSLATION,
+    ),
+    m(
+        "integrations/vllm/requests.py",
+        "request.max_tokens < 1:",
+        "request.max_tokens <= 1:",
+        TRANSLATION,
+    ),
+    m("integrations/vllm/requests.py", PARAMS, "", TRANSLATION),
+    m(
+        "integrations/vllm/run.py",
+        "batched = batched if not args.hybrid else length",
+        "batched = length",
+        TRANSLATION,
+    ),
+]  # fmt: skip
+
+# Round 2, the vLLM adapter's slips that need vLLM: run with --vllm in .venv-vllm.
+SCHEDULER_TESTS = "tests/integrations/vllm/test_vllm_scheduler.py"
+VLLM_ROUND_2 = [
+    m(
+        "integrations/vllm/scheduler.py",
+        'cfg.check_log_path(self.log_path, opts["overwrite_log"])',
+        'cfg.check_log_path(self.log_path, opts.get("overwrite", False))',
+        SCHEDULER_TESTS, "-k", "existing_log",
+    ),
+    # (survives, left: RequestCheck raising ValueError; LLM.generate still reported
+    # VLLMValidationError with the reason in vLLM 0.32, so no observable change was found)
+]  # fmt: skip
+
 
 def copy_tree(dest: Path) -> None:
     """What the tests need, without caches: the mutants are applied to this copy only."""
@@ -147,13 +371,15 @@ def check_found(mutants: list[Mutant]) -> list[str]:
     return errors
 
 
-def run_one(tree: Path, mu: Mutant, env: dict[str, str]) -> tuple[bool, str]:
+def run_one(
+    tree: Path, mu: Mutant, env: dict[str, str], python: str = sys.executable
+) -> tuple[bool, str]:
     """(caught, the first failure's summary line) with the mutant applied in ``tree``."""
     path = tree / "src" / "kvsched" / mu.path
     source = path.read_text()
     path.write_text(source.replace(mu.old, mu.new))
     try:
-        cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-rf"]
+        cmd = [python, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-rf"]
         result = subprocess.run(
             [*cmd, "--tb=short", *mu.tests], cwd=tree, env=env, capture_output=True, text=True
         )
@@ -170,8 +396,14 @@ def run_one(tree: Path, mu: Mutant, env: dict[str, str]) -> tuple[bool, str]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("-k", default="", help="only mutants whose new text contains this")
+    parser.add_argument("--vllm", action="store_true", help="the slips whose tests need vLLM")
+    parser.add_argument("--python", help="the interpreter that runs the tests")
     args = parser.parse_args(argv)
-    mutants = [mu for mu in MUTANTS if args.k in mu.new or args.k in mu.path]
+    python = args.python or sys.executable
+    if args.vllm and not args.python:
+        python = os.environ.get("KVSCHED_VLLM_PYTHON", str(ROOT / ".venv-vllm" / "bin" / "python"))
+    chosen = VLLM_ROUND_2 if args.vllm else [*MUTANTS, *ROUND_2]
+    mutants = [mu for mu in chosen if args.k in mu.new or args.k in mu.path]
     errors = check_found(mutants)
     for line in errors:
         print(line)
@@ -181,7 +413,7 @@ def main(argv: list[str] | None = None) -> int:
         copy_tree(tree)
         env = {**os.environ, "PYTHONPATH": str(tree / "src"), "PYTHONDONTWRITEBYTECODE": "1"}
         where = subprocess.run(
-            [sys.executable, "-c", "import kvsched; print(kvsched.__file__)"],
+            [python, "-c", "import kvsched; print(kvsched.__file__)"],
             cwd=tree,
             env=env,
             capture_output=True,
@@ -193,9 +425,9 @@ def main(argv: list[str] | None = None) -> int:
         for mu in mutants:
             if check_found([mu]):
                 continue
-            caught, why = run_one(tree, mu, env)
+            caught, why = run_one(tree, mu, env, python)
             survived += not caught
-            first = mu.new.strip().splitlines()[0]
+            first = (mu.new.strip() or f"(deleted) {mu.old.strip()}").splitlines()[0]
             print(f"{'CAUGHT  ' if caught else 'SURVIVED'} {mu.path}: {first}\n         {why}")
             sys.stdout.flush()
     return 1 if survived or errors else 0

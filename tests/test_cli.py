@@ -195,6 +195,26 @@ def test_the_report_check_leaves_no_directory_behind(
     assert list(tmp_path.iterdir()) == []
 
 
+def test_report_into_an_existing_empty_directory_needs_no_overwrite(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+):
+    report = tmp_path / "report"
+    report.mkdir()  # made ready by hand: nothing in it to lose
+    code, _, err = run(capsys, *demo("--report", str(report)))
+    assert code == 0, err
+    assert json.loads((report / "metrics.json").read_text())["requests"] == 6
+
+
+def test_a_replay_failing_after_the_report_probe_leaves_none_of_the_directories_it_made(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+):
+    (tmp_path / "bad.jsonl").write_text("not json\n")  # read after --report was probed
+    report = tmp_path / "new" / "deeper" / "report"
+    code, _, err = run(capsys, "replay", str(tmp_path / "bad.jsonl"), "--report", str(report))
+    assert code == 2 and "bad.jsonl:1" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.jsonl"]
+
+
 def failing_report(*args: object) -> None:
     raise OSError(errno.ENOSPC, "No space left on device")
 
@@ -283,6 +303,15 @@ def test_replay_options_that_another_option_overrides_or_ignores_are_refused(
     code, out, err = run(capsys, "replay", str(small_trace(tmp_path)), *argv, "--quiet")
     assert code == 2 and out == "" and err.startswith("kvsched: error:")
     assert named[0] in err and named[1] in err, err
+
+
+def test_a_checkpoint_memory_sweep_with_a_checkpoint_budget_is_refused_naming_both(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+):
+    argv = ["--hybrid", "--checkpoint-budget", "4", "--sweep", "checkpoint-memory=1GiB,2GiB"]
+    code, out, err = run(capsys, "replay", str(small_trace(tmp_path)), *argv, "--quiet")
+    assert code == 2 and out == ""
+    assert "--checkpoint-budget" in err and "--checkpoint-memory" in err, err
 
 
 @pytest.mark.parametrize(

@@ -679,3 +679,26 @@ def test_close_drops_a_record_that_an_interruption_cut_between_its_two_writes(
     contents = read_log(path)
     assert contents.records == [b"complete"] and contents.torn_tail is None
     assert log.records == 1
+
+
+def test_a_write_failing_after_open_append_counts_the_records_already_in_the_log(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "resumed.kvlog"
+    write_log(path, [b"one", b"two"])
+    size = path.stat().st_size
+    log = EventLog.open_append(path)
+    real = log._file
+
+    class FullDisk:  # the file: the disk is full from here on
+        def __getattr__(self, name: str) -> Any:
+            return getattr(real, name)
+
+        def write(self, data: bytes) -> int:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    log._file = FullDisk()  # type: ignore[assignment]
+    with pytest.raises(LogWriteError) as info:
+        log.append(b"three")
+    assert (info.value.steps, info.value.size) == (2, size)
+    assert read_log(path).records == [b"one", b"two"]

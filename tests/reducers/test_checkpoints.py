@@ -395,3 +395,15 @@ def test_the_aging_floor_never_goes_down_when_a_victim_is_worth_less_than_it() -
     table.floor = 4.0  # (what a fold that lowered it would leave)
     problem = table.check_invariants({})
     assert problem is not None and "floor went down" in problem
+
+
+def test_a_lowered_aging_floor_is_still_reported_after_a_later_eviction() -> None:
+    """The invariant compares the floor with the highest floor ever folded, not with the
+    floor the latest eviction left."""
+    table = make_table(max_batch=1, budget=3)
+    first, second = published(table, 16, b"k1"), published(table, 32, b"k2")
+    fold(table, ev.CheckpointEvicted(first.ckpt_id, 5.0))
+    table.floor = 4.0  # (what a fold that lowered it would leave)
+    fold(table, ev.CheckpointEvicted(second.ckpt_id, 3.0))
+    problem = table.check_invariants({})
+    assert problem is not None and "went down to 4.0 from 5.0" in problem

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import itertools
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -100,6 +101,16 @@ def test_the_sweep_plot_gives_hit_rate_and_each_ttft_percentile_a_panel_of_its_o
     assert len(p50) == 1 and list(p50[0]) == pytest.approx([184, 181, 163])
     hits = [list(line.get_ydata()) for line in fig.axes[0].get_lines() if len(line.get_ydata())]
     assert [0.7, 2.2, 9.6] in [pytest.approx(h) for h in hits]
+
+
+def test_the_sweep_plots_p99_panel_draws_each_runs_p99_not_its_p50(
+    tmp_path: Path, saved: dict[str, Figure]
+):
+    fig = cache_sweep_figure(tmp_path, saved)  # p50 184, 181, 163 ms; p99 1,075 ms each
+
+    (p99,) = [line.get_ydata() for line in fig.axes[2].get_lines()]
+    assert list(p99) == pytest.approx([1075, 1075, 1075])
+    assert fig.axes[2].get_ylim()[1] >= 1075
 
 
 def test_sweep_plots_tick_the_swept_values_labelled_as_swept(
@@ -232,6 +243,20 @@ def report(
     ttft = 10 ** np.random.default_rng(1).uniform(lo, hi, 256)
     write_report(tmp_path, {**demo_metrics(), **metrics}, a_series(steps), ttft, "demo")
     return saved
+
+
+def test_a_ttft_of_0_ms_is_plotted_at_the_log_axis_left_edge_without_a_warning(
+    tmp_path: Path, saved: dict[str, Figure]
+):
+    ttft = np.array([0.0, 0.0, 0.004, 0.012, 0.3])  # a cached prompt can answer at once
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        write_report(tmp_path, demo_metrics(), a_series(50), ttft, "demo")
+    hist, cdf = saved["ttft.png"].axes
+
+    (line,) = cdf.get_lines()[:1]
+    assert 0 < cdf.get_xlim()[0] <= min(line.get_xdata())
+    assert list(line.get_ydata()) == pytest.approx([0.2, 0.4, 0.6, 0.8, 1.0])
 
 
 @pytest.mark.parametrize("span", [(0.0049, 0.0183), (0.0031, 2.4), (0.0002, 60.0)])

@@ -115,6 +115,19 @@ def test_vllm_an_existing_log_path_is_refused_unless_overwrite_is_asked_for(tmp_
         cfg.options(vc)
 
 
+def test_vllm_log_overwrite_environment_variable_replaces_a_log_only_when_it_is_1(monkeypatch):
+    vc = _vllm_config()
+    for value, overwrite in (("1", True), ("0", False), ("", False), ("yes", False)):
+        monkeypatch.setenv(cfg.OVERWRITE_ENV, value)
+        assert cfg.options(vc)["overwrite_log"] is overwrite, value
+
+
+def test_vllm_request_check_is_found_under_a_dotted_qualname_after_the_colon():
+    vc = _vllm_config()
+    vc.model_config.logits_processors = ["kvsched.integrations.vllm:checks.RequestCheck"]
+    assert cfg.has_request_check(vc)  # vLLM walks the dotted name after ":" to the class
+
+
 def test_vllm_request_check_is_found_among_the_logits_processors_by_name_or_class():
     vc = _vllm_config()
     vc.model_config.logits_processors = None
@@ -135,6 +148,13 @@ def test_vllm_run_hybrid_defaults_give_a_budget_of_the_whole_context():
     assert budgets(ns(hybrid=True)) == (4096, 4096)  # holds a 640-token state page and more
     assert budgets(ns(hybrid=True, max_model_len=1024)) == (1024, 1024)
     assert budgets(ns(hybrid=True, batched_tokens=2048)) == (2048, 4096)
+
+
+def test_vllm_run_attention_budget_stays_256_tokens_whatever_the_context_length():
+    from kvsched.integrations.vllm.run import budgets
+
+    args = NS(hybrid=False, batched_tokens=None, max_model_len=1024)
+    assert budgets(args) == (256, 1024)  # only a hybrid model's budget follows the context
 
 
 def _params(**over: object) -> NS:
@@ -203,6 +223,16 @@ def test_a_vllm_request_keeps_vllms_block_digests_when_the_adapter_is_told_to():
 def test_vllm_requests_with_unsupported_features_are_refused_with_the_reason(over, reason):
     assert reason in (refusal(_request(**over)) or "")
     assert refusal(_request()) is None
+
+
+def test_vllm_prompt_logprobs_0_is_refused_like_any_other_number():
+    # 0 asks for the prompt tokens' own logprobs (no alternatives): still prompt logprobs
+    assert "prompt logprobs" in (refusal(_request(sampling_params=_params(prompt_logprobs=0))) or "")
+
+
+def test_vllm_request_for_a_single_token_is_served_and_for_none_is_refused():
+    assert refusal(_request(max_tokens=1)) is None
+    assert "max_tokens must be at least 1" in (refusal(_request(max_tokens=0)) or "")
 
 
 def test_vllm_stop_rule_eos_then_stop_tokens_then_length():
