@@ -252,7 +252,7 @@ def test_a_ttft_of_0_ms_is_plotted_at_the_log_axis_left_edge_without_a_warning(
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         write_report(tmp_path, demo_metrics(), a_series(50), ttft, "demo")
-    hist, cdf = saved["ttft.png"].axes
+    _hist, cdf = saved["ttft.png"].axes
 
     (line,) = cdf.get_lines()[:1]
     assert 0 < cdf.get_xlim()[0] <= min(line.get_xdata())

@@ -227,7 +227,8 @@ def test_vllm_requests_with_unsupported_features_are_refused_with_the_reason(ove
 
 def test_vllm_prompt_logprobs_0_is_refused_like_any_other_number():
     # 0 asks for the prompt tokens' own logprobs (no alternatives): still prompt logprobs
-    assert "prompt logprobs" in (refusal(_request(sampling_params=_params(prompt_logprobs=0))) or "")
+    request = _request(sampling_params=_params(prompt_logprobs=0))
+    assert "prompt logprobs" in (refusal(request) or "")
 
 
 def test_vllm_request_for_a_single_token_is_served_and_for_none_is_refused():
