@@ -52,10 +52,6 @@ class Seq:
     # hybrid: the cached KV prefix found at the latest admission (past num_hit_tokens when
     # no state was kept where that prefix ends: a branch point)
     kv_hit_tokens: int = 0
-    # A load without a batch row (LOADING_KV, load_admission="soft"): the blocks it holds
-    # (its local prefix, then the blocks it loads into), the leading ones of which are cached.
-    held: np.ndarray = NO_BLOCKS
-    held_cached: int = 0
     # Prompt tokens the first admission did not compute (vLLM's num_cached_tokens), by
     # source: a local KV prefix hit, a restored checkpoint (hybrid), an external load.
     cached_local: int = 0

@@ -1,18 +1,19 @@
-"""SequenceTable: every live sequence, the waiting queue, sessions' history, and their folds.
+"""SequenceTable: every live sequence, the waiting queue, and their folds.
 
 It owns each sequence's tokens, hash chain and lifecycle state (``Seq``), the batch rows of
-those that hold one (``RowTable``), the blocks of a load that holds no row (``Seq.held``:
-its local prefix and the blocks it loads into, until it is settled into a row), the work
-scheduled in the current step, and each session's history (the tokens and hash chain of its
-last finished turn, which the next turn continues). Every fold is a deterministic function
-of (table, event); lifecycle changes fire the triggers that ``statemachines/triggers.py``
-declares for the event. It reads the block pool (a hit's identity and routed-expert ids)
-and never writes it: its reference changes are returned.
+those that hold one (``RowTable``: block tables, computed and known tokens), the MTP overlap
+block a row holds besides its block table (it lives in the row's chain order: the block
+table's folds place and drop it), and the work scheduled in the current step. Every fold is
+a deterministic function of (table, event); lifecycle changes fire the triggers that
+``statemachines/triggers.py`` chooses for the event. It reads, and never writes, the block
+pool (a hit's identity and routed-expert ids), the sessions' history (the turn an arrival
+continues: ``SessionTable``) and the blocks of loads without a row (``LoadHoldings``, which
+a load's row takes over when it is settled); its reference changes are returned.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -30,17 +31,22 @@ from kvsched.identity import (
 )
 from kvsched.reducers.blocks import BlockPool
 from kvsched.reducers.errors import RefChange, ReplayMismatch
+from kvsched.reducers.holdings import LoadHoldings
 from kvsched.reducers.rows import RowTable
-from kvsched.reducers.seq import FREE_ROW, NO_BLOCKS, History, Seq
+from kvsched.reducers.seq import FREE_ROW, History, Seq
 from kvsched.statemachines import SEQUENCE, SeqEvent, SeqState, fire_many
 
-__all__ = ["FREE_ROW", "History", "Seq", "SequenceTable"]
+__all__ = ["FREE_ROW", "Arrival", "History", "Seq", "SequenceTable"]
 
 _NO_ROWS = np.zeros(0, dtype=np.int64)
 _ADMIT = SeqEvent.admit  # (read once: a member read through its enum class costs ~100 ns)
 
 
-class _Arrival(NamedTuple):
+class Arrival(NamedTuple):
+    """What an arrival's fold takes: its tokens (a session's history first), its multimodal
+    spans in those tokens' positions, its namespace root and the digests of its full
+    blocks; computed by the pure query ``SequenceTable.arrival``."""
+
     tokens: np.ndarray
     spans: tuple[ev.MultimodalSpan, ...]
     root: bytes
@@ -57,27 +63,27 @@ class SequenceTable(RowTable):
         block_size: int,
         pool: BlockPool,
         identity: str = "kvs128",
+        history: Mapping[int, History] | None = None,
+        holdings: LoadHoldings | None = None,
     ) -> None:
         super().__init__(max_batch, max_blocks, block_size)
         self.model = model
         self.identity = identity  # the block identity scheme (config.IDENTITY_SCHEMES)
         self._pool = pool
+        # Read, never written: the sessions' history (SessionTable's) and the blocks of loads
+        # without a row (LoadHoldings').
+        self._history: Mapping[int, History] = {} if history is None else history
+        self._holdings = LoadHoldings(max_blocks) if holdings is None else holdings
         self.seqs: dict[int, Seq] = {}
         self.waiting: dict[int, Seq] = {}  # insertion-ordered
-        self.history: dict[int, History] = {}  # session id -> its finished turns
         self.failed: list[int] = []  # sequences computed by the latest failed step
         self.num_finished = 0
-        self._roots: dict[tuple[str, str], bytes] = {}
-        # Caches of pure functions of (table, argument), not state: an arrival's tokens and
-        # digests, computed when the policy validates it and taken by its fold; the latest
-        # checkpoint identity asked for (a reservation, then its fold's check).
-        self._prepared: tuple[ev.RequestArrived, _Arrival] | None = None
-        self._identity: tuple[Seq, int, tuple[bytes, bytes]] | None = None
+        self._roots: dict[tuple[str, str], bytes] = {}  # (a cache of namespace_root)
 
     def folds(self) -> dict[type[ev.Event], Callable[[Any], RefChange | None]]:
         return {
             ev.StepStarted: self._on_step_started,
-            ev.RequestArrived: self._on_arrived,
+            ev.RequestArrived: self.arrival_fold,
             ev.StepExecuted: self._on_executed,
             ev.StepFailed: self._on_step_failed,
             ev.SequenceAdmitted: self._on_admitted,
@@ -93,7 +99,6 @@ class SequenceTable(RowTable):
             ev.SequencePreempted: self._on_preempted,
             ev.SequenceFinished: self._on_finished,
             ev.SequenceAborted: self._on_aborted,
-            ev.SessionClosed: self._on_session_closed,
             ev.Drained: self._on_drained,
             ev.CheckpointReserved: self._on_ckpt_reserved,
             ev.CheckpointPinned: self._on_ckpt_pinned,
@@ -119,16 +124,10 @@ class SequenceTable(RowTable):
 
     def block_table(self, seq: Seq) -> np.ndarray:
         """A live sequence's block table: its row's, or, while it loads without a row, the
-        blocks it holds (``Seq.held``)."""
-        return self.blocks_of(seq.row) if seq.row != FREE_ROW else seq.held
-
-    def rowless_holders(self) -> list[np.ndarray]:
-        """The blocks held by loads without a row (for the reference-count check)."""
-        return [s.held for s in self.seqs.values() if len(s.held)]
-
-    def history_len(self, session_id: int) -> int:
-        history = self.history.get(session_id)
-        return 0 if history is None else len(history.tokens)
+        blocks it holds (``LoadHoldings``)."""
+        if seq.row != FREE_ROW:
+            return self.blocks_of(seq.row)
+        return self._holdings.blocks_of(seq.seq_id)
 
     def path_blocks(self, seq: Seq, lo: int, hi: int) -> np.ndarray:
         """Blocks [lo, hi) of the sequence's chain: its block table, with the cached block in
@@ -142,33 +141,18 @@ class SequenceTable(RowTable):
         """Every block the sequence holds a reference on, in chain order (a cached MTP overlap
         block just before its private copy; none of a pinned checkpoint's path)."""
         if seq.row == FREE_ROW:
-            return seq.held  # (a load without a row)
+            return self._holdings.blocks_of(seq.seq_id)  # (a load without a row)
         held = self.blocks_of(seq.row)[seq.n_pinned :]
         if not seq.overlap_block:
             return held
         return np.insert(held, seq.overlap_at - seq.n_pinned, seq.overlap_block)
 
     def identity_at(self, seq: Seq, step: int) -> tuple[bytes, bytes]:
-        """(identity, anchor) of the state after ``step`` tokens of ``seq``."""
-        if seq.row != FREE_ROW and step > seq.n_tokens:
-            self.flush(seq.row)  # the tail tokens it names were sampled since the last flush
-        last = self._identity
-        if last is not None and last[0] is seq and last[1] == step and step <= seq.n_tokens:
-            return last[2]  # (tokens and digests up to step never change once known)
-        out = checkpoint_identity(
-            seq.root, seq.hashes, seq.tokens, seq.mm_spans, step, self.block_size
-        )
-        self._identity = (seq, step, out)
-        return out
-
-    def prepare_arrival(self, e: ev.RequestArrived) -> int | None:
-        """Compute an arrival's tokens and block digests ahead of its fold (which takes them),
-        for the policy's check of the request. Returns the prompt's largest token id (read
-        as unsigned: a negative id is larger than any vocabulary) when the hashing pass read
-        every prompt token, else None (the check then reads them itself)."""
-        arrival = self._arrival(e)
-        self._prepared = (e, arrival)
-        return arrival.top
+        """(identity, anchor) of the state after ``step`` tokens of ``seq`` (a pure query:
+        tokens sampled since the last flush are read from the row's tail, not copied)."""
+        tokens = self.tokens_upto(seq, step)
+        bs = self.block_size
+        return checkpoint_identity(seq.root, seq.hashes, tokens, seq.mm_spans, step, bs)
 
     def _rows(self, seq_ids: np.ndarray) -> np.ndarray:
         try:
@@ -181,15 +165,18 @@ class SequenceTable(RowTable):
     def _on_step_started(self, e: ev.StepStarted) -> None:
         self.step = e.step
 
-    def _arrival(self, e: ev.RequestArrived) -> _Arrival:
+    def arrival(self, e: ev.RequestArrived) -> Arrival:
         """An arrival's tokens (a session's history first), its multimodal spans in those
-        tokens' positions, and the digests of its full blocks."""
+        tokens' positions, and the digests of its full blocks (a pure query: the engine
+        computes it once for the policy's check, ``Arrival.top``, and hands it to the fold).
+        ``top`` is the prompt's largest token id (read as unsigned: a negative id is larger
+        than any vocabulary) when the hashing pass read every prompt token, else None."""
         # The prompt is kept as a read-only view, not copied (an event is an immutable value:
         # its arrays must not change once given to the engine); decoding grows it into a copy.
         prompt = np.asarray(e.prompt, dtype=np.int32).view()
         prompt.flags.writeable = False
         root = self.root_for(e.adapter, e.cache_salt)
-        history = self.history.get(e.session_id) if e.session_id >= 0 else None
+        history = self._history.get(e.session_id) if e.session_id >= 0 else None
         if history is None:
             tokens, offset, spans = prompt, 0, e.mm_spans
         else:
@@ -204,12 +191,12 @@ class SequenceTable(RowTable):
             if history.root != root:
                 history = None  # (another namespace: none of its digests apply)
         hashes, first, top = self._chain(e, root, tokens, spans, history)
-        return _Arrival(tokens, spans, root, hashes, top if first <= offset else None)
+        return Arrival(tokens, spans, root, hashes, top if first <= offset else None)
 
-    def _on_arrived(self, e: ev.RequestArrived) -> None:
-        prepared, self._prepared = self._prepared, None
-        arrival = prepared[1] if prepared is not None and prepared[0] is e else self._arrival(e)
-        tokens, spans, root, hashes, _ = arrival
+    def arrival_fold(self, e: ev.RequestArrived, arrival: Arrival | None = None) -> None:
+        """The fold of ``RequestArrived``: with its ``arrival`` when the caller computed it
+        (``EngineState.apply_arrival``), else computing it."""
+        tokens, spans, root, hashes, _ = self.arrival(e) if arrival is None else arrival
         seq = Seq(
             seq_id=e.seq_id,
             tokens=tokens,
@@ -267,11 +254,13 @@ class SequenceTable(RowTable):
                 seq.num_failures = 0
                 self.failures[row] = 0
         if len(e.seq_ids):
-            # The outcome names the samplers, usually in plan order (then no lookup is needed).
-            if not np.array_equal(self.row_seq[sampling], e.seq_ids):
+            # The outcome names the samplers, usually in plan order (then no lookup is needed,
+            # and the answer is remembered for the next ``rows_of(e.seq_ids)``).
+            if np.array_equal(self.row_seq[sampling], e.seq_ids):
+                self.remember_rows(e.seq_ids, sampling)
+            else:
                 sampling = self.rows_of(e.seq_ids)
             self._append_sampled(sampling, e.tokens)
-        self.sampled_rows = sampling if len(e.seq_ids) else _NO_ROWS
 
     def _record_experts(
         self, rows: np.ndarray, starts: np.ndarray, ends: np.ndarray, flat: np.ndarray
@@ -321,7 +310,7 @@ class SequenceTable(RowTable):
 
     def _on_load_admitted(self, e: ev.KVLoadAdmitted) -> None:
         seq = self.seq(e.seq_id)
-        if e.row == FREE_ROW:  # no batch row: it holds only what it loads (Seq.held)
+        if e.row == FREE_ROW:  # no batch row: it holds only what it loads (LoadHoldings)
             seq.fire(e, SeqEvent.begin_load)
         else:
             self.activate(seq, e.row, e, SeqEvent.begin_load)
@@ -347,9 +336,12 @@ class SequenceTable(RowTable):
 
     def _settle_into_row(self, seq: Seq, e: ev.KVLoadSettled) -> None:
         """A load without a row is admitted: it takes row ``e.row`` with the blocks it holds
-        and runs from its first ``e.num_blocks`` (the rest are recomputed in place)."""
-        held, cached = seq.held, seq.held_cached
-        if e.row == FREE_ROW or not cached <= e.num_blocks <= len(held):
+        (``LoadHoldings``, which forgets them after this fold) and runs from its first
+        ``e.num_blocks`` (the rest are recomputed in place)."""
+        holdings = self._holdings
+        held, cached = holdings.blocks_of(seq.seq_id), holdings.cached_of(seq.seq_id)
+        rowless = holdings.is_rowless(seq.seq_id)
+        if not rowless or e.row == FREE_ROW or not cached <= e.num_blocks <= len(held):
             raise ReplayMismatch(f"sequence {e.seq_id}: load settled beyond its blocks")
         self.activate(seq, e.row, e, SeqEvent.load_settled)
         if seq.num_preemptions == 0:  # what the store brought past the local prefix
@@ -360,13 +352,13 @@ class SequenceTable(RowTable):
         self.registered[row] = cached
         self.computed[row] = e.num_blocks * self.block_size
         self.saved[row] = e.num_blocks  # the store has them (or the local cache had them)
-        seq.held, seq.held_cached = NO_BLOCKS, 0
 
     def _on_matched(self, e: ev.PrefixMatched) -> RefChange | None:
         seq = self.seq(e.seq_id)
         row, k = seq.row, len(e.blocks)
         if row == FREE_ROW:
-            return self._hold_prefix(seq, e)
+            self._match_rowless(seq, e)
+            return None
         if self.nblocks[row]:
             raise ReplayMismatch(f"sequence {e.seq_id}: prefix match outside admission")
         self._check_prefix(seq, e.blocks)
@@ -402,19 +394,16 @@ class SequenceTable(RowTable):
         if k and self._pool.hash_of[blocks.item(-1)] != seq.hashes[k - 1]:
             raise ReplayMismatch(f"sequence {seq.seq_id}: matched blocks of another prefix")
 
-    def _hold_prefix(self, seq: Seq, e: ev.PrefixMatched) -> RefChange | None:
-        """A load without a row attaches its local prefix to itself (``Seq.held``)."""
-        loading = seq.state == SeqState.LOADING_KV
-        if not loading or len(seq.held) or e.ckpt_id >= 0 or e.overlap_block:
+    def _match_rowless(self, seq: Seq, e: ev.PrefixMatched) -> None:
+        """A load without a row matched its local prefix (``LoadHoldings`` takes the blocks):
+        its statistics."""
+        if not self._holdings.is_rowless(seq.seq_id):
             raise ReplayMismatch(f"sequence {e.seq_id}: prefix match outside admission")
         self._check_prefix(seq, e.blocks)
-        seq.held = np.array(e.blocks, dtype=np.int32)
-        seq.held_cached = len(e.blocks)
         seq.num_hit_tokens = e.num_tokens
         seq.kv_hit_tokens = max(e.kv_hit_tokens, 0)
         if e.num_query_tokens:  # the first admission (re-admissions query nothing)
             seq.cached_local = e.num_tokens
-        return RefChange(attach=(e.blocks,)) if len(e.blocks) else None
 
     def _hold_overlap(
         self, seq: Seq, at: int, block: int, change: RefChange | None
@@ -450,8 +439,9 @@ class SequenceTable(RowTable):
     def _grow_table(self, seq_id: int, blocks: np.ndarray) -> None:
         seq = self.seq(seq_id)
         row, k = seq.row, len(blocks)
-        if row == FREE_ROW:
-            self._hold_more(seq, blocks)
+        if row == FREE_ROW:  # a load without a row: LoadHoldings takes them
+            if not self._holdings.is_rowless(seq_id):
+                raise ReplayMismatch(f"sequence {seq_id} cannot take {k} more blocks")
             return
         n = int(self.nblocks[row])
         if n + k > self.table.shape[1]:
@@ -459,28 +449,24 @@ class SequenceTable(RowTable):
         self.table[row, n : n + k] = blocks
         self.nblocks[row] = n + k
 
-    def _hold_more(self, seq: Seq, blocks: np.ndarray) -> None:
-        """A load without a row takes the blocks it loads into."""
-        k = len(blocks)
-        if seq.state != SeqState.LOADING_KV or len(seq.held) + k > self.table.shape[1]:
-            raise ReplayMismatch(f"sequence {seq.seq_id} cannot take {k} more blocks")
-        seq.held = np.concatenate((seq.held, blocks)).astype(np.int32)
-
     def _on_freed(self, e: ev.BlocksFreed) -> RefChange | None:
         bounds = np.concatenate(([0], np.cumsum(e.counts)))
         released = []
         for i, holder in enumerate(e.seq_ids.tolist()):
-            if holder >= 0:
+            if holder >= 0:  # (sessions' holds are negative ids)
                 blocks = e.blocks[bounds[i] : bounds[i + 1]]
-                self._drop_tail(self.seq(holder), blocks)
-                released.append(blocks)
+                if self._drop_tail(self.seq(holder), blocks):
+                    released.append(blocks)
         return RefChange(release=tuple(released)) if released else None
 
-    def _drop_tail(self, seq: Seq, blocks: np.ndarray) -> None:
+    def _drop_tail(self, seq: Seq, blocks: np.ndarray) -> bool:
+        """Drop blocks at the tail of the row's block table; False for a load without a row
+        (``LoadHoldings`` drops them)."""
         row = seq.row
         if row == FREE_ROW:
-            self._drop_held(seq, blocks)
-            return
+            if not self._holdings.is_rowless(seq.seq_id) and len(blocks):
+                raise ReplayMismatch(f"sequence {seq.seq_id} does not hold {blocks} at its tail")
+            return False
         if seq.overlap_block and seq.overlap_block in blocks.tolist():
             blocks = self._drop_overlap(seq, blocks)
         n, k = int(self.nblocks[row]), len(blocks)
@@ -489,15 +475,7 @@ class SequenceTable(RowTable):
         self.set_nblocks(row, n - k)
         self.registered[row] = min(int(self.registered[row]), n - k)
         self.computed[row] = min(int(self.computed[row]), (n - k) * self.block_size)
-
-    @staticmethod
-    def _drop_held(seq: Seq, blocks: np.ndarray) -> None:
-        """A load without a row drops the tail of the blocks it holds."""
-        n, k = len(seq.held), len(blocks)
-        if k > n or not np.array_equal(seq.held[n - k :], blocks):
-            raise ReplayMismatch(f"sequence {seq.seq_id} does not hold {blocks} at its tail")
-        seq.held = seq.held[: n - k].copy()
-        seq.held_cached = min(seq.held_cached, n - k)
+        return True
 
     def _drop_overlap(self, seq: Seq, blocks: np.ndarray) -> np.ndarray:
         """A release that includes the sequence's MTP overlap block, just before its private
@@ -584,11 +562,18 @@ class SequenceTable(RowTable):
     # -------------------------------------------------------------------- endings
 
     def _release_row(self, seq: Seq) -> None:
+        """Free the row of a sequence that leaves it. Its release (``BlocksFreed`` and
+        ``CheckpointUnpinned``, which ``Growth.end`` emits before every end) must come
+        first; a load without a row has none (``LoadHoldings`` checks its blocks)."""
         row = seq.row
-        if (self.nblocks[row] or seq.overlap_block) if row != FREE_ROW else len(seq.held):
-            raise ReplayMismatch(f"sequence {seq.seq_id} left running with blocks held")
-        if row != FREE_ROW:  # (a load without a row has none)
-            self.deactivate(seq)
+        if row == FREE_ROW:
+            return
+        if self.nblocks[row] or seq.overlap_block:
+            raise ReplayMismatch(
+                f"sequence {seq.seq_id} left running with blocks held (its BlocksFreed and "
+                "CheckpointUnpinned must come before its end: Growth.end)"
+            )
+        self.deactivate(seq)
 
     def _on_preempted(self, e: ev.SequencePreempted) -> None:
         seq = self.seq(e.seq_id)
@@ -610,8 +595,6 @@ class SequenceTable(RowTable):
             seq.fire(e, SeqEvent.finish)
             seq.finish_reason = reason
             self._release_row(seq)
-            if seq.session_id >= 0:
-                self._keep_history(seq)
             self._retire(seq)
 
     def _on_aborted(self, e: ev.SequenceAborted) -> None:
@@ -623,26 +606,13 @@ class SequenceTable(RowTable):
             self._release_row(seq)
         seq.fire(e, SeqEvent.abort)
         seq.finish_reason = e.reason
-        if e.keep_history:
-            if seq.session_id < 0:
-                raise ReplayMismatch(f"sequence {e.seq_id}: a kept turn outside a session")
-            self._keep_history(seq)
         self._retire(seq)
-
-    def _keep_history(self, seq: Seq) -> None:
-        """The session continues from this turn: its tokens (outputs included) and digests."""
-        self.history[seq.session_id] = History(
-            seq.token_view().copy(), seq.hashes, seq.root, seq.mm_spans
-        )
 
     def _retire(self, seq: Seq) -> None:
         """A terminal sequence leaves the table (its history stays in the event log)."""
         self.waiting.pop(seq.seq_id, None)
         del self.seqs[seq.seq_id]
         self.num_finished += 1
-
-    def _on_session_closed(self, e: ev.SessionClosed) -> None:
-        self.history.pop(e.session_id, None)
 
     def _on_drained(self, e: ev.Drained) -> None:
         if self.num_running:
@@ -688,7 +658,6 @@ class SequenceTable(RowTable):
                 s.seq_id, s.state, s.row, s.n_tokens, s.token_view().tobytes(), s.hashes.packed(),
                 s.pinned_ckpt, s.n_pinned, s.num_failures, s.num_preemptions, s.preempted_at,
                 s.num_hit_tokens, s.n_experts, s.cached_tokens, s.overlap_block, s.overlap_at,
-                s.held.tobytes(), s.held_cached,
             )
             for s in self.seqs.values()
         )
@@ -701,10 +670,7 @@ class SequenceTable(RowTable):
             )
         )
         pending = tuple((r.tobytes(), s.tobytes(), e.tobytes()) for r, s, e in self._pending)
-        history = tuple(
-            (k, h.tokens.tobytes(), h.hashes.packed(), h.root) for k, h in self.history.items()
-        )
         return (
-            seqs, arrays, tuple(self.free_rows), tuple(self.waiting), history, pending,
+            seqs, arrays, tuple(self.free_rows), tuple(self.waiting), pending,
             self.pending_step, tuple(self.failed), self.num_finished, self.step,
         )
