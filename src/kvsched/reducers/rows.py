@@ -21,10 +21,6 @@ import numpy as np
 from kvsched.events import types as ev
 from kvsched.reducers.errors import ReplayMismatch
 from kvsched.reducers.seq import FREE_ROW, Seq
-from kvsched.statemachines import SeqEvent
-
-_BEGIN_LOAD = SeqEvent.begin_load  # (read once: a member read through its enum class costs ~100 ns)
-
 
 _MEMO = 3  # rows_of answers kept
 
@@ -166,11 +162,13 @@ class RowTable:
             self.table[row, n:old] = 0
         self.nblocks[row] = n
 
-    def activate(self, seq: Seq, row: int, event: ev.Event, trigger: SeqEvent) -> None:
+    def activate(self, seq: Seq, row: int, event: ev.Event) -> None:
+        """The sequence takes batch row ``row`` (its lifecycle trigger is the one ``event``
+        fires; a load admitted into a row waits for its KV there: ``loading``)."""
         if not self.free_rows or self.free_rows[-1] != row:
             raise ReplayMismatch(f"sequence {seq.seq_id}: row {row} is not the next free row")
-        seq.fire(event, trigger)
-        self.loading[row] = trigger is _BEGIN_LOAD
+        seq.fire(event)
+        self.loading[row] = type(event) is ev.KVLoadAdmitted
         self.row_state[row] = seq.state
         self.free_rows.pop()
         seq.row = row

@@ -34,12 +34,11 @@ from kvsched.reducers.errors import RefChange, ReplayMismatch
 from kvsched.reducers.holdings import LoadHoldings
 from kvsched.reducers.rows import RowTable
 from kvsched.reducers.seq import FREE_ROW, History, Seq
-from kvsched.statemachines import SEQUENCE, SeqEvent, SeqState, fire_many
+from kvsched.statemachines import SEQUENCE, SeqState, fire_many
 
 __all__ = ["FREE_ROW", "Arrival", "History", "Seq", "SequenceTable"]
 
 _NO_ROWS = np.zeros(0, dtype=np.int64)
-_ADMIT = SeqEvent.admit  # (read once: a member read through its enum class costs ~100 ns)
 
 
 class Arrival(NamedTuple):
@@ -305,15 +304,15 @@ class SequenceTable(RowTable):
     def _on_admitted(self, e: ev.SequenceAdmitted) -> None:
         seq = self.seq(e.seq_id)
         seq.num_hit_tokens = 0  # (until this admission's PrefixMatched, if any)
-        self.activate(seq, e.row, e, _ADMIT)
+        self.activate(seq, e.row, e)
         self.waiting.pop(e.seq_id, None)
 
     def _on_load_admitted(self, e: ev.KVLoadAdmitted) -> None:
         seq = self.seq(e.seq_id)
         if e.row == FREE_ROW:  # no batch row: it holds only what it loads (LoadHoldings)
-            seq.fire(e, SeqEvent.begin_load)
+            seq.fire(e)
         else:
-            self.activate(seq, e.row, e, SeqEvent.begin_load)
+            self.activate(seq, e.row, e)
             self.saved[e.row] = e.num_blocks  # the store has them
         self.waiting.pop(e.seq_id, None)
 
@@ -325,7 +324,7 @@ class SequenceTable(RowTable):
             return
         if e.row != FREE_ROW or e.num_blocks > self.nblocks[row]:
             raise ReplayMismatch(f"sequence {e.seq_id}: load settled beyond its blocks")
-        seq.fire(e, SeqEvent.load_settled)
+        seq.fire(e)
         self.row_state[row] = seq.state
         self.loading[row] = False
         if seq.num_preemptions == 0:  # what the store brought past the local prefix
@@ -343,7 +342,7 @@ class SequenceTable(RowTable):
         rowless = holdings.is_rowless(seq.seq_id)
         if not rowless or e.row == FREE_ROW or not cached <= e.num_blocks <= len(held):
             raise ReplayMismatch(f"sequence {e.seq_id}: load settled beyond its blocks")
-        self.activate(seq, e.row, e, SeqEvent.load_settled)
+        self.activate(seq, e.row, e)
         if seq.num_preemptions == 0:  # what the store brought past the local prefix
             seq.cached_external = (e.num_blocks - cached) * self.block_size
         row, n = e.row, len(held)
@@ -536,7 +535,7 @@ class SequenceTable(RowTable):
 
     def _on_prefill(self, e: ev.PrefillScheduled) -> None:
         rows = self._rows(e.seq_ids)
-        self._fire_rows(e, rows, SeqEvent.schedule_chunk)
+        self._fire_rows(e, rows)
         if not np.array_equal(e.starts, self.computed[rows]) or np.any(e.ends <= e.starts):
             raise ReplayMismatch("a prefill does not start at its computed tokens")
         if np.any(e.ends > self.ntokens[rows]) or np.any(
@@ -547,7 +546,7 @@ class SequenceTable(RowTable):
 
     def _on_decode(self, e: ev.DecodeScheduled) -> None:
         rows = self._rows(e.seq_ids)
-        self._fire_rows(e, rows, SeqEvent.decode)
+        self._fire_rows(e, rows)
         starts = self.computed[rows]
         if np.any(starts != self.ntokens[rows] - 1) or np.any(
             starts >= self.nblocks[rows] * self.block_size
@@ -555,8 +554,8 @@ class SequenceTable(RowTable):
             raise ReplayMismatch("a decode of a sequence that is not decoding or has no block")
         self.add_pending(rows, starts, starts + 1)
 
-    def _fire_rows(self, e: ev.Event, rows: np.ndarray, trigger: SeqEvent) -> None:
-        states = fire_many(SEQUENCE, e, self.row_seq[rows], self.row_state[rows], trigger)
+    def _fire_rows(self, e: ev.Event, rows: np.ndarray) -> None:
+        states = fire_many(SEQUENCE, e, self.row_seq[rows], self.row_state[rows])
         self.row_state[rows] = states
 
     # -------------------------------------------------------------------- endings
@@ -577,7 +576,7 @@ class SequenceTable(RowTable):
 
     def _on_preempted(self, e: ev.SequencePreempted) -> None:
         seq = self.seq(e.seq_id)
-        seq.fire(e, SeqEvent.preempt)
+        seq.fire(e)
         self._release_row(seq)
         self.waiting[seq.seq_id] = seq
         seq.num_preemptions += 1
@@ -592,7 +591,7 @@ class SequenceTable(RowTable):
             seq = self.seq(seq_id)
             if reported and seq.cached_tokens != tuple(int(c[i]) for c in counts):
                 raise ReplayMismatch(f"sequence {seq_id}: cached-token counts not its own")
-            seq.fire(e, SeqEvent.finish)
+            seq.fire(e)
             seq.finish_reason = reason
             self._release_row(seq)
             self._retire(seq)
@@ -604,7 +603,7 @@ class SequenceTable(RowTable):
             raise ReplayMismatch(f"sequence {e.seq_id}: cached-token counts not its own")
         if seq.state != SeqState.WAITING:  # running, or a load whose transfer ended
             self._release_row(seq)
-        seq.fire(e, SeqEvent.abort)
+        seq.fire(e)
         seq.finish_reason = e.reason
         self._retire(seq)
 
