@@ -143,15 +143,15 @@ class Policy:
             if state.hybrid and not migrate:
                 for seq in seqs:
                     self.checkpoints.save_sequence_end(state, seq, emit)
-            self.growth.release(state, seqs, emit, keep_for_session=True)
             ids = outcome.seq_ids[done].copy()
             if self.config.report_cached_tokens:
                 local, ckpt, external = np.asarray(
                     [s.cached_tokens for s in seqs], dtype=np.int64
                 ).reshape(-1, 3).T.copy()
-                emit(ev.SequenceFinished(ids, reasons, local, ckpt, external))
+                finished = ev.SequenceFinished(ids, reasons, local, ckpt, external)
             else:
-                emit(ev.SequenceFinished(ids, reasons))
+                finished = ev.SequenceFinished(ids, reasons)
+            self.growth.end(state, seqs, finished, emit, keep_for_session=True)
 
     def abort(
         self, state: EngineState, seq_id: int, reason: str, emit: Emit, close_session: bool = False
@@ -172,10 +172,10 @@ class Policy:
         keep = self.config.keep_aborted_turns and not close_session and seq.session_id >= 0
         if seq.state == SeqState.RUNNING and keep and state.hybrid:
             self.checkpoints.save_sequence_end(state, seq, emit)
-        if seq.state != SeqState.WAITING:  # running, or a load that ended without a row
-            self.growth.release(state, [seq], emit, keep_for_session=keep)
         cached = seq.cached_tokens if self.config.report_cached_tokens else (0, 0, 0)
-        emit(ev.SequenceAborted(seq_id, reason, keep, *cached))
+        # (a running sequence or a load that ended releases what it holds first)
+        aborted = ev.SequenceAborted(seq_id, reason, keep, *cached)
+        self.growth.end(state, [seq], aborted, emit, keep_for_session=keep)
         return True
 
     def end_session(self, state: EngineState, session_id: int, emit: Emit) -> None:
