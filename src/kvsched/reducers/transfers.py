@@ -6,7 +6,7 @@ READY | FAILED; or CANCELLED. Records of terminal loads stay until the sequence 
 (a FAILED record survives a preemption, so the sequence does not try the store again). A
 load that ended waits to be settled (``KVLoadSettled``): at once when it holds a batch row,
 when it is admitted into one when it holds none (``ready_loads``). The blocks a load without
-a row holds are its sequence's (``SequenceTable``, ``Seq.held``), not this table's.
+a row holds are ``LoadHoldings``', not this table's.
 
 A lease is what a save in flight holds: one pool reference on each block of the sequence's
 prefix up to the last block it saves (not only the blocks it reads: a cached block never
