@@ -309,3 +309,16 @@ def test_step_refuses_inputs_that_are_not_a_list_of_events_naming_what_it_expect
         engine.step(inputs, 0.0)  # type: ignore[arg-type]
     assert engine.halted is None and engine.state.step == 0  # refused before anything folded
     assert engine.step((request(1, 8, 2),), 0.0).step == 1  # any other iterable still works
+
+
+def test_each_input_is_answered_by_its_reaction_or_only_folded() -> None:
+    """The engine's reactions are a table (input type -> reaction), like the owners' folds:
+    every input without one is folded, and every input no owner folds has one."""
+    from kvsched.reducers.state import STATELESS_INPUTS
+
+    engine = Engine(SchedulerConfig(model=ModelSpec(vocab_size=100, max_context=256)))
+    reactions = engine.reactions()
+    assert set(reactions) <= set(ev.INPUT_TYPES)
+    assert set(STATELESS_INPUTS) <= set(reactions)
+    engine.step([ev.WakeRequested()], 0.0)
+    assert [type(d) for d in engine.step([ev.WakeRequested()], 1.0).decisions][-1] is ev.Woken

@@ -601,9 +601,8 @@ def test_an_abort_that_does_not_wait_for_the_load_is_caught(
         load = state.transfers.load_of(seq_id)
         if load is not None and load.open:
             emit(ev.KVLoadCancelled(seq_id, reason))
-        if seq.state != SeqState.WAITING:  # loading or running: release its row's blocks
-            self.growth.release(state, [seq], emit)
-        emit(ev.SequenceAborted(seq_id, reason))
+        # (loading or running: it releases its row's blocks first)
+        self.growth.end(state, [seq], ev.SequenceAborted(seq_id, reason), emit)
         return True
 
     _run_broken(monkeypatch, Policy, "abort", abort_at_once)

@@ -59,13 +59,12 @@ PASS_THROUGH = frozenset(
     ["sorted", "list", "tuple", "reversed", "iter", "next", "min", "max", "enumerate", "zip"]
 )
 
-# Owner methods that write today and that the policy calls: each to be made pure. An entry
-# is "Class.method": reason.
+# Owner queries that write only a memo of their own answers (a cache of a pure function:
+# the same question always gets the same answer, and no fold or other query reads the memo).
+# An entry is "method": reason.
 WRITING_QUERIES: dict[str, str] = {
-    "prepare_arrival": "issue 25 item 3: stashes the hashed prompt for the arrival fold; "
-    "made pure on the owners branch (remove this entry when it is merged)",
-    "identity_at": "issue 25 item 3: sets Seq.n_tokens while hashing; made pure on the "
-    "owners branch (remove this entry when it is merged)",
+    "arrival": "memoises each (adapter, salt) namespace root it computes (root_for)",
+    "rows_of": "keeps its last few answers, keyed by the id array and the rows' version",
 }
 
 # Cross-module private names, "module:name" ("*:name": any module): reason.

@@ -18,8 +18,8 @@ an input of the next step. The engine holds no clock: the caller passes each ste
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping, Sequence
-from typing import Protocol
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, Protocol
 
 import attrs
 
@@ -112,6 +112,7 @@ class Engine:
         self.check = check_invariants
         self.halted: BaseException | None = None
         self._decisions: list[ev.Event] = []
+        self._reactions = self.reactions()
 
     def _emit(self, event: ev.Event) -> None:
         self.state.apply(event)
@@ -148,8 +149,9 @@ class Engine:
         self._decisions = []
         step = self.state.step + 1
         self._emit(ev.StepStarted(step, clock))
+        react, fold = self._reactions.get, self.state.apply
         for event in inputs:
-            self._handle(event)
+            react(type(event), fold)(event)
         self.policy.schedule(self.state, self._emit)
         plan = plan_step(self.state)
         decisions = tuple(self._decisions)
@@ -168,30 +170,51 @@ class Engine:
             self.state.check_invariants()
         return StepResult(step, plan, tuple(inputs), decisions)
 
-    def _handle(self, event: ev.Event) -> None:
-        state, policy, emit = self.state, self.policy, self._emit
-        if isinstance(event, ev.RequestArrived):
-            reason = policy.validate(state, event)
-            if reason is not None:
-                emit(ev.RequestRejected(event.seq_id, reason))
-                return
-            state.apply(event)
-        elif isinstance(event, ev.StepExecuted):
-            state.apply(event)
-            policy.after_executed(state, event, emit)
-        elif isinstance(event, (ev.KVLoadFinished, ev.KVLoadFailed)):
-            state.apply(event)
-            policy.settle_load(state, event.seq_id, emit)
-        elif isinstance(event, ev.StepFailed):
-            state.apply(event)
-            policy.after_failed_step(state, event.reason, emit)
-        elif isinstance(event, ev.RequestAborted):
-            policy.abort(state, event.seq_id, event.reason, emit)
-        elif isinstance(event, ev.SessionEnded):
-            policy.end_session(state, event.session_id, emit)
-        elif isinstance(event, ev.DrainRequested):
-            policy.drain(state, emit, event.level)
-        elif isinstance(event, ev.WakeRequested):
-            emit(ev.Woken())
-        else:
-            state.apply(event)
+    # ------------------------------------------------------------------- reactions
+    # One per input type that the policy answers (``reactions``); any other input is only
+    # folded (``EngineState.apply``).
+
+    def reactions(self) -> dict[type[ev.Event], Callable[[Any], None]]:
+        """Input type -> what the engine does with it: fold it and/or let the policy answer."""
+        return {
+            ev.RequestArrived: self._on_arrived,
+            ev.StepExecuted: self._on_executed,
+            ev.KVLoadFinished: self._on_load_ended,
+            ev.KVLoadFailed: self._on_load_ended,
+            ev.StepFailed: self._on_step_failed,
+            ev.RequestAborted: self._on_abort,
+            ev.SessionEnded: self._on_session_ended,
+            ev.DrainRequested: self._on_drain,
+            ev.WakeRequested: self._on_wake,
+        }
+
+    def _on_arrived(self, e: ev.RequestArrived) -> None:
+        reason, arrival = self.policy.validate(self.state, e)
+        if arrival is None:
+            self._emit(ev.RequestRejected(e.seq_id, reason or "rejected"))
+            return
+        self.state.apply_arrival(e, arrival)
+
+    def _on_executed(self, e: ev.StepExecuted) -> None:
+        self.state.apply(e)
+        self.policy.after_executed(self.state, e, self._emit)
+
+    def _on_load_ended(self, e: ev.KVLoadFinished | ev.KVLoadFailed) -> None:
+        self.state.apply(e)
+        self.policy.settle_load(self.state, e.seq_id, self._emit)
+
+    def _on_step_failed(self, e: ev.StepFailed) -> None:
+        self.state.apply(e)
+        self.policy.after_failed_step(self.state, e.reason, self._emit)
+
+    def _on_abort(self, e: ev.RequestAborted) -> None:
+        self.policy.abort(self.state, e.seq_id, e.reason, self._emit)
+
+    def _on_session_ended(self, e: ev.SessionEnded) -> None:
+        self.policy.end_session(self.state, e.session_id, self._emit)
+
+    def _on_drain(self, e: ev.DrainRequested) -> None:
+        self.policy.drain(self.state, self._emit, e.level)
+
+    def _on_wake(self, e: ev.WakeRequested) -> None:
+        self._emit(ev.Woken())

@@ -22,3 +22,21 @@ def test_preallocation_stops_at_the_last_position_a_sequence_can_write() -> None
         if s == 0
     ]
     assert sum(taken) == 2, f"blocks taken {taken}: preallocated past position 31"
+
+
+def test_ending_a_sequence_releases_what_it_holds_before_its_end() -> None:
+    """``Growth.end`` is the one way the policy ends a sequence: its BlocksFreed comes
+    before the end, which the end's fold requires."""
+    h = Harness()
+    h.step([request(0, 40, max_tokens=30)])
+    h.step()
+    decisions: list[ev.Event] = []
+
+    def emit(e: ev.Event) -> None:
+        h.state.apply(e)
+        decisions.append(e)
+
+    seq = h.state.seqs.seqs[0]
+    h.engine.policy.growth.end(h.state, [seq], ev.SequencePreempted(0, "test"), emit)
+    assert [type(d) for d in decisions] == [ev.BlocksFreed, ev.SequencePreempted]
+    assert h.state.pool.ref.sum() == 0

@@ -513,7 +513,7 @@ def test_a_session_turn_matches_the_previous_turns_decode_checkpoint():
     h = hybrid(decode_checkpoint_interval=16)
     serve(h, 0, tokens(40, seed=47), max_tokens=30, session_id=5)
     assert len(h.state.sessions[5].held) == 0  # hybrid sessions hold no blocks
-    assert len(h.state.seqs.history[5].tokens) == 70
+    assert len(h.state.sessions.history[5].tokens) == 70
     m = matched(h.step([request(1, tokens(6, seed=48), session_id=5)]))[1]
     assert m.num_tokens == 64 and m.ckpt_id >= 0
 

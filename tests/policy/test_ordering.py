@@ -73,7 +73,7 @@ def test_a_follow_up_turn_is_sized_by_the_tokens_left_after_its_cached_history()
     h = Harness(order="ttft", max_prefill_tokens=256, num_blocks=128)
     h.step([request(0, 150, max_tokens=52, session_id=1)])
     h.run_until_idle()
-    assert len(h.state.seqs.history[1].tokens) == 202
+    assert len(h.state.sessions.history[1].tokens) == 202
     clock = h.clock
     fresh = [request(i, 40, arrival_time=clock) for i in range(1, 7)]
     follow_up = request(7, 8, session_id=1, arrival_time=clock + 0.01)

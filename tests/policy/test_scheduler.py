@@ -375,7 +375,7 @@ def test_a_second_turn_hits_every_full_block_of_the_first_turn_and_the_session_h
     held_events = [d for r in results for d in of_type(r.decisions, ev.SessionBlocksHeld)]
     assert len(held_events) == 1 and held_events[0].session_id == 5
     session = h.state.sessions[5]
-    history = h.state.seqs.history_len(5)
+    history = h.state.sessions.history_len(5)
     assert history == 50
     assert len(session.held) == history // 16 == 3
     assert (h.state.pool.ref[session.held] == 1).all()
@@ -724,7 +724,7 @@ def test_a_session_turn_with_another_adapter_does_not_reuse_the_history_identity
     first = tokens(40, seed=11)
     h.step([request(0, first, max_tokens=2, session_id=7)])
     h.run_until_idle()
-    history = h.state.seqs.history[7].tokens.copy()
+    history = h.state.sessions.history[7].tokens.copy()
     h.step([request(1, tokens(10, seed=12), max_tokens=1, session_id=7, adapter="lora-x")])
     seq = h.state.seq(1)
     plain = h.state.seqs.root_for("lora-x", "")

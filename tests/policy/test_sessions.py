@@ -21,8 +21,8 @@ def _abort_mid_decode(h: Harness, seq_id: int, session_id: int, steps: int = 12)
     # The step in flight's outcome (one more token) is folded before the abort, in its step.
     result = h.step([ev.RequestAborted(seq_id)])
     assert of_type(result.decisions, ev.SequenceAborted)
-    return np.append(before, h.state.seqs.history[session_id].tokens[-1:]) if (
-        session_id in h.state.seqs.history
+    return np.append(before, h.state.sessions.history[session_id].tokens[-1:]) if (
+        session_id in h.state.sessions.history
     ) else before
 
 
@@ -30,7 +30,7 @@ def test_an_aborted_turn_stays_in_its_session_and_the_next_turn_continues_from_i
     h = Harness()
     before = _abort_mid_decode(h, 0, session_id=7)
     assert len(before) > 40  # it had generated tokens
-    assert np.array_equal(h.state.seqs.history[7].tokens, before)
+    assert np.array_equal(h.state.sessions.history[7].tokens, before)
     held = len(h.state.sessions.get(7).held)
     assert held == len(before) // 16  # its full blocks stay held for the next turn
     result = h.step([request(1, tokens(5, seed=2), max_tokens=2, session_id=7)])
@@ -44,7 +44,7 @@ def test_an_aborted_turn_stays_in_its_session_and_the_next_turn_continues_from_i
 def test_with_keep_aborted_turns_off_an_aborted_turn_leaves_the_session_as_it_was() -> None:
     h = Harness(keep_aborted_turns=False)
     _abort_mid_decode(h, 0, session_id=7)
-    assert 7 not in h.state.seqs.history  # the first turn was aborted: no history at all
+    assert 7 not in h.state.sessions.history  # the first turn was aborted: no history at all
     h.step([request(1, tokens(5, seed=2), max_tokens=2, session_id=7)])
     assert h.state.seq(1).n_tokens == 5
     h.run_until_idle()
@@ -57,13 +57,13 @@ def test_ending_a_session_still_drops_its_aborted_turn_and_every_block() -> None
     h.step()
     result = h.step([ev.SessionEnded(4)])
     assert not of_type(result.decisions, ev.SequenceAborted)[0].keep_history
-    assert 4 not in h.state.seqs.history and h.state.pool.ref.sum() == 0
+    assert 4 not in h.state.sessions.history and h.state.pool.ref.sum() == 0
 
 
 def test_a_hybrid_sessions_aborted_turn_saves_its_state_and_the_next_turn_restores_it() -> None:
     h = hybrid()
     _abort_mid_decode(h, 0, session_id=2)
-    kept = len(h.state.seqs.history[2].tokens)
+    kept = len(h.state.sessions.history[2].tokens)
     h.run_until_idle()  # the save before the next forward is published
     result = h.step([request(1, tokens(5, seed=4), max_tokens=2, session_id=2)])
     hit = matched(result)[1]

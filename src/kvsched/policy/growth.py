@@ -18,6 +18,7 @@ from kvsched.policy.eviction import BLOCK_EVICTION, plan_allocation
 from kvsched.reducers.sequences import Seq, SequenceTable
 from kvsched.reducers.sessions import SessionTable
 from kvsched.reducers.state import EngineState
+from kvsched.statemachines import SeqState
 
 _EMPTY16 = np.zeros(0, dtype=np.int16)
 _NO_MARKS = np.zeros(0, dtype=np.bool_)
@@ -268,7 +269,24 @@ class Growth:
 
     # -------------------------------------------------------------------- releases
 
-    def release(
+    def end(
+        self,
+        state: EngineState,
+        seqs: list[Seq],
+        ending: ev.SequenceFinished | ev.SequenceAborted | ev.SequencePreempted,
+        emit: Emit,
+        keep_for_session: bool = False,
+    ) -> None:
+        """End sequences: release everything the live ones hold (``BlocksFreed``, then
+        ``CheckpointUnpinned``), then emit their ``ending``. The only way the policy ends a
+        sequence, so a release always comes before the end its fold requires (the sequence
+        table and the load holdings refuse an end that finds blocks still held)."""
+        live = [seq for seq in seqs if seq.state != SeqState.WAITING]
+        if live:
+            self._release(state, live, emit, keep_for_session)
+        emit(ending)
+
+    def _release(
         self, state: EngineState, seqs: list[Seq], emit: Emit, keep_for_session: bool = False
     ) -> None:
         """Drop every block the sequences hold (a session keeps its cached full blocks; a load
@@ -308,8 +326,7 @@ class Growth:
             emit(ev.BlocksFreed(arr([holder]), arr([len(session.held)], I32), session.held.copy()))
 
     def preempt(self, state: EngineState, seq: Seq, emit: Emit, reason: str) -> None:
-        self.release(state, [seq], emit)
-        emit(ev.SequencePreempted(seq.seq_id, reason))
+        self.end(state, [seq], ev.SequencePreempted(seq.seq_id, reason), emit)
 
     def reclaim_sessions(
         self, state: EngineState, need: int, emit: Emit, keep: int, hit: np.ndarray | None = None

@@ -26,6 +26,7 @@ from kvsched.policy.matching import Matcher
 from kvsched.policy.ordering import PrefillOrder
 from kvsched.policy.transfers import Transfers
 from kvsched.policy.turns import PrefillTurns
+from kvsched.reducers.sequences import Arrival
 from kvsched.reducers.state import EngineState
 from kvsched.statemachines import CkptState, LoadState, SeqState
 
@@ -54,8 +55,17 @@ class Policy:
 
     # ----------------------------------------------------------------------- inputs
 
-    def validate(self, state: EngineState, e: ev.RequestArrived) -> str | None:
-        """Why a request must be rejected, or None when it is acceptable."""
+    def validate(
+        self, state: EngineState, e: ev.RequestArrived
+    ) -> tuple[str | None, Arrival | None]:
+        """(why a request must be rejected, None) or, when it is acceptable, (None, its
+        tokens and block digests: ``EngineState.arrival``, which its fold takes)."""
+        reason = self._first_problem(state, e)
+        if isinstance(reason, str):
+            return reason, None
+        return None, reason
+
+    def _first_problem(self, state: EngineState, e: ev.RequestArrived) -> str | Arrival:
         model, bs = self.config.model, self.bs
         prompt = e.prompt
         if len(prompt) == 0:
@@ -64,7 +74,8 @@ class Policy:
             return f"max_tokens must be positive, got {e.max_tokens}"
         if e.seq_id in state.seqs.seqs or e.seq_id < 0:
             return f"duplicate or invalid request id {e.seq_id}"
-        top = state.seqs.prepare_arrival(e)  # (the hashing pass also found the largest id)
+        arrival = state.arrival(e)  # (the hashing pass also finds the largest id)
+        top = arrival.top
         if top is None:
             top = -1 if in_vocabulary(prompt, model.vocab_size) else model.vocab_size
         if top >= model.vocab_size:
@@ -76,7 +87,7 @@ class Policy:
         session = state.sessions.get(e.session_id) if e.session_id >= 0 else None
         if session is not None and session.active_seq >= 0:
             return f"session {e.session_id} already has a request in flight"
-        total = state.seqs.history_len(e.session_id) + len(prompt)
+        total = state.sessions.history_len(e.session_id) + len(prompt)
         if len(e.block_hashes) // ev.HASH_SIZE > total // bs:
             return "block_hashes name more blocks than the request's full blocks"
         if total >= model.max_context:
@@ -93,7 +104,7 @@ class Policy:
         for span in e.mm_spans:
             if not 0 <= span.start < span.end <= len(prompt):
                 return f"multimodal span [{span.start}, {span.end}) outside the prompt"
-        return None
+        return arrival
 
     def after_executed(self, state: EngineState, outcome: ev.StepExecuted, emit: Emit) -> None:
         """After a step's outcome: cache the blocks it filled, publish the checkpoints it
@@ -116,7 +127,7 @@ class Policy:
         if not len(outcome.seq_ids):
             return
         t = state.seqs
-        rows = t.sampled_rows  # (the outcome's samplers, folded just before)
+        rows = t.rows_of(outcome.seq_ids)  # (the outcome's samplers: the fold's lookup, kept)
         stop = outcome.tokens == t.eos[rows]
         length = (t.ntokens[rows] - t.n_prompt[rows] >= t.max_tokens[rows]) | (
             t.ntokens[rows] >= self.config.model.max_context
@@ -132,15 +143,15 @@ class Policy:
             if state.hybrid and not migrate:
                 for seq in seqs:
                     self.checkpoints.save_sequence_end(state, seq, emit)
-            self.growth.release(state, seqs, emit, keep_for_session=True)
             ids = outcome.seq_ids[done].copy()
             if self.config.report_cached_tokens:
                 local, ckpt, external = np.asarray(
                     [s.cached_tokens for s in seqs], dtype=np.int64
                 ).reshape(-1, 3).T.copy()
-                emit(ev.SequenceFinished(ids, reasons, local, ckpt, external))
+                finished = ev.SequenceFinished(ids, reasons, local, ckpt, external)
             else:
-                emit(ev.SequenceFinished(ids, reasons))
+                finished = ev.SequenceFinished(ids, reasons)
+            self.growth.end(state, seqs, finished, emit, keep_for_session=True)
 
     def abort(
         self, state: EngineState, seq_id: int, reason: str, emit: Emit, close_session: bool = False
@@ -161,10 +172,10 @@ class Policy:
         keep = self.config.keep_aborted_turns and not close_session and seq.session_id >= 0
         if seq.state == SeqState.RUNNING and keep and state.hybrid:
             self.checkpoints.save_sequence_end(state, seq, emit)
-        if seq.state != SeqState.WAITING:  # running, or a load that ended without a row
-            self.growth.release(state, [seq], emit, keep_for_session=keep)
         cached = seq.cached_tokens if self.config.report_cached_tokens else (0, 0, 0)
-        emit(ev.SequenceAborted(seq_id, reason, keep, *cached))
+        # (a running sequence or a load that ended releases what it holds first)
+        aborted = ev.SequenceAborted(seq_id, reason, keep, *cached)
+        self.growth.end(state, [seq], aborted, emit, keep_for_session=keep)
         return True
 
     def end_session(self, state: EngineState, session_id: int, emit: Emit) -> None:

@@ -45,7 +45,7 @@ from kvsched.events import types as ev
 from kvsched.identity import partial_key, tail_extra
 from kvsched.reducers.blocks import BlockPool
 from kvsched.reducers.errors import RefChange, ReplayMismatch
-from kvsched.statemachines import CHECKPOINT, CkptEvent, CkptState, fire
+from kvsched.statemachines import CHECKPOINT, CkptState, fire
 
 __all__ = ["Checkpoint", "CheckpointTable", "partial_key", "tail_extra"]
 
@@ -210,10 +210,8 @@ class CheckpointTable:
 
     # -------------------------------------------------------------------------- folds
 
-    def _fire(
-        self, c: Checkpoint, e: ev.Event, trigger: CkptEvent, facts: frozenset[str] = frozenset()
-    ) -> None:
-        c.state = fire(CHECKPOINT, e, c.ckpt_id, c.state, trigger, facts)
+    def _fire(self, c: Checkpoint, e: ev.Event, facts: frozenset[str] = frozenset()) -> None:
+        c.state = fire(CHECKPOINT, e, c.ckpt_id, c.state, facts)
 
     def _on_step_started(self, e: ev.StepStarted) -> None:
         self.awaiting, self.reserved = self.reserved, []
@@ -265,7 +263,7 @@ class CheckpointTable:
             raise ReplayMismatch(f"checkpoint {c.ckpt_id} cannot be published")
         held = c.phase == BEFORE
         path = c.path if held else self._prefix_path(c.ckpt_id, c.step, c.anchor)
-        self._fire(c, e, CkptEvent.publish)
+        self._fire(c, e)
         c.path = path
         self.index[c.key] = c.ckpt_id
         if c.frozen_block:
@@ -281,12 +279,7 @@ class CheckpointTable:
         """Abandon, release or evict: the slot returns to the free stack, the references go."""
         c = self.get(e.ckpt_id)
         dropped = self.dropped_blocks(c)
-        trigger = {
-            ev.CheckpointAbandoned: CkptEvent.abandon,
-            ev.CheckpointReleased: CkptEvent.release,
-            ev.CheckpointEvicted: CkptEvent.evict,
-        }[type(e)]
-        self._fire(c, e, trigger)
+        self._fire(c, e)  # (abandon, release or evict: the event's type names it)
         if self.index.get(c.key) == c.ckpt_id:
             del self.index[c.key]
             if c.frozen_block:
@@ -316,12 +309,12 @@ class CheckpointTable:
         return RefChange(release=dropped)
 
     def _pin(self, c: Checkpoint, e: ev.Event) -> None:
-        self._fire(c, e, CkptEvent.pin)
+        self._fire(c, e)
         c.pins += 1
         self.restores += 1
 
     def _unpin(self, c: Checkpoint, e: ev.Event) -> None:
-        self._fire(c, e, CkptEvent.unpin, _LAST_PIN if c.pins == 1 else _MORE_PINS)
+        self._fire(c, e, _LAST_PIN if c.pins == 1 else _MORE_PINS)
         c.pins -= 1
         if c.pins == 0:
             self._touch(c)

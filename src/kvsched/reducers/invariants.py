@@ -16,6 +16,7 @@ from kvsched.config import SchedulerConfig
 from kvsched.reducers.blocks import BlockPool, BlockPoolError
 from kvsched.reducers.checkpoints import CheckpointTable
 from kvsched.reducers.errors import InvariantError
+from kvsched.reducers.holdings import LoadHoldings
 from kvsched.reducers.seq import FREE_ROW, Seq
 from kvsched.reducers.sequences import SequenceTable
 from kvsched.reducers.sessions import SessionTable
@@ -33,6 +34,7 @@ class Owners(Protocol):
     hybrid: bool
     pool: BlockPool
     seqs: SequenceTable
+    holdings: LoadHoldings
     sessions: SessionTable
     ckpts: CheckpointTable
     transfers: TransferTable
@@ -88,7 +90,8 @@ def _check_seq(state: Owners, seq: Seq) -> None:
     if seq.state == SeqState.WAITING:
         if seq.pinned_ckpt >= 0 or seq.n_pinned:
             raise InvariantError(f"waiting sequence {seq.seq_id} pins a checkpoint")
-        if seq.row != FREE_ROW or len(seq.held) or seq.seq_id not in t.waiting:
+        rowless = state.holdings.is_rowless(seq.seq_id)
+        if seq.row != FREE_ROW or rowless or seq.seq_id not in t.waiting:
             raise InvariantError(f"waiting sequence {seq.seq_id} holds a row or is unqueued")
         return
     if seq.state not in _LIVE:
@@ -97,7 +100,7 @@ def _check_seq(state: Owners, seq: Seq) -> None:
         _check_rowless(state, seq)
         return
     row = seq.row
-    if len(seq.held):
+    if state.holdings.is_rowless(seq.seq_id):
         raise InvariantError(f"sequence {seq.seq_id} holds blocks outside its row")
     if seq.seq_id in t.waiting:
         raise InvariantError(f"running sequence {seq.seq_id} is also queued")
@@ -131,11 +134,11 @@ def _check_rowless(state: Owners, seq: Seq) -> None:
     pinned = seq.pinned_ckpt >= 0 or seq.overlap_block
     if seq.state != SeqState.LOADING_KV or seq.seq_id in t.waiting or pinned:
         raise InvariantError(f"sequence {seq.seq_id} holds no row in state {seq.state.name}")
-    held = seq.held
-    if len(held) > -(-seq.n_tokens // bs) or not 0 <= seq.held_cached <= len(held):
+    held = state.holdings.blocks_of(seq.seq_id)
+    if len(held) > -(-seq.n_tokens // bs):
         raise InvariantError(f"load of {seq.seq_id}: {len(held)} blocks held")
     hash_of = state.pool.hash_of
-    for i in range(seq.held_cached):
+    for i in range(state.holdings.cached_of(seq.seq_id)):
         if hash_of[int(held[i])] != seq.hashes[i]:
             raise InvariantError(f"load of {seq.seq_id}: block {i} has another identity")
 
@@ -152,9 +155,12 @@ def _check_transfers(state: Owners) -> None:
     if set(state.ckpts.load_slots) != rowless:
         raise InvariantError(f"loads owning state slots {sorted(state.ckpts.load_slots)}, "
                              f"hybrid loads without a row {sorted(rowless)}")
-    problem = state.transfers.check_invariants(loading)
-    if problem is not None:
-        raise InvariantError(problem)
+    for problem in (
+        state.transfers.check_invariants(loading),
+        state.holdings.check_invariants(loading - in_rows),
+    ):
+        if problem is not None:
+            raise InvariantError(problem)
     for seq_id, load in state.transfers.loads.items():
         seq = t.seqs.get(seq_id)
         if seq is None:

@@ -21,7 +21,8 @@ import numpy as np
 from kvsched.events import types as ev
 from kvsched.reducers.errors import ReplayMismatch
 from kvsched.reducers.seq import FREE_ROW, Seq
-from kvsched.statemachines import SeqEvent
+
+_MEMO = 3  # rows_of answers kept
 
 
 class RowTable:
@@ -56,13 +57,12 @@ class RowTable:
         self.free_rows: list[int] = list(range(max_batch - 1, -1, -1))
         self._version = 0  # bumped when rows are taken or freed (invalidates _row_index)
         self._row_index: tuple[int, np.ndarray, np.ndarray] | None = None
-        self._rows_memo: tuple[int, np.ndarray, np.ndarray] | None = None
+        # The latest answers of rows_of (a cache: (version, id array, rows), newest last).
+        self._rows_memo: list[tuple[int, np.ndarray, np.ndarray]] = []
         self.step = 0
         # Work of the current step awaiting the executor's outcome (row order = plan order).
         self.pending_step = 0
         self._pending: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
-        # the rows of the latest outcome's sampled sequences, in its order
-        self.sampled_rows = np.zeros(0, dtype=np.int64)
 
     # ------------------------------------------------------------------------- queries
 
@@ -80,13 +80,22 @@ class RowTable:
 
     def rows_of(self, seq_ids: np.ndarray) -> np.ndarray:
         """Rows of running sequences, vectorised (raises KeyError if one is not running).
-        The latest answer is kept: an event's id array is looked up by several owners."""
-        memo = self._rows_memo
-        if memo is not None and memo[0] == self._version and memo[1] is seq_ids:
-            return memo[2]
+        The latest few answers are kept: an event's id array is looked up by several owners
+        (and an outcome's by the stop rule, after the folds of the blocks it filled)."""
+        for version, ids, rows in self._rows_memo:
+            if ids is seq_ids and version == self._version:
+                return rows
         rows = self._lookup_rows(seq_ids)
-        self._rows_memo = (self._version, seq_ids, rows)
+        self.remember_rows(seq_ids, rows)
         return rows
+
+    def remember_rows(self, seq_ids: np.ndarray, rows: np.ndarray) -> None:
+        """Keep an answer of ``rows_of`` (or one a fold found another way: the next
+        ``rows_of(seq_ids)`` of the same array and rows answers it without a lookup)."""
+        memo = self._rows_memo
+        if len(memo) == _MEMO:
+            del memo[0]
+        memo.append((self._version, seq_ids, rows))
 
     def _lookup_rows(self, seq_ids: np.ndarray) -> np.ndarray:
         if self._row_index is None or self._row_index[0] != self._version:
@@ -100,6 +109,20 @@ class RowTable:
             missing = seq_ids[self.row_seq[rows] != seq_ids]
             raise KeyError(f"sequences not running: {missing[:8].tolist()}")
         return rows
+
+    def num_tokens(self, seq: Seq) -> int:
+        """Tokens the sequence knows (its row's count, sampled tokens not yet flushed too)."""
+        return int(self.ntokens[seq.row]) if seq.row != FREE_ROW else seq.n_tokens
+
+    def tokens_upto(self, seq: Seq, n: int) -> np.ndarray:
+        """The sequence's first ``n`` tokens (at most those known), without flushing: a view
+        of its token array, or a copy with the row's unflushed sampled tokens appended."""
+        row = seq.row
+        if row == FREE_ROW or n <= seq.n_tokens:
+            return seq.tokens[:n]
+        n0, n1 = seq.n_tokens, min(n, int(self.ntokens[row]))
+        tail = self.tail[row, np.arange(n0, n1) % self.block_size]
+        return np.concatenate((seq.tokens[:n0], tail))
 
     def blocks_of(self, row: int) -> np.ndarray:
         return self.table[row, : self.nblocks[row]]
@@ -139,11 +162,13 @@ class RowTable:
             self.table[row, n:old] = 0
         self.nblocks[row] = n
 
-    def activate(self, seq: Seq, row: int, event: ev.Event, trigger: SeqEvent) -> None:
+    def activate(self, seq: Seq, row: int, event: ev.Event) -> None:
+        """The sequence takes batch row ``row`` (its lifecycle trigger is the one ``event``
+        fires; a load admitted into a row waits for its KV there: ``loading``)."""
         if not self.free_rows or self.free_rows[-1] != row:
             raise ReplayMismatch(f"sequence {seq.seq_id}: row {row} is not the next free row")
-        seq.fire(event, trigger)
-        self.loading[row] = trigger is SeqEvent.begin_load
+        seq.fire(event)
+        self.loading[row] = type(event) is ev.KVLoadAdmitted
         self.row_state[row] = seq.state
         self.free_rows.pop()
         seq.row = row

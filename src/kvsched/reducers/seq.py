@@ -8,7 +8,7 @@ import numpy as np
 
 from kvsched.events import types as ev
 from kvsched.identity import HashChain
-from kvsched.statemachines import SEQUENCE, SeqEvent, SeqState, fire
+from kvsched.statemachines import SEQUENCE, SeqState, fire
 
 FREE_ROW = -1
 NO_BLOCKS = np.zeros(0, dtype=np.int32)
@@ -52,10 +52,6 @@ class Seq:
     # hybrid: the cached KV prefix found at the latest admission (past num_hit_tokens when
     # no state was kept where that prefix ends: a branch point)
     kv_hit_tokens: int = 0
-    # A load without a batch row (LOADING_KV, load_admission="soft"): the blocks it holds
-    # (its local prefix, then the blocks it loads into), the leading ones of which are cached.
-    held: np.ndarray = NO_BLOCKS
-    held_cached: int = 0
     # Prompt tokens the first admission did not compute (vLLM's num_cached_tokens), by
     # source: a local KV prefix hit, a restored checkpoint (hybrid), an external load.
     cached_local: int = 0
@@ -94,9 +90,10 @@ class Seq:
     def token_view(self) -> np.ndarray:
         return self.tokens[: self.n_tokens]
 
-    def fire(self, event: ev.Event, trigger: SeqEvent) -> None:
-        # The compiled table returns the destination member itself: no enum construction.
-        self.state = fire(SEQUENCE, event, self.seq_id, self.state, trigger)
+    def fire(self, event: ev.Event) -> None:
+        """Fire the trigger ``event`` fires on a sequence (statemachines/triggers.py). The
+        compiled table returns the destination member itself: no enum construction."""
+        self.state = fire(SEQUENCE, event, self.seq_id, self.state)
 
 
 @attrs.frozen

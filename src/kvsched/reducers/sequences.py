@@ -1,18 +1,19 @@
-"""SequenceTable: every live sequence, the waiting queue, sessions' history, and their folds.
+"""SequenceTable: every live sequence, the waiting queue, and their folds.
 
 It owns each sequence's tokens, hash chain and lifecycle state (``Seq``), the batch rows of
-those that hold one (``RowTable``), the blocks of a load that holds no row (``Seq.held``:
-its local prefix and the blocks it loads into, until it is settled into a row), the work
-scheduled in the current step, and each session's history (the tokens and hash chain of its
-last finished turn, which the next turn continues). Every fold is a deterministic function
-of (table, event); lifecycle changes fire the triggers that ``statemachines/triggers.py``
-declares for the event. It reads the block pool (a hit's identity and routed-expert ids)
-and never writes it: its reference changes are returned.
+those that hold one (``RowTable``: computed and known tokens), their block tables and MTP
+overlap blocks (``BlockTables``, the folds of block events, which it builds on), and the
+work scheduled in the current step. Every fold is
+a deterministic function of (table, event); lifecycle changes fire the triggers that
+``statemachines/triggers.py`` chooses for the event. It reads, and never writes, the block
+pool (a hit's identity and routed-expert ids), the sessions' history (the turn an arrival
+continues: ``SessionTable``) and the blocks of loads without a row (``LoadHoldings``, which
+a load's row takes over when it is settled); its reference changes are returned.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -29,17 +30,22 @@ from kvsched.identity import (
     tail_extra,
 )
 from kvsched.reducers.blocks import BlockPool
+from kvsched.reducers.blocktables import BlockTables
 from kvsched.reducers.errors import RefChange, ReplayMismatch
-from kvsched.reducers.rows import RowTable
-from kvsched.reducers.seq import FREE_ROW, NO_BLOCKS, History, Seq
-from kvsched.statemachines import SEQUENCE, SeqEvent, SeqState, fire_many
+from kvsched.reducers.holdings import LoadHoldings
+from kvsched.reducers.seq import FREE_ROW, History, Seq
+from kvsched.statemachines import SEQUENCE, SeqState, fire_many
 
-__all__ = ["FREE_ROW", "History", "Seq", "SequenceTable"]
+__all__ = ["FREE_ROW", "Arrival", "History", "Seq", "SequenceTable"]
 
 _NO_ROWS = np.zeros(0, dtype=np.int64)
 
 
-class _Arrival(NamedTuple):
+class Arrival(NamedTuple):
+    """What an arrival's fold takes: its tokens (a session's history first), its multimodal
+    spans in those tokens' positions, its namespace root and the digests of its full
+    blocks; computed by the pure query ``SequenceTable.arrival``."""
+
     tokens: np.ndarray
     spans: tuple[ev.MultimodalSpan, ...]
     root: bytes
@@ -47,7 +53,7 @@ class _Arrival(NamedTuple):
     top: int | None  # the prompt's largest token id (unsigned) if the hashing read it all
 
 
-class SequenceTable(RowTable):
+class SequenceTable(BlockTables):
     def __init__(
         self,
         model: ModelSpec,
@@ -56,27 +62,27 @@ class SequenceTable(RowTable):
         block_size: int,
         pool: BlockPool,
         identity: str = "kvs128",
+        history: Mapping[int, History] | None = None,
+        holdings: LoadHoldings | None = None,
     ) -> None:
         super().__init__(max_batch, max_blocks, block_size)
         self.model = model
         self.identity = identity  # the block identity scheme (config.IDENTITY_SCHEMES)
         self._pool = pool
+        # Read, never written: the sessions' history (SessionTable's) and the blocks of loads
+        # without a row (LoadHoldings').
+        self._history: Mapping[int, History] = {} if history is None else history
+        self._holdings = LoadHoldings(max_blocks) if holdings is None else holdings
         self.seqs: dict[int, Seq] = {}
         self.waiting: dict[int, Seq] = {}  # insertion-ordered
-        self.history: dict[int, History] = {}  # session id -> its finished turns
         self.failed: list[int] = []  # sequences computed by the latest failed step
         self.num_finished = 0
-        self._roots: dict[tuple[str, str], bytes] = {}
-        # Caches of pure functions of (table, argument), not state: an arrival's tokens and
-        # digests, computed when the policy validates it and taken by its fold; the latest
-        # checkpoint identity asked for (a reservation, then its fold's check).
-        self._prepared: tuple[ev.RequestArrived, _Arrival] | None = None
-        self._identity: tuple[Seq, int, tuple[bytes, bytes]] | None = None
+        self._roots: dict[tuple[str, str], bytes] = {}  # (a cache of namespace_root)
 
     def folds(self) -> dict[type[ev.Event], Callable[[Any], RefChange | None]]:
         return {
             ev.StepStarted: self._on_step_started,
-            ev.RequestArrived: self._on_arrived,
+            ev.RequestArrived: self.arrival_fold,
             ev.StepExecuted: self._on_executed,
             ev.StepFailed: self._on_step_failed,
             ev.SequenceAdmitted: self._on_admitted,
@@ -92,7 +98,6 @@ class SequenceTable(RowTable):
             ev.SequencePreempted: self._on_preempted,
             ev.SequenceFinished: self._on_finished,
             ev.SequenceAborted: self._on_aborted,
-            ev.SessionClosed: self._on_session_closed,
             ev.Drained: self._on_drained,
             ev.CheckpointReserved: self._on_ckpt_reserved,
             ev.CheckpointPinned: self._on_ckpt_pinned,
@@ -102,12 +107,6 @@ class SequenceTable(RowTable):
 
     # ------------------------------------------------------------------------- queries
 
-    def seq(self, seq_id: int) -> Seq:
-        try:
-            return self.seqs[seq_id]
-        except KeyError:
-            raise ReplayMismatch(f"sequence {seq_id} is not live") from None
-
     def root_for(self, adapter: str, salt: str) -> bytes:
         key = (adapter, salt)
         root = self._roots.get(key)
@@ -116,79 +115,30 @@ class SequenceTable(RowTable):
             self._roots[key] = root
         return root
 
-    def block_table(self, seq: Seq) -> np.ndarray:
-        """A live sequence's block table: its row's, or, while it loads without a row, the
-        blocks it holds (``Seq.held``)."""
-        return self.blocks_of(seq.row) if seq.row != FREE_ROW else seq.held
-
-    def rowless_holders(self) -> list[np.ndarray]:
-        """The blocks held by loads without a row (for the reference-count check)."""
-        return [s.held for s in self.seqs.values() if len(s.held)]
-
-    def history_len(self, session_id: int) -> int:
-        history = self.history.get(session_id)
-        return 0 if history is None else len(history.tokens)
-
-    def path_blocks(self, seq: Seq, lo: int, hi: int) -> np.ndarray:
-        """Blocks [lo, hi) of the sequence's chain: its block table, with the cached block in
-        place of its MTP private copy (a copy of the table entries)."""
-        blocks = self.table[seq.row, lo:hi].copy()
-        if seq.overlap_block and lo <= seq.overlap_at < hi:
-            blocks[seq.overlap_at - lo] = seq.overlap_block
-        return blocks
-
-    def held_blocks(self, seq: Seq) -> np.ndarray:
-        """Every block the sequence holds a reference on, in chain order (a cached MTP overlap
-        block just before its private copy; none of a pinned checkpoint's path)."""
-        if seq.row == FREE_ROW:
-            return seq.held  # (a load without a row)
-        held = self.blocks_of(seq.row)[seq.n_pinned :]
-        if not seq.overlap_block:
-            return held
-        return np.insert(held, seq.overlap_at - seq.n_pinned, seq.overlap_block)
-
     def identity_at(self, seq: Seq, step: int) -> tuple[bytes, bytes]:
-        """(identity, anchor) of the state after ``step`` tokens of ``seq``."""
-        if seq.row != FREE_ROW and step > seq.n_tokens:
-            self.flush(seq.row)  # the tail tokens it names were sampled since the last flush
-        last = self._identity
-        if last is not None and last[0] is seq and last[1] == step and step <= seq.n_tokens:
-            return last[2]  # (tokens and digests up to step never change once known)
-        out = checkpoint_identity(
-            seq.root, seq.hashes, seq.tokens, seq.mm_spans, step, self.block_size
-        )
-        self._identity = (seq, step, out)
-        return out
-
-    def prepare_arrival(self, e: ev.RequestArrived) -> int | None:
-        """Compute an arrival's tokens and block digests ahead of its fold (which takes them),
-        for the policy's check of the request. Returns the prompt's largest token id (read
-        as unsigned: a negative id is larger than any vocabulary) when the hashing pass read
-        every prompt token, else None (the check then reads them itself)."""
-        arrival = self._arrival(e)
-        self._prepared = (e, arrival)
-        return arrival.top
-
-    def _rows(self, seq_ids: np.ndarray) -> np.ndarray:
-        try:
-            return self.rows_of(seq_ids)
-        except KeyError as exc:
-            raise ReplayMismatch(f"work scheduled for {exc.args[0]}") from exc
+        """(identity, anchor) of the state after ``step`` tokens of ``seq`` (a pure query:
+        tokens sampled since the last flush are read from the row's tail, not copied)."""
+        tokens = self.tokens_upto(seq, step)
+        bs = self.block_size
+        return checkpoint_identity(seq.root, seq.hashes, tokens, seq.mm_spans, step, bs)
 
     # ------------------------------------------------------------------ input folds
 
     def _on_step_started(self, e: ev.StepStarted) -> None:
         self.step = e.step
 
-    def _arrival(self, e: ev.RequestArrived) -> _Arrival:
+    def arrival(self, e: ev.RequestArrived) -> Arrival:
         """An arrival's tokens (a session's history first), its multimodal spans in those
-        tokens' positions, and the digests of its full blocks."""
+        tokens' positions, and the digests of its full blocks (a pure query: the engine
+        computes it once for the policy's check, ``Arrival.top``, and hands it to the fold).
+        ``top`` is the prompt's largest token id (read as unsigned: a negative id is larger
+        than any vocabulary) when the hashing pass read every prompt token, else None."""
         # The prompt is kept as a read-only view, not copied (an event is an immutable value:
         # its arrays must not change once given to the engine); decoding grows it into a copy.
         prompt = np.asarray(e.prompt, dtype=np.int32).view()
         prompt.flags.writeable = False
         root = self.root_for(e.adapter, e.cache_salt)
-        history = self.history.get(e.session_id) if e.session_id >= 0 else None
+        history = self._history.get(e.session_id) if e.session_id >= 0 else None
         if history is None:
             tokens, offset, spans = prompt, 0, e.mm_spans
         else:
@@ -202,13 +152,14 @@ class SequenceTable(RowTable):
                 )
             if history.root != root:
                 history = None  # (another namespace: none of its digests apply)
-        hashes, first, top = self._chain(e, root, tokens, spans, history)
-        return _Arrival(tokens, spans, root, hashes, top if first <= offset else None)
+        bs = self.block_size
+        hashes, first, top = _chain(self.identity, bs, e, root, tokens, spans, history)
+        return Arrival(tokens, spans, root, hashes, top if first <= offset else None)
 
-    def _on_arrived(self, e: ev.RequestArrived) -> None:
-        prepared, self._prepared = self._prepared, None
-        arrival = prepared[1] if prepared is not None and prepared[0] is e else self._arrival(e)
-        tokens, spans, root, hashes, _ = arrival
+    def arrival_fold(self, e: ev.RequestArrived, arrival: Arrival | None = None) -> None:
+        """The fold of ``RequestArrived``: with its ``arrival`` when the caller computed it
+        (``EngineState.apply_arrival``), else computing it."""
+        tokens, spans, root, hashes, _ = self.arrival(e) if arrival is None else arrival
         seq = Seq(
             seq_id=e.seq_id,
             tokens=tokens,
@@ -231,28 +182,6 @@ class SequenceTable(RowTable):
         self.seqs[seq.seq_id] = seq
         self.waiting[seq.seq_id] = seq
 
-    def _chain(
-        self, e: ev.RequestArrived, root: bytes, tokens: np.ndarray,
-        spans: tuple[ev.MultimodalSpan, ...], history: History | None,
-    ) -> tuple[HashChain, int, int | None]:
-        """The digests of a new sequence's full blocks: the caller's (``e.block_hashes``), else
-        the history's (its namespace is unchanged, and new spans lie past it, so they cannot
-        change those blocks), then one kernel call for the rest; with the first token that
-        call read and the largest token id it saw (``chain_and_max``)."""
-        bs = self.block_size
-        known: HashChain | None = None  # (the common case: every block is computed here)
-        if e.block_hashes:
-            known = HashChain(e.block_hashes)
-        elif history is not None:
-            known = history.hashes.prefix(len(history.tokens) // bs)
-        keep = len(known) if known is not None else 0
-        parent = known.last(root) if known is not None else root
-        extras = span_extras(spans, bs, keep, len(tokens) // bs) if spans else None
-        rest, top = chain_and_max(
-            self.identity, root, parent, tokens[keep * bs :] if keep else tokens, bs, keep, extras
-        )
-        return (known.extended(rest) if known is not None else HashChain(rest)), keep * bs, top
-
     def _on_executed(self, e: ev.StepExecuted) -> None:
         rows, starts, ends = self.take_pending()
         if len(e.routed_experts) and len(rows):
@@ -266,11 +195,13 @@ class SequenceTable(RowTable):
                 seq.num_failures = 0
                 self.failures[row] = 0
         if len(e.seq_ids):
-            # The outcome names the samplers, usually in plan order (then no lookup is needed).
-            if not np.array_equal(self.row_seq[sampling], e.seq_ids):
+            # The outcome names the samplers, usually in plan order (then no lookup is needed,
+            # and the answer is remembered for the next ``rows_of(e.seq_ids)``).
+            if np.array_equal(self.row_seq[sampling], e.seq_ids):
+                self.remember_rows(e.seq_ids, sampling)
+            else:
                 sampling = self.rows_of(e.seq_ids)
             self._append_sampled(sampling, e.tokens)
-        self.sampled_rows = sampling if len(e.seq_ids) else _NO_ROWS
 
     def _record_experts(
         self, rows: np.ndarray, starts: np.ndarray, ends: np.ndarray, flat: np.ndarray
@@ -315,15 +246,15 @@ class SequenceTable(RowTable):
     def _on_admitted(self, e: ev.SequenceAdmitted) -> None:
         seq = self.seq(e.seq_id)
         seq.num_hit_tokens = 0  # (until this admission's PrefixMatched, if any)
-        self.activate(seq, e.row, e, SeqEvent.admit)
+        self.activate(seq, e.row, e)
         self.waiting.pop(e.seq_id, None)
 
     def _on_load_admitted(self, e: ev.KVLoadAdmitted) -> None:
         seq = self.seq(e.seq_id)
-        if e.row == FREE_ROW:  # no batch row: it holds only what it loads (Seq.held)
-            seq.fire(e, SeqEvent.begin_load)
+        if e.row == FREE_ROW:  # no batch row: it holds only what it loads (LoadHoldings)
+            seq.fire(e)
         else:
-            self.activate(seq, e.row, e, SeqEvent.begin_load)
+            self.activate(seq, e.row, e)
             self.saved[e.row] = e.num_blocks  # the store has them
         self.waiting.pop(e.seq_id, None)
 
@@ -335,7 +266,7 @@ class SequenceTable(RowTable):
             return
         if e.row != FREE_ROW or e.num_blocks > self.nblocks[row]:
             raise ReplayMismatch(f"sequence {e.seq_id}: load settled beyond its blocks")
-        seq.fire(e, SeqEvent.load_settled)
+        seq.fire(e)
         self.row_state[row] = seq.state
         self.loading[row] = False
         if seq.num_preemptions == 0:  # what the store brought past the local prefix
@@ -346,11 +277,14 @@ class SequenceTable(RowTable):
 
     def _settle_into_row(self, seq: Seq, e: ev.KVLoadSettled) -> None:
         """A load without a row is admitted: it takes row ``e.row`` with the blocks it holds
-        and runs from its first ``e.num_blocks`` (the rest are recomputed in place)."""
-        held, cached = seq.held, seq.held_cached
-        if e.row == FREE_ROW or not cached <= e.num_blocks <= len(held):
+        (``LoadHoldings``, which forgets them after this fold) and runs from its first
+        ``e.num_blocks`` (the rest are recomputed in place)."""
+        holdings = self._holdings
+        held, cached = holdings.blocks_of(seq.seq_id), holdings.cached_of(seq.seq_id)
+        rowless = holdings.is_rowless(seq.seq_id)
+        if not rowless or e.row == FREE_ROW or not cached <= e.num_blocks <= len(held):
             raise ReplayMismatch(f"sequence {e.seq_id}: load settled beyond its blocks")
-        self.activate(seq, e.row, e, SeqEvent.load_settled)
+        self.activate(seq, e.row, e)
         if seq.num_preemptions == 0:  # what the store brought past the local prefix
             seq.cached_external = (e.num_blocks - cached) * self.block_size
         row, n = e.row, len(held)
@@ -359,205 +293,12 @@ class SequenceTable(RowTable):
         self.registered[row] = cached
         self.computed[row] = e.num_blocks * self.block_size
         self.saved[row] = e.num_blocks  # the store has them (or the local cache had them)
-        seq.held, seq.held_cached = NO_BLOCKS, 0
-
-    def _on_matched(self, e: ev.PrefixMatched) -> RefChange | None:
-        seq = self.seq(e.seq_id)
-        row, k = seq.row, len(e.blocks)
-        if row == FREE_ROW:
-            return self._hold_prefix(seq, e)
-        if self.nblocks[row]:
-            raise ReplayMismatch(f"sequence {e.seq_id}: prefix match outside admission")
-        self._check_prefix(seq, e.blocks)
-        change = None
-        if e.ckpt_id >= 0:
-            if seq.pinned_ckpt != e.ckpt_id:
-                raise ReplayMismatch(f"sequence {e.seq_id}: prefix of an unpinned checkpoint")
-            seq.n_pinned = k  # covered by the checkpoint's references
-        elif k:
-            change = RefChange(attach=(e.blocks,))
-        if e.overlap_block:
-            change = self._hold_overlap(seq, k, e.overlap_block, change)
-        self.table[row, :k] = e.blocks
-        if seq.want_experts and k:
-            seq.n_experts = 0
-            experts = self._pool.experts
-            seq.record_experts(0, np.concatenate([experts[b] for b in e.blocks.tolist()]))
-        self.nblocks[row] = k
-        self.computed[row] = e.num_tokens
-        self.registered[row] = k
-        self.saved[row] = max(int(self.saved[row]), k)  # matched blocks need no save
-        seq.num_hit_tokens = e.num_tokens
-        seq.kv_hit_tokens = max(e.kv_hit_tokens, 0)
-        if e.num_query_tokens:  # the first admission (re-admissions query nothing)
-            if e.ckpt_id >= 0:
-                seq.cached_checkpoint = e.num_tokens
-            else:
-                seq.cached_local = e.num_tokens
-        return change
-
-    def _check_prefix(self, seq: Seq, blocks: np.ndarray) -> None:
-        k = len(blocks)
-        if k and self._pool.hash_of[blocks.item(-1)] != seq.hashes[k - 1]:
-            raise ReplayMismatch(f"sequence {seq.seq_id}: matched blocks of another prefix")
-
-    def _hold_prefix(self, seq: Seq, e: ev.PrefixMatched) -> RefChange | None:
-        """A load without a row attaches its local prefix to itself (``Seq.held``)."""
-        loading = seq.state == SeqState.LOADING_KV
-        if not loading or len(seq.held) or e.ckpt_id >= 0 or e.overlap_block:
-            raise ReplayMismatch(f"sequence {e.seq_id}: prefix match outside admission")
-        self._check_prefix(seq, e.blocks)
-        seq.held = np.array(e.blocks, dtype=np.int32)
-        seq.held_cached = len(e.blocks)
-        seq.num_hit_tokens = e.num_tokens
-        seq.kv_hit_tokens = max(e.kv_hit_tokens, 0)
-        if e.num_query_tokens:  # the first admission (re-admissions query nothing)
-            seq.cached_local = e.num_tokens
-        return RefChange(attach=(e.blocks,)) if len(e.blocks) else None
-
-    def _hold_overlap(
-        self, seq: Seq, at: int, block: int, change: RefChange | None
-    ) -> RefChange:
-        """MTP: the sequence holds the cached block ``block`` of chain index ``at``, which it
-        recomputes into a private block."""
-        if at >= len(seq.hashes) or self._pool.hash_of[block] != seq.hashes[at]:
-            raise ReplayMismatch(f"sequence {seq.seq_id}: overlap block {block} of another chain")
-        seq.overlap_block, seq.overlap_at = block, at
-        attach = (np.asarray([block], dtype=np.int32),)
-        return RefChange(attach=(change.attach if change else ()) + attach)
-
-    # ------------------------------------------------------------------ block folds
-
-    def _on_allocated(self, e: ev.BlocksAllocated) -> None:
-        if len(e.seq_ids) == 1:  # one sequence (an admission): no row lookup table
-            if e.counts.item(0) != len(e.blocks):
-                raise ReplayMismatch(f"allocation of {len(e.blocks)} blocks counted otherwise")
-            self._grow_table(e.seq_ids.item(0), e.blocks)
-            return
-        if len(e.seq_ids) == len(e.blocks):  # one block each (decode growth): vectorised
-            rows = self._rows(e.seq_ids)
-            n = self.nblocks[rows]
-            if np.any(n >= self.table.shape[1]):
-                raise ReplayMismatch("a sequence cannot take one more block")
-            self.table[rows, n] = e.blocks
-            self.nblocks[rows] = n + 1
-            return
-        bounds = np.concatenate(([0], np.cumsum(e.counts))).tolist()
-        for i, seq_id in enumerate(e.seq_ids.tolist()):
-            self._grow_table(seq_id, e.blocks[bounds[i] : bounds[i + 1]])
-
-    def _grow_table(self, seq_id: int, blocks: np.ndarray) -> None:
-        seq = self.seq(seq_id)
-        row, k = seq.row, len(blocks)
-        if row == FREE_ROW:
-            self._hold_more(seq, blocks)
-            return
-        n = int(self.nblocks[row])
-        if n + k > self.table.shape[1]:
-            raise ReplayMismatch(f"sequence {seq_id} cannot take {k} more blocks")
-        self.table[row, n : n + k] = blocks
-        self.nblocks[row] = n + k
-
-    def _hold_more(self, seq: Seq, blocks: np.ndarray) -> None:
-        """A load without a row takes the blocks it loads into."""
-        k = len(blocks)
-        if seq.state != SeqState.LOADING_KV or len(seq.held) + k > self.table.shape[1]:
-            raise ReplayMismatch(f"sequence {seq.seq_id} cannot take {k} more blocks")
-        seq.held = np.concatenate((seq.held, blocks)).astype(np.int32)
-
-    def _on_freed(self, e: ev.BlocksFreed) -> RefChange | None:
-        bounds = np.concatenate(([0], np.cumsum(e.counts)))
-        released = []
-        for i, holder in enumerate(e.seq_ids.tolist()):
-            if holder >= 0:
-                blocks = e.blocks[bounds[i] : bounds[i + 1]]
-                self._drop_tail(self.seq(holder), blocks)
-                released.append(blocks)
-        return RefChange(release=tuple(released)) if released else None
-
-    def _drop_tail(self, seq: Seq, blocks: np.ndarray) -> None:
-        row = seq.row
-        if row == FREE_ROW:
-            self._drop_held(seq, blocks)
-            return
-        if seq.overlap_block and seq.overlap_block in blocks.tolist():
-            blocks = self._drop_overlap(seq, blocks)
-        n, k = int(self.nblocks[row]), len(blocks)
-        if k > n or not np.array_equal(self.table[row, n - k : n], blocks):
-            raise ReplayMismatch(f"sequence {seq.seq_id} does not hold {blocks} at its tail")
-        self.set_nblocks(row, n - k)
-        self.registered[row] = min(int(self.registered[row]), n - k)
-        self.computed[row] = min(int(self.computed[row]), (n - k) * self.block_size)
-
-    @staticmethod
-    def _drop_held(seq: Seq, blocks: np.ndarray) -> None:
-        """A load without a row drops the tail of the blocks it holds."""
-        n, k = len(seq.held), len(blocks)
-        if k > n or not np.array_equal(seq.held[n - k :], blocks):
-            raise ReplayMismatch(f"sequence {seq.seq_id} does not hold {blocks} at its tail")
-        seq.held = seq.held[: n - k].copy()
-        seq.held_cached = min(seq.held_cached, n - k)
-
-    def _drop_overlap(self, seq: Seq, blocks: np.ndarray) -> np.ndarray:
-        """A release that includes the sequence's MTP overlap block, just before its private
-        copy in chain order: the table entries it releases (the overlap is held no more)."""
-        at = seq.overlap_at - (int(self.nblocks[seq.row]) - (len(blocks) - 1))
-        if not 0 <= at < len(blocks) or blocks[at] != seq.overlap_block:
-            raise ReplayMismatch(f"sequence {seq.seq_id}: overlap released out of chain order")
-        seq.overlap_block, seq.overlap_at = 0, -1
-        return np.delete(blocks, at)
-
-    def _on_cached(self, e: ev.BlocksCached) -> RefChange:
-        """Each sequence's next computed blocks enter the index (a duplicate's table entry is
-        swapped for the canonical block). That the hashes are the sequence's own is an
-        invariant (``invariants._check_seq``), not re-checked on this hot path."""
-        rows = self._rows(e.seq_ids)
-        starts = e.starts.astype(np.int64)
-        ends = starts + e.counts
-        if not np.array_equal(self.registered[rows], starts) or np.any(
-            ends * self.block_size > self.computed[rows]
-        ):
-            raise ReplayMismatch("blocks cached that are not the next computed ones")
-        if len(rows) == len(e.blocks):  # one block per sequence: the decode case
-            entry_rows, entry_index = rows, starts
-        else:
-            bounds = np.concatenate(([0], np.cumsum(e.counts)))
-            entry_rows = np.repeat(rows, e.counts)
-            entry_index = np.repeat(starts - bounds[:-1], e.counts) + np.arange(len(e.blocks))
-        swapped = np.nonzero(e.replaced > 0)[0]
-        own = e.blocks if not len(swapped) else np.where(e.replaced > 0, e.replaced, e.blocks)
-        if not np.array_equal(self.table[entry_rows, entry_index], own):
-            raise ReplayMismatch("blocks cached that their sequences do not hold")
-        self.registered[rows] = ends
-        if not len(swapped):
-            return RefChange()
-        self.table[entry_rows, entry_index] = e.blocks
-        # One array per swap: two sequences may deduplicate onto the same block.
-        attach = tuple(e.blocks[j : j + 1] for j in swapped.tolist())
-        return RefChange(attach=attach, release=(e.replaced[swapped],))
-
-    def _on_session_held(self, e: ev.SessionBlocksHeld) -> None:
-        """The session takes the sequence's first blocks (the cached chain: an MTP overlap
-        block instead of its private copy, which stays at the head of the table, to be
-        freed with the rest)."""
-        seq = self.seq(e.seq_id)
-        row, k = seq.row, len(e.blocks)
-        n = int(self.nblocks[row])
-        if row == FREE_ROW or k > n or not np.array_equal(self.path_blocks(seq, 0, k), e.blocks):
-            raise ReplayMismatch(f"sequence {e.seq_id} does not hold {e.blocks} at its head")
-        rest = self.table[row, k:n].copy()
-        if seq.overlap_block and seq.overlap_at < k:
-            rest = np.insert(rest, 0, self.table[row, seq.overlap_at])
-            seq.overlap_block, seq.overlap_at = 0, -1
-        self.table[row, : len(rest)] = rest
-        self.set_nblocks(row, len(rest))
-        self.registered[row] = max(0, int(self.registered[row]) - k)
 
     # ------------------------------------------------------------- scheduling folds
 
     def _on_prefill(self, e: ev.PrefillScheduled) -> None:
         rows = self._rows(e.seq_ids)
-        self._fire_rows(e, rows, SeqEvent.schedule_chunk)
+        self._fire_rows(e, rows)
         if not np.array_equal(e.starts, self.computed[rows]) or np.any(e.ends <= e.starts):
             raise ReplayMismatch("a prefill does not start at its computed tokens")
         if np.any(e.ends > self.ntokens[rows]) or np.any(
@@ -568,7 +309,7 @@ class SequenceTable(RowTable):
 
     def _on_decode(self, e: ev.DecodeScheduled) -> None:
         rows = self._rows(e.seq_ids)
-        self._fire_rows(e, rows, SeqEvent.decode)
+        self._fire_rows(e, rows)
         starts = self.computed[rows]
         if np.any(starts != self.ntokens[rows] - 1) or np.any(
             starts >= self.nblocks[rows] * self.block_size
@@ -576,22 +317,29 @@ class SequenceTable(RowTable):
             raise ReplayMismatch("a decode of a sequence that is not decoding or has no block")
         self.add_pending(rows, starts, starts + 1)
 
-    def _fire_rows(self, e: ev.Event, rows: np.ndarray, trigger: SeqEvent) -> None:
-        states = fire_many(SEQUENCE, e, self.row_seq[rows], self.row_state[rows], trigger)
+    def _fire_rows(self, e: ev.Event, rows: np.ndarray) -> None:
+        states = fire_many(SEQUENCE, e, self.row_seq[rows], self.row_state[rows])
         self.row_state[rows] = states
 
     # -------------------------------------------------------------------- endings
 
     def _release_row(self, seq: Seq) -> None:
+        """Free the row of a sequence that leaves it. Its release (``BlocksFreed`` and
+        ``CheckpointUnpinned``, which ``Growth.end`` emits before every end) must come
+        first; a load without a row has none (``LoadHoldings`` checks its blocks)."""
         row = seq.row
-        if (self.nblocks[row] or seq.overlap_block) if row != FREE_ROW else len(seq.held):
-            raise ReplayMismatch(f"sequence {seq.seq_id} left running with blocks held")
-        if row != FREE_ROW:  # (a load without a row has none)
-            self.deactivate(seq)
+        if row == FREE_ROW:
+            return
+        if self.nblocks[row] or seq.overlap_block:
+            raise ReplayMismatch(
+                f"sequence {seq.seq_id} left running with blocks held (its BlocksFreed and "
+                "CheckpointUnpinned must come before its end: Growth.end)"
+            )
+        self.deactivate(seq)
 
     def _on_preempted(self, e: ev.SequencePreempted) -> None:
         seq = self.seq(e.seq_id)
-        seq.fire(e, SeqEvent.preempt)
+        seq.fire(e)
         self._release_row(seq)
         self.waiting[seq.seq_id] = seq
         seq.num_preemptions += 1
@@ -606,11 +354,9 @@ class SequenceTable(RowTable):
             seq = self.seq(seq_id)
             if reported and seq.cached_tokens != tuple(int(c[i]) for c in counts):
                 raise ReplayMismatch(f"sequence {seq_id}: cached-token counts not its own")
-            seq.fire(e, SeqEvent.finish)
+            seq.fire(e)
             seq.finish_reason = reason
             self._release_row(seq)
-            if seq.session_id >= 0:
-                self._keep_history(seq)
             self._retire(seq)
 
     def _on_aborted(self, e: ev.SequenceAborted) -> None:
@@ -620,28 +366,15 @@ class SequenceTable(RowTable):
             raise ReplayMismatch(f"sequence {e.seq_id}: cached-token counts not its own")
         if seq.state != SeqState.WAITING:  # running, or a load whose transfer ended
             self._release_row(seq)
-        seq.fire(e, SeqEvent.abort)
+        seq.fire(e)
         seq.finish_reason = e.reason
-        if e.keep_history:
-            if seq.session_id < 0:
-                raise ReplayMismatch(f"sequence {e.seq_id}: a kept turn outside a session")
-            self._keep_history(seq)
         self._retire(seq)
-
-    def _keep_history(self, seq: Seq) -> None:
-        """The session continues from this turn: its tokens (outputs included) and digests."""
-        self.history[seq.session_id] = History(
-            seq.token_view().copy(), seq.hashes, seq.root, seq.mm_spans
-        )
 
     def _retire(self, seq: Seq) -> None:
         """A terminal sequence leaves the table (its history stays in the event log)."""
         self.waiting.pop(seq.seq_id, None)
         del self.seqs[seq.seq_id]
         self.num_finished += 1
-
-    def _on_session_closed(self, e: ev.SessionClosed) -> None:
-        self.history.pop(e.session_id, None)
 
     def _on_drained(self, e: ev.Drained) -> None:
         if self.num_running:
@@ -687,7 +420,6 @@ class SequenceTable(RowTable):
                 s.seq_id, s.state, s.row, s.n_tokens, s.token_view().tobytes(), s.hashes.packed(),
                 s.pinned_ckpt, s.n_pinned, s.num_failures, s.num_preemptions, s.preempted_at,
                 s.num_hit_tokens, s.n_experts, s.cached_tokens, s.overlap_block, s.overlap_at,
-                s.held.tobytes(), s.held_cached,
             )
             for s in self.seqs.values()
         )
@@ -700,10 +432,29 @@ class SequenceTable(RowTable):
             )
         )
         pending = tuple((r.tobytes(), s.tobytes(), e.tobytes()) for r, s, e in self._pending)
-        history = tuple(
-            (k, h.tokens.tobytes(), h.hashes.packed(), h.root) for k, h in self.history.items()
-        )
         return (
-            seqs, arrays, tuple(self.free_rows), tuple(self.waiting), history, pending,
+            seqs, arrays, tuple(self.free_rows), tuple(self.waiting), pending,
             self.pending_step, tuple(self.failed), self.num_finished, self.step,
         )
+
+
+def _chain(
+    identity: str, bs: int, e: ev.RequestArrived, root: bytes, tokens: np.ndarray,
+    spans: tuple[ev.MultimodalSpan, ...], history: History | None,
+) -> tuple[HashChain, int, int | None]:
+    """The digests of a new sequence's full blocks: the caller's (``e.block_hashes``), else
+    the history's (its namespace is unchanged, and new spans lie past it, so they cannot
+    change those blocks), then one kernel call for the rest; with the first token that
+    call read and the largest token id it saw (``chain_and_max``)."""
+    known: HashChain | None = None  # (the common case: every block is computed here)
+    if e.block_hashes:
+        known = HashChain(e.block_hashes)
+    elif history is not None:
+        known = history.hashes.prefix(len(history.tokens) // bs)
+    keep = len(known) if known is not None else 0
+    parent = known.last(root) if known is not None else root
+    extras = span_extras(spans, bs, keep, len(tokens) // bs) if spans else None
+    rest, top = chain_and_max(
+        identity, root, parent, tokens[keep * bs :] if keep else tokens, bs, keep, extras
+    )
+    return (known.extended(rest) if known is not None else HashChain(rest)), keep * bs, top

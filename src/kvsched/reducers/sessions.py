@@ -4,20 +4,30 @@ A session opens with its first turn's arrival and closes with ``SessionClosed``.
 turns an attention-only model's session holds one reference on the full blocks of its last
 turn (``SessionBlocksHeld``), so the next turn hits them; the hold is dropped when the next
 turn is admitted, when memory is reclaimed or when the session closes. ``last_used`` is the
-step of the session's latest arrival or turn end. The history tokens themselves belong to
-``SequenceTable`` (which owns tokens and hash chains).
+step of the session's latest arrival or turn end.
+
+It also keeps each session's history (``History``: every token of its finished turns, their
+block digests, namespace root and multimodal spans), which the next turn's arrival
+continues: a turn that finishes (or is aborted with ``keep_history``) becomes the history,
+read from the sequence table as the turn ends (this owner folds before that table retires
+it); ``SessionClosed`` drops it. The sequence table reads the history (``history``), and
+never writes it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, ItemsView, Iterator, ValuesView
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import numpy as np
 
 from kvsched.events import types as ev
 from kvsched.reducers.errors import RefChange, ReplayMismatch
+from kvsched.reducers.seq import History
+
+if TYPE_CHECKING:
+    from kvsched.reducers.sequences import SequenceTable
 
 _NONE = np.zeros(0, dtype=np.int32)
 
@@ -35,6 +45,12 @@ class SessionTable:
         self.sessions: dict[int, Session] = {}
         self._of_seq: dict[int, int] = {}  # active sequence -> its session
         self.step = 0
+        self.history: dict[int, History] = {}  # session id -> its finished turns
+        self._seqs: SequenceTable | None = None  # read at a turn's end (``bind``)
+
+    def bind(self, seqs: SequenceTable) -> None:
+        """The sequence table whose ending turns this table reads (it reads this history)."""
+        self._seqs = seqs
 
     def folds(self) -> dict[type[ev.Event], Callable[[Any], RefChange | None]]:
         return {
@@ -70,6 +86,10 @@ class SessionTable:
 
     def items(self) -> ItemsView[int, Session]:
         return self.sessions.items()
+
+    def history_len(self, session_id: int) -> int:
+        history = self.history.get(session_id)
+        return 0 if history is None else len(history.tokens)
 
     def holders(self) -> list[np.ndarray]:
         return [s.held for s in self.sessions.values() if len(s.held)]
@@ -124,11 +144,26 @@ class SessionTable:
             session.active_seq = -1
             session.last_used = self.step
 
+    def _keep_history(self, seq_id: int) -> None:
+        """The session continues from this turn: its tokens (outputs included, read without
+        flushing the row) and digests."""
+        assert self._seqs is not None, "SessionTable.bind(seqs) first"
+        seqs = self._seqs
+        seq = seqs.seq(seq_id)
+        if seq.session_id < 0:
+            raise ReplayMismatch(f"sequence {seq_id}: a kept turn outside a session")
+        tokens = seqs.tokens_upto(seq, seqs.num_tokens(seq)).copy()
+        self.history[seq.session_id] = History(tokens, seq.hashes, seq.root, seq.mm_spans)
+
     def _on_finished(self, e: ev.SequenceFinished) -> None:
         for seq_id in e.seq_ids.tolist():
+            if seq_id in self._of_seq:  # (a turn of a session)
+                self._keep_history(seq_id)
             self._end_turn(seq_id)
 
     def _on_aborted(self, e: ev.SequenceAborted) -> None:
+        if e.keep_history:
+            self._keep_history(e.seq_id)
         self._end_turn(e.seq_id)
 
     def _on_closed(self, e: ev.SessionClosed) -> None:
@@ -136,6 +171,7 @@ class SessionTable:
         if len(session.held) or session.active_seq >= 0:
             raise ReplayMismatch(f"session {e.session_id} closed while holding resources")
         del self.sessions[e.session_id]
+        self.history.pop(e.session_id, None)
 
     def _on_drained(self, e: ev.Drained) -> None:
         if self.holders():
@@ -154,9 +190,21 @@ class SessionTable:
                 return f"session {session.session_id}: its active turn is not indexed"
         if len(self._of_seq) != sum(s.active_seq >= 0 for s in self.sessions.values()):
             return "the active-turn index has entries of no open session"
+        for session_id, history in self.history.items():
+            if session_id not in self.sessions:
+                return f"history kept for closed session {session_id}"
+            if len(history.hashes) > len(history.tokens) // self._block_size():
+                return f"session {session_id}: its history has digests past its tokens"
         return None
 
+    def _block_size(self) -> int:
+        return 1 if self._seqs is None else self._seqs.block_size
+
     def snapshot(self) -> tuple[object, ...]:
-        return tuple(
+        sessions = tuple(
             (k, s.held.tobytes(), s.active_seq, s.last_used) for k, s in self.sessions.items()
         )
+        history = tuple(
+            (k, h.tokens.tobytes(), h.hashes.packed(), h.root) for k, h in self.history.items()
+        )
+        return sessions, history

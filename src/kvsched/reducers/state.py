@@ -7,9 +7,11 @@ returns to the block pool. Nothing here folds anything itself: this class dispat
 answers a few cross-owner queries, and checks the cross-owner invariants
 (``reducers/invariants.py``).
 
-Owner order (every event visits its owners in this order, so an owner that validates or
-reads another's data runs before the owner it reads is changed):
-serving, transfers, sessions, seqs, ckpts, pool, work, stats, turns.
+Owner order: every event visits its owners in ``OWNER_ORDER``. The order is not free: an
+owner that checks an event must fold it before the owners that act on it, and an owner that
+reads another's data must fold before (or after) that owner changes it. Each such constraint
+is declared, with its reason, in ``OWNER_AFTER`` (owner -> the owners it must follow); the
+order is checked against them when this module is imported (``check_owner_order``).
 """
 
 from __future__ import annotations
@@ -25,8 +27,9 @@ from kvsched.reducers import invariants
 from kvsched.reducers.blocks import BlockPool
 from kvsched.reducers.checkpoints import CheckpointTable
 from kvsched.reducers.errors import InvariantError, RefChange, ReplayMismatch
+from kvsched.reducers.holdings import LoadHoldings
 from kvsched.reducers.inputs import validate_inputs
-from kvsched.reducers.sequences import Seq, SequenceTable
+from kvsched.reducers.sequences import Arrival, Seq, SequenceTable
 from kvsched.reducers.sessions import SessionTable
 from kvsched.reducers.stats import Stats
 from kvsched.reducers.transfers import TransferTable
@@ -36,8 +39,60 @@ from kvsched.reducers.work import Serving, StepWork
 __all__ = ["EngineState", "InvariantError", "ReplayMismatch"]
 
 OWNER_ORDER = (
-    "serving", "transfers", "sessions", "seqs", "ckpts", "pool", "work", "stats", "turns"
+    "serving", "transfers", "sessions", "seqs", "holdings", "ckpts", "pool", "work", "stats",
+    "turns",
 )
+
+# owner -> {owner it must fold after: why}. Everything the order must respect, and nothing else.
+OWNER_AFTER: dict[str, dict[str, str]] = {
+    "serving": {},
+    "transfers": {},
+    "sessions": {},
+    "seqs": {
+        "transfers": "transfers refuses a sequence that leaves while its load is in flight, "
+        "before the sequence table retires it",
+        "sessions": "sessions keeps an ending turn's tokens as the session's history, reading "
+        "the sequence the sequence table then retires",
+    },
+    "holdings": {
+        "seqs": "a rowless load settled into a row: the sequence table copies the blocks it "
+        "held into the row before the holdings forget them",
+    },
+    "ckpts": {
+        "seqs": "the sequence table checks that a checkpoint reserved, pinned or unpinned is its "
+        "sequence's state before the checkpoint table records it",
+    },
+    "pool": {
+        "ckpts": "a reservation reads its anchor's path from the prefix index before the pool "
+        "takes the frozen copy of its partial block",
+    },
+    "work": {
+        "seqs": "step work reads the row an admission or a settled load was given",
+        "ckpts": "step work reads the slot of a checkpoint reserved or pinned",
+    },
+    "stats": {},
+    "turns": {
+        "seqs": "the turn reads the known tokens of the rows a prefill schedules, after the "
+        "sequence table checked the chunk",
+    },
+}
+
+
+def check_owner_order(order: Sequence[str], after: dict[str, dict[str, str]]) -> None:
+    """Raise TypeError if ``order`` does not name each declared owner once, or puts an owner
+    before one it must follow (naming both and the reason)."""
+    if sorted(order) != sorted(after) or len(set(order)) != len(order):
+        raise TypeError(f"owner order {list(order)} does not name each owner of {sorted(after)}")
+    position = {name: i for i, name in enumerate(order)}
+    for owner, earlier in after.items():
+        for first, why in earlier.items():
+            if first not in position:
+                raise TypeError(f"{owner} must follow {first}, which is no owner")
+            if position[first] > position[owner]:
+                raise TypeError(f"owner order: {owner} must fold after {first} ({why})")
+
+
+check_owner_order(OWNER_ORDER, OWNER_AFTER)
 
 # Inputs that change no state by themselves: the policy answers them with decisions.
 STATELESS_INPUTS: tuple[type[ev.Event], ...] = (
@@ -61,16 +116,23 @@ class EngineState:
         costs = (config.checkpoint_cost(False), config.checkpoint_cost(True))
         self.serving = Serving()
         self.pool = BlockPool(config.num_blocks, bs)
-        self.seqs = SequenceTable(
-            config.model, config.max_batch, max_blocks, bs, self.pool, config.identity
-        )
         self.sessions = SessionTable()
+        self.holdings = LoadHoldings(max_blocks)
+        self.seqs = SequenceTable(
+            config.model, config.max_batch, max_blocks, bs, self.pool, config.identity,
+            self.sessions.history, self.holdings,
+        )
+        self.sessions.bind(self.seqs)
         self.ckpts = CheckpointTable(config.max_batch, slots, bs, self.pool, capacity, costs)
         self.transfers = TransferTable(self.seqs)
         self.stats = Stats(block_size=bs)
         self.work = StepWork(self.seqs, self.ckpts, self.stats, config.hybrid)
         self.turns = Turns(config, self.seqs)
         self._routes = self._build_routes()
+        seqs_fold = self.seqs.arrival_fold
+        self._arrival_route: tuple[tuple[Callable[..., RefChange | None], bool], ...] = tuple(
+            (h, h == seqs_fold) for h in self._routes[ev.RequestArrived]
+        )
 
     def _build_routes(self) -> dict[type[ev.Event], tuple[Handler, ...]]:
         routes: dict[type[ev.Event], list[Handler]] = {}
@@ -98,6 +160,18 @@ class EngineState:
             change = handler(event)
             if change is not None:
                 pool.apply(change)
+
+    def arrival(self, e: ev.RequestArrived) -> Arrival:
+        """An arrival's tokens and block digests (a pure query; ``apply_arrival`` takes it)."""
+        return self.seqs.arrival(e)
+
+    def apply_arrival(self, e: ev.RequestArrived, arrival: Arrival) -> None:
+        """``apply(e)`` with the arrival's tokens and digests already computed (``arrival``):
+        the prompt is hashed once for the policy's check and the fold."""
+        for handler, takes_arrival in self._arrival_route:
+            change = handler(e, arrival) if takes_arrival else handler(e)
+            if change is not None:
+                self.pool.apply(change)
 
     def check_inputs(self, inputs: Sequence[ev.Event]) -> list[ev.Event]:
         """The step's inputs in the order they are applied, after checking every one of them
@@ -130,7 +204,7 @@ class EngineState:
             seq = t.objs[row]
             assert seq is not None
             held.append(t.held_blocks(seq))
-        held.extend(self.seqs.rowless_holders())
+        held.extend(self.holdings.holders())
         held.extend(self.sessions.holders())
         held.extend(self.ckpts.holders())
         held.extend(self.transfers.lease_holders())
@@ -157,6 +231,7 @@ class EngineState:
             self.serving.snapshot(),
             self.pool.snapshot(),
             self.seqs.snapshot(),
+            self.holdings.snapshot(),
             self.sessions.snapshot(),
             self.ckpts.snapshot(),
             self.transfers.snapshot(),

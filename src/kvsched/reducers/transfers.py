@@ -6,7 +6,7 @@ READY | FAILED; or CANCELLED. Records of terminal loads stay until the sequence 
 (a FAILED record survives a preemption, so the sequence does not try the store again). A
 load that ended waits to be settled (``KVLoadSettled``): at once when it holds a batch row,
 when it is admitted into one when it holds none (``ready_loads``). The blocks a load without
-a row holds are its sequence's (``SequenceTable``, ``Seq.held``), not this table's.
+a row holds are ``LoadHoldings``', not this table's.
 
 A lease is what a save in flight holds: one pool reference on each block of the sequence's
 prefix up to the last block it saves (not only the blocks it reads: a cached block never
@@ -34,9 +34,7 @@ from kvsched.reducers.sequences import SequenceTable
 from kvsched.statemachines import (
     KVLOAD,
     KVSAVE,
-    LoadEvent,
     LoadState,
-    SaveEvent,
     SaveState,
     SeqState,
     fire,
@@ -65,8 +63,9 @@ class KVLoad:
     # asked again (it holds and reserves nothing).
     retired: bool = False
 
-    def fire(self, event: ev.Event, trigger: LoadEvent) -> None:
-        self.state = fire(KVLOAD, event, self.seq_id, self.state, trigger)
+    def fire(self, event: ev.Event) -> None:
+        """Fire the trigger ``event`` fires on a load (statemachines/triggers.py)."""
+        self.state = fire(KVLOAD, event, self.seq_id, self.state, context=self.first_block)
 
     @property
     def in_flight(self) -> bool:
@@ -102,8 +101,8 @@ class Lease:
     ckpt_id: int = -1
     state: SaveState = SaveState.PENDING
 
-    def fire(self, event: ev.Event, trigger: SaveEvent) -> None:
-        self.state = fire(KVSAVE, event, self.save_id, self.state, trigger)
+    def fire(self, event: ev.Event) -> None:
+        self.state = fire(KVSAVE, event, self.save_id, self.state)
 
 
 class TransferTable:
@@ -191,22 +190,18 @@ class TransferTable:
         load = self.loads.get(e.seq_id)
         if load is None or load.state != LoadState.LOOKUP_PENDING:
             return
-        if e.pending:
-            load.fire(e, LoadEvent.lookup_pending)
-        elif e.num_blocks > load.first_block:
+        load.fire(e)  # (pending, a hit or a miss: triggers.py selects)
+        if not e.pending and e.num_blocks > load.first_block:  # a hit
             load.num_blocks = min(e.num_blocks, load.num_blocks)
-            load.fire(e, LoadEvent.lookup_hit)
-        else:
-            load.fire(e, LoadEvent.lookup_miss)
 
     def _on_load_cancelled(self, e: ev.KVLoadCancelled) -> None:
         load = self._load(e.seq_id)
-        load.fire(e, LoadEvent.cancel)
+        load.fire(e)
         del self.loads[e.seq_id]  # a waiting sequence may look up again later
 
     def _on_load_admitted(self, e: ev.KVLoadAdmitted) -> None:
         load = self._load(e.seq_id)
-        load.fire(e, LoadEvent.admit)
+        load.fire(e)
         load.first_block, load.num_blocks = e.first_block, e.num_blocks
 
     def _on_allocated(self, e: ev.BlocksAllocated) -> None:
@@ -215,7 +210,7 @@ class TransferTable:
         for seq_id in e.seq_ids.tolist():
             load = self.loads.get(seq_id)
             if load is not None and load.state == LoadState.ADMITTED:
-                load.fire(e, LoadEvent.allocate)
+                load.fire(e)
 
     def _on_load_started(self, e: ev.KVLoadStarted) -> None:
         load = self._load(e.seq_id)
@@ -224,17 +219,17 @@ class TransferTable:
         held = self._seqs.block_table(seq)[lo:hi]
         if e.first_block != lo or not np.array_equal(held, e.blocks):
             raise ReplayMismatch(f"sequence {e.seq_id}: load into blocks it does not hold")
-        load.fire(e, LoadEvent.start)
+        load.fire(e)
         load.blocks = np.array(e.blocks, dtype=np.int32)
 
     def _on_load_finished(self, e: ev.KVLoadFinished) -> None:
         load = self._load(e.seq_id)
-        load.fire(e, LoadEvent.finish)
+        load.fire(e)
         load.good_blocks = len(load.blocks)
 
     def _on_load_failed(self, e: ev.KVLoadFailed) -> None:
         load = self._load(e.seq_id)
-        load.fire(e, LoadEvent.fail)
+        load.fire(e)
         load.good_blocks = max(0, min(e.num_good_blocks, len(load.blocks)))
         load.failure = e.reason
         self.failed_loads += 1
@@ -295,7 +290,7 @@ class TransferTable:
         # The lease holds the whole prefix up to the saved blocks, not only them: a cached
         # block must never outlive its parent (the prefix index stays prefix-closed).
         lease = Lease(e.save_id, e.seq_id, held, len(e.blocks), e.ckpt_id)
-        lease.fire(e, SaveEvent.start)
+        lease.fire(e)
         self.leases[e.save_id] = lease
         self.next_save_id += 1
         return RefChange(attach=(held,))
@@ -305,7 +300,7 @@ class TransferTable:
         lease = self.leases.pop(e.save_id, None)
         if lease is None:
             raise ReplayMismatch(f"save {e.save_id} finished but was never started")
-        lease.fire(e, SaveEvent.confirm if e.ok else SaveEvent.fail)
+        lease.fire(e)
         if e.ok:
             self.saved_blocks += lease.num_saved
         else:

@@ -17,7 +17,7 @@ from kvsched.config import SchedulerConfig
 from kvsched.events import types as ev
 from kvsched.reducers.errors import ReplayMismatch
 from kvsched.reducers.sequences import SequenceTable
-from kvsched.statemachines import PREFILL_TURN, TurnEvent, TurnState, fire
+from kvsched.statemachines import PREFILL_TURN, TurnState, fire
 
 Folds = dict[type[ev.Event], Callable[[Any], None]]
 
@@ -39,13 +39,6 @@ INITIAL: dict[str, TurnState] = {
 }
 # Turns that schedule no long prefill.
 GATED: frozenset[TurnState] = frozenset({_T.SHORT_ONLY, _T.LONG_FIRST_IF_FINAL})
-# The trigger that enters each state (besides a fallback).
-ENTERED_BY: dict[TurnState, TurnEvent] = {
-    _T.STANDARD: TurnEvent.no_long_work,
-    _T.SHORT_ONLY: TurnEvent.short_turn,
-    _T.LONG_FIRST: TurnEvent.long_turn,
-    _T.LONG_FIRST_IF_FINAL: TurnEvent.final_long_turn,
-}
 
 
 def turn_name(turn: TurnState) -> str:
@@ -80,8 +73,7 @@ class Turns:
             dest = TurnState[e.turn.upper()]
         except KeyError:
             raise ReplayMismatch(f"unknown prefill turn {e.turn!r}") from None
-        trigger = TurnEvent.fall_back if e.fallback else ENTERED_BY[dest]
-        turn = fire(PREFILL_TURN, e, 0, self.turn, trigger)
+        turn = fire(PREFILL_TURN, e, 0, self.turn, context=dest)
         if turn != dest or turn not in ALLOWED[self.policy]:
             raise ReplayMismatch(f"prefill turn {e.turn!r} under policy {self.policy!r}")
         self.turn = turn

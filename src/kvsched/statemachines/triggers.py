@@ -1,10 +1,13 @@
 """Which domain event fires which machine trigger: declared as data, checked at import.
 
-``EVENT_TRIGGERS[EventType]`` lists, per machine, the triggers that folding one event of that
-type may fire on the entity it concerns (several when the event's content selects one: a
-lookup answer is a hit, a miss or still pending; the guard of ``unpin`` selects its edge).
-Folds never name a trigger of their own: they ask ``fire`` / ``fire_many``, which look the
-trigger up here, so every lifecycle change is traceable to an event type in one table.
+``EVENT_TRIGGERS[EventType]`` names, per machine, the trigger that folding one event of that
+type fires on the entity it concerns: one trigger, or a ``Choice`` of several with the
+selector that picks one from the event's content (a lookup answer is a hit, a miss or still
+pending; a save's answer confirms or fails it; a prefill turn's name says which turn it
+enters). The guard of ``unpin`` then selects its edge from the facts the fold gives. Folds
+never name a trigger of their own: they ask ``fire`` / ``fire_many`` with the event, which
+take the trigger from this table, so every lifecycle change is traceable to an event type
+in one table.
 
 Checked when this module is imported (``check_triggers``):
 
@@ -14,6 +17,7 @@ Checked when this module is imported (``check_triggers``):
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from enum import IntEnum
 from typing import Any, NoReturn, TypeVar, cast
 
@@ -33,11 +37,57 @@ from kvsched.statemachines.machines import (
     SaveEvent,
     SeqEvent,
     TurnEvent,
+    TurnState,
 )
 
-__all__ = ["EVENT_TRIGGERS", "check_triggers", "fire", "fire_many", "triggers_of"]
+__all__ = [
+    "ENTERED_BY", "EVENT_TRIGGERS", "Choice", "check_triggers", "fire", "fire_many",
+    "trigger_for", "triggers_of",
+]
 
 _S, _L, _V, _C, _T = SeqEvent, LoadEvent, SaveEvent, CkptEvent, TurnEvent
+
+# The selector of a Choice: (event, context the fold gives) -> the trigger it fires.
+Selector = Callable[[Any, Any], IntEnum]
+
+
+class Choice(tuple[IntEnum, ...]):
+    """Several triggers one event type may fire on a machine, and the selector that picks
+    one from an event (and the context its fold passes, e.g. a lookup's first block)."""
+
+    select: Selector
+
+    def __new__(cls, select: Selector, *triggers: IntEnum) -> Choice:
+        self = super().__new__(cls, triggers)
+        self.select = select
+        return self
+
+
+def _lookup_answer(e: ev.KVLookupAnswered, first_block: int) -> IntEnum:
+    """Still pending; a hit past the blocks the engine has (``first_block``); else a miss."""
+    if e.pending:
+        return _L.lookup_pending
+    return _L.lookup_hit if e.num_blocks > first_block else _L.lookup_miss
+
+
+def _save_answer(e: ev.KVSaveFinished, _: object) -> IntEnum:
+    return _V.confirm if e.ok else _V.fail
+
+
+# The trigger that enters each prefill turn (besides a fallback).
+ENTERED_BY: dict[TurnState, TurnEvent] = {
+    TurnState.STANDARD: _T.no_long_work,
+    TurnState.SHORT_ONLY: _T.short_turn,
+    TurnState.LONG_FIRST: _T.long_turn,
+    TurnState.LONG_FIRST_IF_FINAL: _T.final_long_turn,
+}
+
+
+def _turn_chosen(e: ev.PrefillTurnChosen, dest: TurnState) -> IntEnum:
+    """A fallback, or the trigger entering the turn the event names (``dest``, which its
+    fold parsed)."""
+    return _T.fall_back if e.fallback else ENTERED_BY[dest]
+
 
 EVENT_TRIGGERS: dict[type[ev.Event], dict[CompiledMachine, tuple[IntEnum, ...]]] = {
     ev.SequenceAdmitted: {SEQUENCE: (_S.admit,)},
@@ -48,14 +98,16 @@ EVENT_TRIGGERS: dict[type[ev.Event], dict[CompiledMachine, tuple[IntEnum, ...]]]
     ev.SequencePreempted: {SEQUENCE: (_S.preempt,)},
     ev.SequenceFinished: {SEQUENCE: (_S.finish,)},
     ev.SequenceAborted: {SEQUENCE: (_S.abort,)},
-    ev.KVLookupAnswered: {KVLOAD: (_L.lookup_hit, _L.lookup_miss, _L.lookup_pending)},
+    ev.KVLookupAnswered: {
+        KVLOAD: Choice(_lookup_answer, _L.lookup_hit, _L.lookup_miss, _L.lookup_pending)
+    },
     ev.KVLoadCancelled: {KVLOAD: (_L.cancel,)},
     ev.BlocksAllocated: {KVLOAD: (_L.allocate,)},
     ev.KVLoadStarted: {KVLOAD: (_L.start,)},
     ev.KVLoadFinished: {KVLOAD: (_L.finish,)},
     ev.KVLoadFailed: {KVLOAD: (_L.fail,)},
     ev.KVSaveStarted: {KVSAVE: (_V.start,), CHECKPOINT: (_C.pin,)},
-    ev.KVSaveFinished: {KVSAVE: (_V.confirm, _V.fail), CHECKPOINT: (_C.unpin,)},
+    ev.KVSaveFinished: {KVSAVE: Choice(_save_answer, _V.confirm, _V.fail), CHECKPOINT: (_C.unpin,)},
     ev.CheckpointPublished: {CHECKPOINT: (_C.publish,)},
     ev.CheckpointAbandoned: {CHECKPOINT: (_C.abandon,)},
     ev.CheckpointPinned: {CHECKPOINT: (_C.pin,)},
@@ -63,8 +115,9 @@ EVENT_TRIGGERS: dict[type[ev.Event], dict[CompiledMachine, tuple[IntEnum, ...]]]
     ev.CheckpointEvicted: {CHECKPOINT: (_C.evict,)},
     ev.CheckpointReleased: {CHECKPOINT: (_C.release,)},
     ev.PrefillTurnChosen: {
-        PREFILL_TURN: (
-            _T.no_long_work, _T.short_turn, _T.long_turn, _T.final_long_turn, _T.fall_back
+        PREFILL_TURN: Choice(
+            _turn_chosen,
+            _T.no_long_work, _T.short_turn, _T.long_turn, _T.final_long_turn, _T.fall_back,
         )
     },
 }
@@ -86,15 +139,35 @@ _EDGES: dict[tuple[type[ev.Event], CompiledMachine, int, int], Any] = {
 }
 
 
+# (event type, machine, source state) -> destination, for an event type that fires a single
+# trigger on the machine by an unguarded edge (``fire``'s common case: one table read).
+_DIRECT: dict[tuple[type[ev.Event], CompiledMachine, int], Any] = {
+    (kind, machine, source): dest
+    for (kind, machine, trigger, source), dest in _EDGES.items()
+    if not isinstance(EVENT_TRIGGERS[kind][machine], Choice)
+}
+
+
 def triggers_of(kind: type[ev.Event], machine: CompiledMachine) -> tuple[IntEnum, ...]:
     return EVENT_TRIGGERS.get(kind, {}).get(machine, ())
 
 
-def _refuse(kind: type[ev.Event], machine: CompiledMachine, trigger: IntEnum) -> NoReturn:
+def _refuse(kind: type[ev.Event], machine: CompiledMachine) -> NoReturn:
     raise MachineDefinitionError(
-            f"{kind.__name__} does not fire {machine.name}.{trigger.name} (statemachines/"
-            "triggers.py declares which event fires which trigger)"
-        )
+        f"{kind.__name__} does not fire a trigger of {machine.name} (statemachines/"
+        "triggers.py declares which event fires which trigger)"
+    )
+
+
+def trigger_for(machine: CompiledMachine, event: ev.Event, context: object = None) -> IntEnum:
+    """The trigger ``event`` fires on ``machine``: the one its type declares, or the one its
+    ``Choice`` selects (from the event and the fold's ``context``)."""
+    triggers = EVENT_TRIGGERS.get(type(event), {}).get(machine)
+    if triggers is None:
+        _refuse(type(event), machine)
+    if isinstance(triggers, Choice):
+        return triggers.select(event, context)
+    return triggers[0]
 
 
 _State = TypeVar("_State", bound=int)
@@ -105,36 +178,38 @@ def fire(
     event: ev.Event,
     entity_id: int,
     state: _State,
-    trigger: IntEnum,
     facts: frozenset[str] = NO_FACTS,
+    context: object = None,
 ) -> _State:
-    """The destination of ``trigger`` for an entity in ``state`` (a member of the machine's
-    state enum, and so is the answer), fired by ``event``."""
-    dest: _State | None = _EDGES.get((type(event), machine, trigger, state))
-    if dest is not None:  # an unguarded edge this event may take: the common case
+    """The destination, for an entity in ``state`` (a member of the machine's state enum,
+    and so is the answer), of the trigger ``event`` fires (``trigger_for``); ``facts`` for a
+    guarded edge, ``context`` for a selector."""
+    dest: _State | None = _DIRECT.get((type(event), machine, state))
+    if dest is not None:  # an unguarded edge of the event's one trigger: the common case
         return dest
-    if (type(event), machine, trigger) not in _ALLOWED:
-        _refuse(type(event), machine, trigger)
+    trigger = trigger_for(machine, event, context)
+    dest = _EDGES.get((type(event), machine, trigger, state))
+    if dest is not None:
+        return cast(_State, dest)
     return cast(_State, machine.next_state(entity_id, state, trigger, facts))
 
 
 def fire_many(
-    machine: CompiledMachine,
-    event: ev.Event,
-    entity_ids: np.ndarray,
-    states: np.ndarray,
-    trigger: IntEnum,
+    machine: CompiledMachine, event: ev.Event, entity_ids: np.ndarray, states: np.ndarray
 ) -> np.ndarray:
-    """Vectorised ``fire`` for unguarded triggers (one table read per entity)."""
-    if (type(event), machine, trigger) not in _ALLOWED:
-        _refuse(type(event), machine, trigger)
-    return machine.next_states(entity_ids, states, int(trigger))
+    """Vectorised ``fire`` for an event type with one unguarded trigger (one table read per
+    entity)."""
+    return machine.next_states(entity_ids, states, int(trigger_for(machine, event)))
 
 
 def check_triggers() -> None:
     """Raise MachineDefinitionError if the map and the machines disagree."""
     for kind, per_machine in EVENT_TRIGGERS.items():
         for machine, triggers in per_machine.items():
+            if len(triggers) != 1 and not isinstance(triggers, Choice):
+                raise MachineDefinitionError(
+                    f"{kind.__name__} names several triggers of {machine.name} and no selector"
+                )
             used = {t.event for t in machine.spec.transitions}
             for trigger in triggers:
                 if not isinstance(trigger, machine.spec.events) or trigger not in used:
