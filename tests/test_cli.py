@@ -1,4 +1,4 @@
-"""``kvsched`` (src/kvsched/cli.py): what a command writes never replaces a file unless asked
+"""``kvsched`` (src/kvsched/cli/): what a command writes never replaces a file unless asked
 (and never its input), ``--report`` is checked before the first step and a failed report still
 prints the run, options that would have no effect are refused, every default is in ``--help``
 and ``verify``'s progress bar has a total."""
@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 
 import kvsched.cli
+import kvsched.cli.logs
+import kvsched.cli.output
 from kvsched.cli import build_parser, main
 
 EARLIER = b"an earlier run's results"
@@ -222,7 +224,7 @@ def failing_report(*args: object) -> None:
 def test_a_report_that_fails_after_the_run_prints_the_summary_then_the_error(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ):
-    monkeypatch.setattr(kvsched.cli, "write_report", failing_report)
+    monkeypatch.setattr(kvsched.cli.output, "write_report", failing_report)
     code, out, err = run(capsys, *demo("--report", str(tmp_path / "report"), "--json"))
     assert code == 2
     assert json.loads(out)["requests"] == 6  # the run's summary, then the error
@@ -232,7 +234,7 @@ def test_a_report_that_fails_after_the_run_prints_the_summary_then_the_error(
 def test_a_sweep_whose_report_fails_prints_every_run_then_the_error(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ):
-    monkeypatch.setattr(kvsched.cli, "write_report", failing_report)
+    monkeypatch.setattr(kvsched.cli.output, "write_report", failing_report)
     trace = str(small_trace(tmp_path))
     argv = ["replay", trace, "--sweep", "cache-blocks=40,80", "--report", str(tmp_path / "r")]
     code, out, err = run(capsys, *argv, "--json", "--quiet")
@@ -378,10 +380,10 @@ def test_the_record_count_stops_at_a_torn_tail_and_at_trailing_zeros(
 ):
     log = demo_log(tmp_path, capsys)
     steps = int(run(capsys, "verify", str(log), "--quiet")[1].split()[0])
-    assert kvsched.cli._count_records(str(log)) == steps
+    assert kvsched.cli.logs.count_records(str(log)) == steps
     with log.open("ab") as f:
         f.write(bytes(4096))
-    assert kvsched.cli._count_records(str(log)) == steps
+    assert kvsched.cli.logs.count_records(str(log)) == steps
     log.write_bytes(log.read_bytes()[: -4096 - 3])
-    assert kvsched.cli._count_records(str(log)) == steps - 1
-    assert kvsched.cli._count_records(str(tmp_path / "missing")) is None
+    assert kvsched.cli.logs.count_records(str(log)) == steps - 1
+    assert kvsched.cli.logs.count_records(str(tmp_path / "missing")) is None

@@ -23,7 +23,7 @@ import kvsched.replay.traces
 from kvsched.events.log import read_log
 from kvsched.replay.verify import verify_log
 
-SRC = Path(kvsched.cli.__file__).parents[1]
+SRC = Path(kvsched.cli.__file__).parents[2]
 CLI = [sys.executable, "-c", "import sys; from kvsched.cli import main; sys.exit(main())"]
 ENV = {**os.environ, "PYTHONPATH": str(SRC)}
 

@@ -53,8 +53,10 @@ def events(draw: st.DrawFn) -> ev.Event:
     bad_fields = draw(st.sets(st.sampled_from(names), max_size=2)) if names else set()
     values = {}
     for field in fields:
-        good, bad = (SPANS_GOOD, SPANS_BAD) if field.type not in GOOD else (
-            GOOD[field.type], BAD[field.type]
+        good, bad = (
+            (SPANS_GOOD, SPANS_BAD)
+            if field.type not in GOOD
+            else (GOOD[field.type], BAD[field.type])
         )
         values[field.name] = draw(st.sampled_from(bad if field.name in bad_fields else good))
     return kind(**values)

@@ -38,7 +38,9 @@ def test_the_readme_worked_step_caches_a_filled_block_and_admits_a_hit():
     cached = d[1]
     assert isinstance(cached, ev.BlocksCached)
     assert (cached.seq_ids.tolist(), cached.starts.tolist(), cached.blocks.tolist()) == (
-        [3], [1], [2]
+        [3],
+        [1],
+        [2],
     )
     seq3 = engine.state.seq(3)
     assert cached.hashes == seq3.hashes[1] and cached.parents == seq3.hashes[0]

@@ -1,6 +1,6 @@
 """The wire schema: msgpack codec for events and step records, and its version.
 
-Schema version 2 (``SCHEMA_VERSION``) encodes every event as a msgpack map of field names with
+Schema version 4 (``SCHEMA_VERSION``) encodes every event as a msgpack map of field names with
 a ``type`` tag (fields at their default value omitted) and numpy arrays as msgpack ext 1
 (dtype string, 4 bytes, then the raw little-endian data; 1-D only). A step record is a map
 ``{step, clock, inputs, decisions, plan}`` where ``plan`` is the step plan's digest

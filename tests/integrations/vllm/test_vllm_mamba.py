@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvsched.integrations.vllm.mamba import MambaLayout
+from kvsched.integrations.vllm.mamba import GroupTables, MambaLayout
 
 BS = 4
 
@@ -54,3 +54,15 @@ def test_vllm_a_save_swaps_blocks_and_the_next_step_copies_the_state_forward():
 def test_vllm_a_restore_that_is_not_block_aligned_cannot_be_expressed():
     with pytest.raises(ValueError, match="cannot be expressed"):
         MambaLayout(10, 4, 1, BS).entries(start=6, end=9, sent=0, runtime=1, restore_from=3)
+
+
+def test_vllm_an_attention_only_model_sends_its_block_table_as_the_one_group():
+    tables = GroupTables(attn_group=0, mamba_groups=[], num_groups=1, layout=None)
+    assert tables.ids([5, 6], 0, 8, 0, 1, {}) == ([5, 6],)
+
+
+def test_vllm_a_hybrid_model_sends_the_table_to_the_attention_group_and_states_to_the_others():
+    layout = MambaLayout(10, 4, 2, BS)
+    tables = GroupTables(attn_group=1, mamba_groups=[0, 2], num_groups=3, layout=layout)
+    ids = tables.ids([5, 6], 8, 10, 0, 1, {1: 3})
+    assert ids == ([0, 13, 11], [5, 6], [0, 16, 14])

@@ -72,3 +72,36 @@ class MambaLayout:
         ids = self.phys[1:].ravel()
         if len(np.unique(ids)) != len(ids):
             raise AssertionError("two state slots share a vLLM block")
+
+
+class GroupTables:
+    """A scheduled sequence's block ids as vLLM sends them: one list per KV cache group,
+    kvsched's block table for the full-attention group and the ``MambaLayout`` entries for
+    each mamba group (attention only: the table alone)."""
+
+    def __init__(
+        self,
+        attn_group: int,
+        mamba_groups: list[int],
+        num_groups: int,
+        layout: MambaLayout | None,
+    ) -> None:
+        self.attn_group = attn_group
+        self.mamba_groups = mamba_groups
+        self.num_groups = num_groups
+        self.layout = layout
+
+    def ids(
+        self, attn: list[int], start: int, end: int, sent: int, slot: int, restore: dict[int, int]
+    ) -> tuple[list[int], ...]:
+        """The lists for a sequence computing ``[start, end)`` whose entries before ``sent``
+        the worker holds; ``slot`` its runtime state slot, ``restore`` checkpoint slot by the
+        runtime slot it is restored into."""
+        if self.layout is None:
+            return (attn,)
+        out: list[list[int]] = [[] for _ in range(self.num_groups)]
+        out[self.attn_group] = attn
+        rows = self.layout.entries(start, end, sent, slot, restore.get(slot, 0))
+        for g, row in zip(self.mamba_groups, rows, strict=True):
+            out[g] = row
+        return tuple(out)

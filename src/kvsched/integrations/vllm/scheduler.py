@@ -25,24 +25,26 @@ from typing import Any
 
 import numpy as np
 from vllm.distributed.kv_events import (
-    AllBlocksCleared,
-    BlockRemoved,
-    BlockStored,
-    EventPublisherFactory,
     KVEventBatch,
 )
-from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 from vllm.v1.core.sched.interface import PauseState, SchedulerInterface
 from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
-from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, FinishReason
+from vllm.v1.engine import EngineCoreOutputs
 from vllm.v1.metrics.stats import PrefixCacheStats, SchedulerStats
 from vllm.v1.request import Request, RequestStatus
 
 from kvsched.engine import Engine, StepResult, create_log
 from kvsched.events import types as ev
 from kvsched.integrations.vllm import config as cfg
-from kvsched.integrations.vllm.kv_events import KVEventTranslator
-from kvsched.integrations.vllm.mamba import MambaLayout
+from kvsched.integrations.vllm.mamba import GroupTables, MambaLayout
+from kvsched.integrations.vllm.outputs import (
+    AdapterMismatch,
+    check_plan,
+    error_output,
+    kv_events,
+    scheduler_stats,
+    token_output,
+)
 from kvsched.integrations.vllm.requests import StopRule, arrival, refusal, stop_reason, stop_rule
 
 logger = logging.getLogger(__name__)
@@ -52,10 +54,6 @@ _STATUS = {
     "stop_token": RequestStatus.FINISHED_STOPPED,
     "length": RequestStatus.FINISHED_LENGTH_CAPPED,
 }
-
-
-class AdapterMismatch(RuntimeError):
-    """kvsched and vLLM disagree about a request (a bug in the adapter or the engine)."""
 
 
 class Scheduler(SchedulerInterface):  # type: ignore[misc]  # (vLLM is untyped here)
@@ -86,11 +84,9 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # (vLLM is untyped h
             self.config, log=log, check_invariants=bool(opts.get("check_invariants"))
         )
         self.max_model_len = self.config.model.max_context
-        self._attn_group, mamba_groups = cfg.groups(kv_cache_config)
-        self._num_groups = len(kv_cache_config.kv_cache_groups)
+        attn_group, mamba_groups = cfg.groups(kv_cache_config)
         self.mamba: MambaLayout | None = None
         if mamba_groups:
-            self._mamba_groups = mamba_groups
             self.mamba = MambaLayout(
                 self.config.num_blocks - 1,
                 self.config.num_state_slots,
@@ -98,6 +94,8 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # (vLLM is untyped h
                 block_size,
             )
             assert self.mamba.num_ids <= kv_cache_config.num_blocks
+        num_groups = len(kv_cache_config.kv_cache_groups)
+        self._tables = GroupTables(attn_group, mamba_groups, num_groups, self.mamba)
         self._zeroing = bool(getattr(kv_cache_config, "needs_kv_cache_zeroing", False))
         self._fresh_blocks: list[int] = []
         self.t0 = time.time()
@@ -120,20 +118,7 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # (vLLM is untyped h
         self._last: StepResult | None = None
         self._prefix_stats = PrefixCacheStats()
         self._events: list[Any] = []
-        self._kv_events = KVEventTranslator(
-            block_size,
-            maybe_convert_block_hash,
-            {
-                "BlockStored": BlockStored,
-                "BlockRemoved": BlockRemoved,
-                "AllBlocksCleared": AllBlocksCleared,
-            },
-        )
-        events_config = getattr(vllm_config, "kv_events_config", None)
-        self._publish = events_config is not None and events_config.enable_kv_cache_events
-        self.kv_event_publisher = EventPublisherFactory.create(
-            events_config, vllm_config.parallel_config.data_parallel_index
-        )
+        self._kv_events, self._publish, self.kv_event_publisher = kv_events(vllm_config, block_size)
         logger.info("kvsched scheduler: %s; event log: %s", self.config, self.log_path)
         if not cfg.has_request_check(vllm_config):
             logger.warning(
@@ -196,7 +181,8 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # (vLLM is untyped h
         running = RequestStatus.RUNNING
         req_ids, new_block_ids = cached.req_ids, cached.new_block_ids
         computed, num_output = cached.num_computed_tokens, cached.num_output_tokens
-        self._check_plan(plan)
+        check_plan(plan)
+        group_ids = self._tables.ids
         restore = dict(plan.state_restore[:, ::-1].tolist()) if len(plan.state_restore) else {}
         runtime = plan.state_slots.tolist()
         for i, (seq_id, start, end, n) in enumerate(
@@ -214,7 +200,7 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # (vLLM is untyped h
             if sent is None:  # new to the worker: its whole table, the hit as computed
                 request.status = running
                 request.num_computed_tokens = start
-                ids = self._ids(tables[i, :n].tolist(), start, end, 0, runtime[i], restore)
+                ids = group_ids(tables[i, :n].tolist(), start, end, 0, runtime[i], restore)
                 new_reqs.append(NewRequestData.from_request(request, ids))
             else:
                 new: tuple[list[int], ...] | None = None
@@ -222,9 +208,9 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # (vLLM is untyped h
                     request.status = running
                     resumed.discard(seq_id)
                     cached.resumed_req_ids.add(name)
-                    new = self._ids(tables[i, :n].tolist(), start, end, 0, runtime[i], restore)
+                    new = group_ids(tables[i, :n].tolist(), start, end, 0, runtime[i], restore)
                 elif n > sent:  # running: only the blocks appended since its last table
-                    new = self._ids(tables[i, sent:n].tolist(), start, end, sent, runtime[i], {})
+                    new = group_ids(tables[i, sent:n].tolist(), start, end, sent, runtime[i], {})
                 if name not in prev:  # (vLLM sends these for requests absent from the last step)
                     cached.all_token_ids[name] = list(request.all_token_ids)
                 req_ids.append(name)
@@ -250,30 +236,6 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # (vLLM is untyped h
         self._finished_ids = set()
         self._prev_scheduled = num_scheduled.keys()
         return out
-
-    def _ids(
-        self, attn: list[int], start: int, end: int, sent: int, slot: int, restore: dict[int, int]
-    ) -> tuple[list[int], ...]:
-        """One block-id list per KV cache group: kvsched's table for the attention group,
-        the state blocks of ``mamba.MambaLayout`` for each mamba group."""
-        if self.mamba is None:
-            return (attn,)
-        out: list[list[int]] = [[] for _ in range(self._num_groups)]
-        out[self._attn_group] = attn
-        rows = self.mamba.entries(start, end, sent, slot, restore.get(slot, 0))
-        for g, row in zip(self._mamba_groups, rows, strict=True):
-            out[g] = row
-        return tuple(out)
-
-    @staticmethod
-    def _check_plan(plan: Any) -> None:
-        if len(plan.copy_blocks) or len(plan.copy_blocks_after) or len(plan.zero_blocks):
-            raise AdapterMismatch("the plan copies or zeroes KV blocks: vLLM cannot do that")
-        if len(plan.state_save_before) or len(plan.state_save_within):
-            raise AdapterMismatch(
-                "the plan saves states before or inside a forward: vLLM "
-                "saves them at the end of a step only"
-            )
 
     def _fold_decisions(self, result: StepResult) -> set[str]:
         """What this step's decisions mean for vLLM's side; returns the preempted names."""
@@ -356,14 +318,7 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # (vLLM is untyped h
         outputs: dict[int, list[Any]] = defaultdict(list)
         self._record_outcome(scheduler_output, model_runner_output, outputs)
         for request, reason in self._errors:
-            outputs[request.client_index].append(
-                EngineCoreOutput(
-                    request_id=request.request_id,
-                    new_token_ids=[],
-                    finish_reason=FinishReason.ERROR,
-                    stop_reason=reason,
-                )
-            )
+            outputs[request.client_index].append(error_output(request, reason))
         self._errors = []
         if self._events:
             self.kv_event_publisher.publish(KVEventBatch(ts=time.time(), events=self._events))
@@ -401,20 +356,7 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # (vLLM is untyped h
             logprobs = None
             if with_logprobs and request.sampling_params.logprobs is not None:
                 logprobs = mro.logprobs.slice_request(index[name], 1)
-            events, prefill = request.take_events(), request.take_prefill_stats()
-            if finish is None and logprobs is None and events is None and prefill is None:
-                out = EngineCoreOutput(name, [token])  # the common decode token
-            else:
-                out = EngineCoreOutput(
-                    request_id=name,
-                    new_token_ids=[token],
-                    finish_reason=finish,
-                    new_logprobs=logprobs,
-                    stop_reason=request.stop_reason,
-                    events=events,
-                    prefill_stats=prefill,
-                )
-            outputs[request.client_index].append(out)
+            outputs[request.client_index].append(token_output(request, token, finish, logprobs))
         if self.mamba is not None:  # the forward ran: saved states now sit in their blocks
             for slot, ckpt in plan.state_save.tolist():
                 self.mamba.saved(slot, ckpt)
@@ -459,12 +401,7 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # (vLLM is untyped h
             return None
         running, waiting = self.get_request_counts()
         stats, self._prefix_stats = self._prefix_stats, PrefixCacheStats()
-        return SchedulerStats(
-            num_running_reqs=running,
-            num_waiting_reqs=waiting,
-            kv_cache_usage=self.get_kv_cache_usage(),
-            prefix_cache_stats=stats,
-        )
+        return scheduler_stats(running, waiting, self.get_kv_cache_usage(), stats)
 
     def cached_block_names(self) -> list[str]:
         """The vLLM event names of every block in kvsched's prefix index (KeyError if one was

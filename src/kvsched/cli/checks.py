@@ -1,0 +1,155 @@
+"""Checks every command makes before its first step: the files it writes, and the options
+that another option given would make ignored."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib
+import os
+import sys
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+
+from kvsched.replay.setup import (
+    SWEEP_KEYS,
+    SetupError,
+)
+
+
+def fail(message: str, code: int = 2) -> int:
+    print(f"kvsched: error: {message}", file=sys.stderr)
+    return code
+
+
+# ------------------------------------------------------------ files a command writes
+
+
+def same_file(a: str, b: str) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:  # one of them does not exist (yet)
+        return os.path.realpath(a) == os.path.realpath(b)
+
+
+def check_output(
+    option: str, path: str | None, overwrite: bool, inputs: Sequence[str] = ()
+) -> None:
+    """Refuse, before any work, to write ``path`` over one of the ``inputs`` (even with
+    ``--overwrite``) or over an existing file without ``--overwrite``."""
+    if not path:
+        return
+    for given in inputs:
+        if same_file(path, given):
+            raise SetupError(f"{option} {path} is the input {given}: write the output elsewhere")
+    if os.path.isfile(path) and not overwrite:
+        raise SetupError(f"{option} {path} exists: give --overwrite to replace it, or another path")
+
+
+def check_report(report: str | None, overwrite: bool) -> None:
+    """Before the first step: matplotlib imports, ``report`` is a directory this process can
+    write (probed by creating it and a file in it, then removing them), and it holds no
+    earlier files unless ``--overwrite``."""
+    if not report:
+        return
+    try:
+        importlib.import_module("matplotlib")
+    except ImportError as exc:
+        raise SetupError(
+            f"--report needs matplotlib ({exc}): pip install 'kvsched[plots]', or drop --report"
+        ) from None
+    where = Path(report)
+    if where.exists() and not where.is_dir():
+        raise SetupError(f"--report {report}: exists and is not a directory")
+    if where.is_dir() and any(where.iterdir()) and not overwrite:
+        raise SetupError(
+            f"--report {report}: the directory is not empty: give --overwrite to write over "
+            "its files, or another directory"
+        )
+    made = [p for p in (where, *where.parents) if not p.exists()]  # the deepest first
+    try:
+        where.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=where):
+            pass
+    except OSError as exc:
+        raise SetupError(f"--report {report}: cannot write there: {exc.strerror or exc}") from None
+    finally:
+        for p in made:
+            with contextlib.suppress(OSError):
+                p.rmdir()
+
+
+# ---------------------------------------------------- options that would have no effect
+
+
+def _option(dest: str) -> str:
+    return "--" + dest.replace("_", "-")
+
+
+def _given(args: argparse.Namespace, *dests: str) -> list[str]:
+    return [_option(d) for d in dests if getattr(args, d, None) is not None]
+
+
+def _no_effect(option: str, needs: str) -> SetupError:
+    return SetupError(f"{option} has no effect without {needs}: add {needs} or drop {option}")
+
+
+def check_run_options(args: argparse.Namespace) -> None:
+    """Refuse the options ``demo`` and ``replay`` would silently ignore."""
+    if args.model is not None and args.executor != "torch":
+        raise _no_effect("--model", "--executor torch")
+    if args.wait_subscribers and not args.publish:
+        raise _no_effect("--wait-subscribers", "--publish")
+
+
+_CHECKPOINT_OPTIONS = (
+    "policies",
+    "checkpoint_budget",
+    "checkpoint_memory",
+    "checkpoint_policy",
+    "checkpoint_placement",
+    "checkpoint_eviction",
+    "checkpoint_interval",
+)
+
+
+def sweep_key(args: argparse.Namespace) -> str:
+    return str(args.sweep).partition("=")[0].strip() if args.sweep else ""
+
+
+def check_replay_options(args: argparse.Namespace) -> None:
+    """Refuse the ``replay`` options that another option given overrides."""
+    check_run_options(args)
+    if args.cost is not None and args.executor == "torch":
+        raise SetupError("--cost sets the simulated executor's costs: drop it or --executor torch")
+    key = sweep_key(args)
+    if key in SWEEP_KEYS and getattr(args, key.replace("-", "_"), None) is not None:
+        raise SetupError(f"--{key} and --sweep {key}=...: the sweep sets it in every run; drop one")
+    memory = key == "checkpoint-memory" or args.checkpoint_memory is not None
+    budget = key == "checkpoint-budget" or args.checkpoint_budget is not None
+    if memory and budget:
+        raise SetupError(
+            "--checkpoint-budget and --checkpoint-memory: the memory sets the number of "
+            "checkpoints, the budget would be ignored; give one"
+        )
+    if args.policies is not None:
+        for option in _given(
+            args, "checkpoint_policy", "checkpoint_placement", "checkpoint_eviction"
+        ):
+            raise SetupError(f"--policies sets each run's rules: {option} has no effect with it")
+
+
+def check_config_options(args: argparse.Namespace, hybrid: bool, order: str, turns: str) -> None:
+    """Refuse the options a config without them ignores: checkpoint options without a hybrid
+    model, prefill-turn options without the TTFT order."""
+    checkpoints = _given(args, *_CHECKPOINT_OPTIONS)
+    if sweep_key(args).startswith("checkpoint-"):
+        checkpoints.append(f"--sweep {sweep_key(args)}")
+    if checkpoints and not hybrid:
+        raise _no_effect(checkpoints[0], "--hybrid")
+    for option in _given(args, "prefill_turns", "short_turns", "long_order"):
+        if order != "ttft":
+            raise _no_effect(option, "--order ttft")
+    if args.short_turns is not None and turns != "interleave":
+        raise _no_effect("--short-turns", "--prefill-turns interleave")

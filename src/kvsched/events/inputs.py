@@ -1,0 +1,91 @@
+"""Inputs: the facts that come from outside the scheduler (clients, the executor, the KV
+store). Replay feeds them back in."""
+
+from __future__ import annotations
+
+import msgspec
+import numpy as np
+
+from kvsched.events.base import Event, MultimodalSpan
+
+
+class RequestArrived(Event, frozen=True, tag="arrived"):
+    seq_id: int
+    prompt: np.ndarray  # int32 token ids (for a session turn: the new tokens only)
+    max_tokens: int
+    arrival_time: float = 0.0
+    priority: int = 0
+    session_id: int = -1
+    adapter: str = ""
+    cache_salt: str = ""
+    eos_token_id: int = -1
+    temperature: float = 0.0
+    seed: int = 0
+    mm_spans: tuple[MultimodalSpan, ...] = ()
+    return_routed_experts: bool = False
+    # The caller's digests of the sequence's first full blocks (16 bytes each, e.g. vLLM's
+    # Request.block_hashes): used instead of computing them (identity.py). Empty: computed.
+    block_hashes: bytes = b""
+
+
+class RequestAborted(Event, frozen=True, tag="aborted"):
+    seq_id: int
+    reason: str = "client abort"
+
+
+class SessionEnded(Event, frozen=True, tag="session_end"):
+    session_id: int
+
+
+SLEEP_LEVELS = (1, 2)  # 1: the executor releases its KV cache; 2: its weights too
+
+
+class DrainRequested(Event, frozen=True, tag="drain"):
+    """Release everything held (sleep); no admissions until ``WakeRequested``. ``level``
+    (``SLEEP_LEVELS``): what the executor releases once drained (``Drained.level``)."""
+
+    level: int = 1
+
+
+class WakeRequested(Event, frozen=True, tag="wake"):
+    pass
+
+
+class StepExecuted(Event, frozen=True, tag="executed"):
+    """Outcome of a step: the tokens sampled for the sequences that sampled."""
+
+    step: int
+    seq_ids: np.ndarray  # int64
+    tokens: np.ndarray  # int32
+    duration_s: float = 0.0
+    # MoE: routed-expert ids of every computed token, in plan token order, flattened
+    # [num_tokens * routed_experts_per_token] (int16); empty when not recorded.
+    routed_experts: np.ndarray = msgspec.field(default_factory=lambda: np.zeros(0, np.int16))
+
+
+class StepFailed(Event, frozen=True, tag="step_failed"):
+    """The executor raised while running a step's plan."""
+
+    step: int
+    reason: str
+
+
+class KVLookupAnswered(Event, frozen=True, tag="kv_lookup"):
+    seq_id: int
+    num_blocks: int
+    pending: bool = False
+
+
+class KVLoadFinished(Event, frozen=True, tag="kv_load_done"):
+    seq_id: int
+
+
+class KVLoadFailed(Event, frozen=True, tag="kv_load_failed"):
+    seq_id: int
+    num_good_blocks: int
+    reason: str
+
+
+class KVSaveFinished(Event, frozen=True, tag="kv_save_done"):
+    save_id: int
+    ok: bool = True

@@ -1,0 +1,92 @@
+"""What the adapter hands vLLM back: a plan vLLM can run (checked), one ``EngineCoreOutput``
+per sampled token or refused request, the scheduler's stats, KV cache events."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm.distributed.kv_events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    EventPublisherFactory,
+)
+from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+from vllm.v1.engine import EngineCoreOutput, FinishReason
+from vllm.v1.metrics.stats import PrefixCacheStats, SchedulerStats
+from vllm.v1.request import Request
+
+from kvsched.integrations.vllm.kv_events import KVEventTranslator
+
+
+class AdapterMismatch(RuntimeError):
+    """kvsched and vLLM disagree about a request (a bug in the adapter or the engine)."""
+
+
+def check_plan(plan: Any) -> None:
+    """Refuse a plan with work vLLM's model runner cannot do."""
+    if len(plan.copy_blocks) or len(plan.copy_blocks_after) or len(plan.zero_blocks):
+        raise AdapterMismatch("the plan copies or zeroes KV blocks: vLLM cannot do that")
+    if len(plan.state_save_before) or len(plan.state_save_within):
+        raise AdapterMismatch(
+            "the plan saves states before or inside a forward: vLLM "
+            "saves them at the end of a step only"
+        )
+
+
+def error_output(request: Request, reason: str) -> EngineCoreOutput:
+    """A refused request's output: finished with an error, ``reason`` as its stop reason."""
+    return EngineCoreOutput(
+        request_id=request.request_id,
+        new_token_ids=[],
+        finish_reason=FinishReason.ERROR,
+        stop_reason=reason,
+    )
+
+
+def token_output(request: Request, token: int, finish: Any, logprobs: Any) -> EngineCoreOutput:
+    """One sampled token's output, with the finish, logprobs, events and prefill stats the
+    request has (a plain decode token takes the short constructor)."""
+    events, prefill = request.take_events(), request.take_prefill_stats()
+    if finish is None and logprobs is None and events is None and prefill is None:
+        return EngineCoreOutput(request.request_id, [token])  # the common decode token
+    return EngineCoreOutput(
+        request_id=request.request_id,
+        new_token_ids=[token],
+        finish_reason=finish,
+        new_logprobs=logprobs,
+        stop_reason=request.stop_reason,
+        events=events,
+        prefill_stats=prefill,
+    )
+
+
+def scheduler_stats(
+    running: int, waiting: int, usage: float, prefix: PrefixCacheStats
+) -> SchedulerStats:
+    return SchedulerStats(
+        num_running_reqs=running,
+        num_waiting_reqs=waiting,
+        kv_cache_usage=usage,
+        prefix_cache_stats=prefix,
+    )
+
+
+def kv_events(vllm_config: Any, block_size: int) -> tuple[KVEventTranslator, bool, Any]:
+    """The translator of kvsched's cache events to vLLM's, whether they are published
+    (``kv_events_config.enable_kv_cache_events``), and vLLM's publisher."""
+    translator = KVEventTranslator(
+        block_size,
+        maybe_convert_block_hash,
+        {
+            "BlockStored": BlockStored,
+            "BlockRemoved": BlockRemoved,
+            "AllBlocksCleared": AllBlocksCleared,
+        },
+    )
+    config = getattr(vllm_config, "kv_events_config", None)
+    publish = config is not None and config.enable_kv_cache_events
+    publisher = EventPublisherFactory.create(
+        config, vllm_config.parallel_config.data_parallel_index
+    )
+    return translator, publish, publisher
