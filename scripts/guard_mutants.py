@@ -137,6 +137,7 @@ MUTANTS = [
 # (CLI refusals and exits, trace limits, the log writer's cut-back, report columns, Engine.step's
 # input check, checkpoint loading, the floor invariant, the vLLM adapter's translation rules).
 CLI, CLI_ERRORS = "tests/test_cli.py", "tests/test_cli_errors.py"
+CHECKS, INIT, LOGS = "cli/checks.py", "cli/__init__.py", "cli/logs.py"
 TRACES, LOG = "tests/replay/test_traces.py", "tests/events/test_log.py"
 WATCH, REPORT = "tests/stream/test_watch.py", "tests/replay/test_report.py"
 TRANSLATION = "tests/integrations/vllm/test_vllm_translation.py"
@@ -149,13 +150,13 @@ EXCEPTS = """    except BrokenPipeError:
         return _stdout_closed()
     except OSError as exc:  # any other file a command could not read or write
         where = f"{exc.filename}: " if exc.filename is not None else ""
-        return _fail(f"{where}{exc.strerror or exc}")"""
+        return fail(f"{where}{exc.strerror or exc}")"""
 EXCEPTS_SWAPPED = """    except OSError as exc:  # any other file a command could not read or write
         where = f"{exc.filename}: " if exc.filename is not None else ""
-        return _fail(f"{where}{exc.strerror or exc}")
+        return fail(f"{where}{exc.strerror or exc}")
     except BrokenPipeError:
         return _stdout_closed()"""
-CAUGHT = "(SetupError, TraceError, LogOpenError, LogWriteError, _ReportError, WireError)"
+CAUGHT = "(SetupError, TraceError, LogOpenError, LogWriteError, ReportError, WireError)"
 WAIT = """    if args.wait_subscribers and not args.publish:
         raise _no_effect("--wait-subscribers", "--publish")
 """
@@ -179,39 +180,39 @@ PARAMS = """    reason = params_refusal(params)
 """
 ROUND_2 = [
     # cli.py: files a command writes
-    m("cli.py", EXISTS, EXISTS.replace("not overwrite", "overwrite"), CLI, "-k", "overwrite"),
-    m("cli.py", "if _same_file(path, given):", "if path == given:", CLI, "-k", "never"),
+    m(CHECKS, EXISTS, EXISTS.replace("not overwrite", "overwrite"), CLI, "-k", "overwrite"),
+    m(CHECKS, "if same_file(path, given):", "if path == given:", CLI, "-k", "never"),
     m(
-        "cli.py",
-        '_check_output("--log", args.log, args.overwrite, inputs=[args.trace])',
-        '_check_output("--log", args.log, args.overwrite)',
+        "cli/run.py",
+        'check_output("--log", args.log, args.overwrite, inputs=[args.trace])',
+        'check_output("--log", args.log, args.overwrite)',
         CLI, "-k", "never",
     ),
     m(
-        "cli.py",
-        '        _check_output("--log", args.log, args.overwrite)\n        try:',
+        "cli/bench.py",
+        '        check_output("--log", args.log, args.overwrite)\n        try:',
         "        try:",
         CLI, "-k", "bench",
     ),
-    m("cli.py", '    _check_output("--dump", args.dump, args.overwrite)\n', "", WATCH, "-k",
+    m("cli/watch.py", '    check_output("--dump", args.dump, args.overwrite)\n', "", WATCH, "-k",
       "existing_dump"),
-    m("cli.py", NONEMPTY, "if where.is_dir() and not overwrite:", CLI, "-k", "empty_directory"),
-    m("cli.py", "for p in made:", "for p in made[:1]:", CLI, "-k", "probe_leaves"),
+    m(CHECKS, NONEMPTY, "if where.is_dir() and not overwrite:", CLI, "-k", "empty_directory"),
+    m(CHECKS, "for p in made:", "for p in made[:1]:", CLI, "-k", "probe_leaves"),
     # cli.py: options another option overrides or ignores
-    m("cli.py", SWEPT, "getattr(args, key, None)", CLI, "-k", "overrides"),
-    m("cli.py", MEMORY, "memory = args.checkpoint_memory is not None", CLI, "-k", "memory_sweep"),
-    m("cli.py", WAIT, "", CLI, "-k", "ignored"),
+    m(CHECKS, SWEPT, "getattr(args, key, None)", CLI, "-k", "overrides"),
+    m(CHECKS, MEMORY, "memory = args.checkpoint_memory is not None", CLI, "-k", "memory_sweep"),
+    m(CHECKS, WAIT, "", CLI, "-k", "ignored"),
     # cli.py: exits and the record count
     m(
-        "cli.py",
-        "return _fail(failed) if failed else 0\n\n\ndef _check_demo",
-        "return 0\n\n\ndef _check_demo",
+        "cli/output.py",
+        "    return fail(failed) if failed else 0\n",
+        "    return 0\n",
         CLI, "-k", "report_that_fails",
     ),
-    m("cli.py", EXCEPTS, EXCEPTS_SWAPPED, CLI_ERRORS, "-k", "stdout or head"),
-    m("cli.py", CAUGHT, CAUGHT.replace(" LogWriteError,", ""), CLI_ERRORS, "-k", "logging"),
-    m("cli.py", "return max(frames - 1, 0)", "return max(frames, 0)", CLI, "-k", "total or count"),
-    m("cli.py", PREFIX_OK, PREFIX_OK.replace("> size", ">= size"), CLI, "-k", "total or count"),
+    m(INIT, EXCEPTS, EXCEPTS_SWAPPED, CLI_ERRORS, "-k", "stdout or head"),
+    m(INIT, CAUGHT, CAUGHT.replace(" LogWriteError,", ""), CLI_ERRORS, "-k", "logging"),
+    m(LOGS, "return max(frames - 1, 0)", "return max(frames, 0)", CLI, "-k", "total or count"),
+    m(LOGS, PREFIX_OK, PREFIX_OK.replace("> size", ">= size"), CLI, "-k", "total or count"),
     m("stream/watch.py", TIMEOUT, "", WATCH, "-k", "timeout"),
     # replay/traces.py: the documented limits
     m("replay/traces.py", IDS, IDS.replace(">", ">="), TRACES, "-k", "limits"),
@@ -223,7 +224,7 @@ ROUND_2 = [
         'ts = _int_field(row, "timestamp", 0, MAX_HASH_ID)',
         TRACES, "-k", "limit",
     ),
-    m("replay/traces.py", TAIL, "parts[-1] = parts[-1][: n_in % MOONCAKE_BLOCK]", TRACES,
+    m("replay/synth.py", TAIL, "parts[-1] = parts[-1][: n_in % MOONCAKE_BLOCK]", TRACES,
       "-k", "limits"),
     m(
         "replay/traces.py",
