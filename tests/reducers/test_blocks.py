@@ -452,7 +452,7 @@ TestBlockPoolMachine = BlockPoolMachine.TestCase
 def test_the_pools_queries_answer_without_handing_out_its_columns():
     pool = BlockPool(8)
     h = chain([1, 2])
-    a = cache_chain(pool, h[:1])
+    [a] = cache_chain(pool, h[:1]).tolist()
     assert pool.cached_block(h[0]) == a and pool.is_cached(h[0])
     assert pool.cached_block(h[1]) is None and not pool.is_cached(h[1])
     assert not pool.has_experts(a)
