@@ -172,7 +172,7 @@ class Admission:
     ) -> None:
         """Continue the chunked prefills of running sequences, oldest first."""
         table = state.seqs
-        for seq in sorted(table.seqs_at(rows), key=_arrival_key):
+        for seq in sorted(table.seqs_at(table.still_held(rows)), key=_arrival_key):
             if seq.state != SeqState.RUNNING:
                 continue  # preempted for an earlier sequence's chunk this step
             chunk = self.chunk_of(seq, table.computed_at(seq.row))

@@ -16,6 +16,8 @@ It also keeps the work scheduled in the current step until its outcome arrives
 
 from __future__ import annotations
 
+from typing import cast
+
 import numpy as np
 
 from kvsched.events import types as ev
@@ -140,9 +142,11 @@ class RowTable:
         return seq
 
     def seqs_at(self, rows: np.ndarray) -> list[Seq]:
-        """The sequences holding ``rows``, in order."""
+        """The sequences holding ``rows``, in order (each row must hold one)."""
         objs = self.objs
-        return [objs[r] for r in rows.tolist()]  # type: ignore[misc]
+        seqs = [objs[r] for r in rows.tolist()]
+        assert all(s is not None for s in seqs), "a free row"
+        return cast("list[Seq]", seqs)
 
     def ids_at(self, rows: np.ndarray) -> np.ndarray:
         """The ids of the sequences holding ``rows``."""
