@@ -101,6 +101,9 @@ def test_the_per_row_queries_answer_from_the_columns_and_return_copies() -> None
     # 20 computed tokens fill 1 of sequence 2's 2 blocks: its next position (20) is in block 1
     assert t.rows_needing_blocks(rows).tolist() == []
     assert t.still_held(rows).tolist() == rows.tolist()
+    spans = t.blocks_in(rows, np.array([1, 0]), np.array([3, 1]))
+    own = [t.blocks_of(int(rows[0]))[1:3], t.blocks_of(int(rows[1]))[:1]]
+    assert spans.tolist() == np.concatenate(own).tolist() and spans.flags.writeable
     for answer in (t.ids_at(rows), t.computed_of(rows), t.tokens_left(rows)):
         answer[:] = -1  # a copy: the columns do not change
     assert t.ids_at(rows).tolist() == [1, 2] and t.computed_of(rows).tolist() == [40, 20]

@@ -101,9 +101,9 @@ class Growth:
         if not len(rows):
             return
         t = state.seqs
-        spares = [t.blocks_of(row)[k:] for row, k in zip(rows.tolist(), keep.tolist(), strict=True)]
-        counts = arr([len(s) for s in spares], I32)
-        emit(ev.BlocksFreed(t.ids_at(rows), counts, np.concatenate(spares)))
+        ends = t.block_counts(rows)
+        counts = (ends - keep).astype(I32)
+        emit(ev.BlocksFreed(t.ids_at(rows), counts, t.blocks_in(rows, keep, ends)))
 
     # --------------------------------------------------------------------- caching
 
@@ -118,10 +118,7 @@ class Growth:
             return
         pool = state.pool
         seq_ids = t.ids_at(grown)
-        own = [t.blocks_of(row)[first:last] for row, first, last in zip(
-            grown.tolist(), firsts.tolist(), lasts.tolist(), strict=True
-        )]
-        blocks = np.concatenate(own).astype(np.int32)
+        blocks = t.blocks_in(grown, firsts, lasts).astype(np.int32)
         hashes: list[bytes] = []
         parents: list[bytes] = []
         for row, first, last in zip(grown.tolist(), firsts.tolist(), lasts.tolist(), strict=True):

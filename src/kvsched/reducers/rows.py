@@ -229,6 +229,14 @@ class RowTable:
             grown = rows[self.computed[rows] // bs > self.registered[rows]]
         return grown, self.registered[grown], self.computed[grown] // bs
 
+    def blocks_in(self, rows: np.ndarray, firsts: np.ndarray, lasts: np.ndarray) -> np.ndarray:
+        """Entries [first, last) of each row's block table, concatenated (a new array)."""
+        table = self.table
+        if not len(rows):
+            return np.zeros(0, dtype=table.dtype)
+        spans = zip(rows.tolist(), firsts.tolist(), lasts.tolist(), strict=True)
+        return np.concatenate([table[row, first:last] for row, first, last in spans])
+
     def rows_to_save(self, rows: np.ndarray) -> np.ndarray:
         """Those of ``rows`` with indexed blocks not yet in the store nor being saved."""
         out: np.ndarray = rows[self.registered[rows] > self.saved[rows]]
