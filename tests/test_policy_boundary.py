@@ -14,6 +14,10 @@ A static scan (``ast``), so it holds for paths no test runs:
 * **private names**: ``x._name`` where ``x`` is not ``self``/``cls`` and ``_name`` is
   defined in no class or function of the same module, and ``from M import _name`` across
   modules, anywhere in ``src/kvsched``; the allowlist below names each exception and why.
+* **raw reads**: a policy read of an owner's column (a numpy array, a container or a private
+  field of ``state.seqs``, ``state.pool``...; the columns are read off a live
+  ``EngineState``) instead of one of its queries (``RAW_READS_ALLOWED``, empty, would name
+  the exceptions).
 """
 
 from __future__ import annotations
