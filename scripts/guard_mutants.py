@@ -112,8 +112,8 @@ MUTANTS = [
     m("policy/ordering.py", SIZE, "cdiv(n - start, chunk)", ORDERING, "-k", "canonical"),
     m(
         "policy/turns.py",
-        "left = table.ntokens[chunk_rows] - table.computed[chunk_rows]",
-        "left = table.ntokens[chunk_rows]",
+        "left = table.tokens_left(chunk_rows)",
+        "left = table.known_of(chunk_rows)",
         "tests/policy/test_turns.py", "-k", "last_chunk",
     ),
     m("policy/spans.py", SAFE_LOOP, "return min(starts) // block_size",

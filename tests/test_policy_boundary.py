@@ -14,15 +14,24 @@ A static scan (``ast``), so it holds for paths no test runs:
 * **private names**: ``x._name`` where ``x`` is not ``self``/``cls`` and ``_name`` is
   defined in no class or function of the same module, and ``from M import _name`` across
   modules, anywhere in ``src/kvsched``; the allowlist below names each exception and why.
+* **raw reads**: a policy read of an owner's column (a numpy array, a container or a private
+  field of ``state.seqs``, ``state.pool``...; the columns are read off a live
+  ``EngineState``) instead of one of its queries (``RAW_READS_ALLOWED``, empty, would name
+  the exceptions).
 """
 
 from __future__ import annotations
 
 import ast
+from collections import deque
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
+
+from kvsched.config import SchedulerConfig
+from kvsched.reducers.state import EngineState
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "kvsched"
 POLICY = sorted((SRC / "policy").glob("*.py"))
@@ -409,3 +418,154 @@ def test_a_planted_private_reach_is_caught() -> None:
     assert not private_reaches("class A:\n    def f(self):\n        return self._x\n", "a.py")
     own = "def _g():\n    pass\ndef f(m):\n    return m._g\n"
     assert not private_reaches(own, "a.py")  # a name of the same module
+
+
+# ------------------------------------------------------------ raw owner-column reads
+#
+# The owners' layout is private to them: the policy asks their queries (``seq_at(row)``,
+# ``computed_at(row)``, ``rows_needing_blocks(rows)``, ``pool.cached_block(h)``...) instead
+# of reading their columns. A *raw read* is ``X.a`` where ``X`` is an owner (``state.seqs``,
+# ``state.pool``..., a name bound to one, or a parameter annotated with an owner's class) and
+# ``a`` is one of its data attributes holding a numpy array or a container (list, dict, set,
+# deque), or a private-by-convention one (``_a``). Scalars (``pool.num_blocks``,
+# ``ckpts.next_id``) and properties are not columns.
+
+# "policy/module.py:owner.attr": reason.
+RAW_READS_ALLOWED: dict[str, str] = {}
+
+_COLUMN_TYPES = (np.ndarray, list, dict, set, deque)
+
+
+def _owner_columns() -> tuple[dict[str, str], dict[str, set[str]]]:
+    """({class name: owner attribute of EngineState} for each owner class and its bases,
+    {owner attribute: its raw columns}), read off a hybrid, external-KV engine's state."""
+    state = EngineState(
+        SchedulerConfig(num_blocks=64, max_batch=4, block_size=16, hybrid=True, external_kv=True)
+    )
+    classes: dict[str, str] = {}
+    columns: dict[str, set[str]] = {"state": set()}
+    owners = {name: v for name, v in vars(state).items() if hasattr(v, "folds")}
+    for name, owner in [("state", state), *owners.items()]:
+        columns.setdefault(name, set())
+        for cls in type(owner).__mro__[:-1]:
+            classes.setdefault(cls.__name__, name)
+        for attr in dir(owner):
+            if attr.startswith("__") or isinstance(getattr(type(owner), attr, None), property):
+                continue
+            value = getattr(owner, attr, None)
+            private = attr.startswith("_") and not callable(value)
+            if private or isinstance(value, _COLUMN_TYPES):
+                columns[name].add(attr)
+    for name in owners:
+        columns["state"].discard(name)
+    return classes, columns
+
+
+_CLASSES, _COLUMNS = _owner_columns()
+
+
+def raw_reads(source: str, where: str = "<planted>") -> list[str]:
+    """Each raw owner-column read in ``source``: "where:line: owner.attr (source text)"."""
+    found: dict[tuple[int, int], str] = {}
+    for fn in ast.walk(ast.parse(source)):
+        if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            for node, owner in _owner_reads(fn):
+                key = f"{owner}.{node.attr}"
+                if node.attr in _COLUMNS[owner] and f"{where}:{key}" not in RAW_READS_ALLOWED:
+                    found[(node.lineno, node.col_offset)] = (
+                        f"{where}:{node.lineno}: {key} ({ast.unparse(node)})"
+                    )
+    return [found[k] for k in sorted(found)]
+
+
+def _owner_reads(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> Iterator[tuple[ast.Attribute, str]]:
+    """Attribute reads of an owner in ``fn``, with the owner's name."""
+    bound: dict[str, str] = {}
+    for a in fn.args.posonlyargs + fn.args.args + fn.args.kwonlyargs:
+        if a.arg == "state":
+            bound[a.arg] = "state"
+        elif a.annotation is not None:
+            for name in _names(a.annotation):
+                if name in _CLASSES:
+                    bound[a.arg] = _CLASSES[name]
+
+    def owner(e: ast.expr) -> str | None:
+        if isinstance(e, ast.Name):
+            return bound.get(e.id)
+        if isinstance(e, ast.Attribute) and owner(e.value) == "state" and e.attr in _COLUMNS:
+            return e.attr
+        return None
+
+    for _ in range(3):  # bindings in any order: a few passes reach the fixpoint
+        for node in ast.walk(fn):
+            pairs: list[tuple[ast.expr, ast.expr]] = []
+            if isinstance(node, ast.Assign):
+                pairs = [(t, node.value) for t in node.targets]
+            elif isinstance(node, (ast.AnnAssign, ast.NamedExpr)) and node.value is not None:
+                pairs = [(node.target, node.value)]
+            for target, value in pairs:
+                if isinstance(target, ast.Tuple) and isinstance(value, ast.Tuple):
+                    pairs += list(zip(target.elts, value.elts, strict=False))
+                elif isinstance(target, ast.Name) and (o := owner(value)) is not None:
+                    bound[target.id] = o
+    for node in ast.walk(fn):
+        if isinstance(node, ast.Attribute) and (o := owner(node.value)) is not None:
+            yield node, o
+
+
+def test_the_column_scan_knows_the_owners_columns() -> None:
+    assert {"computed", "ntokens", "table", "row_seq", "objs", "waiting"} <= _COLUMNS["seqs"]
+    assert {"ref", "index", "experts"} <= _COLUMNS["pool"]
+    assert {"awaiting", "saves_by_kind"} <= _COLUMNS["ckpts"]
+    assert _CLASSES["RowTable"] == _CLASSES["SequenceTable"] == "seqs"
+    scalars_and_queries = {"num_blocks", "num_available", "num_running", "computed_at"}
+    assert not scalars_and_queries & (_COLUMNS["pool"] | _COLUMNS["seqs"])
+
+
+def test_the_policy_reads_no_raw_owner_column() -> None:
+    found = [f for p in POLICY for f in raw_reads(p.read_text(), f"policy/{p.name}")]
+    assert found == [], "ask the owner a query instead:\n" + "\n".join(found)
+
+
+def test_every_raw_read_allowlist_entry_is_still_needed() -> None:
+    saved = dict(RAW_READS_ALLOWED)
+    try:
+        RAW_READS_ALLOWED.clear()
+        found = [f for p in POLICY for f in raw_reads(p.read_text(), f"policy/{p.name}")]
+    finally:
+        RAW_READS_ALLOWED.update(saved)
+    hits = {f"{f.split(':')[0]}:{f.split(': ')[1].split(' ')[0]}" for f in found}
+    assert set(saved) - hits == set(), "stale entries: remove them from RAW_READS_ALLOWED"
+
+
+PLANTED_READS = {
+    "a column through a bound owner": "def f(self, state, rows):\n    t = state.seqs\n"
+    "    return t.computed[rows]\n",
+    "a column of state's owner": "def f(self, state, b):\n    return state.pool.ref[b] == 0\n",
+    "a column of an annotated owner": "def f(t: SequenceTable, row: int):\n"
+    "    return t.table[row]\n",
+    "a container": "def f(self, state):\n    ckpts = state.ckpts\n"
+    "    return list(ckpts.awaiting)\n",
+    "a tuple binding": "def f(self, state, rows):\n    t, bs = state.seqs, 16\n"
+    "    return t.ntokens[rows] // bs\n",
+    "a private field": "def f(self, state):\n    return state.seqs._pending\n",
+    "a dict of records": "def f(self, state, i):\n    return state.seqs.seqs.get(i)\n",
+}
+
+
+@pytest.mark.parametrize("kind", sorted(PLANTED_READS))
+def test_a_planted_raw_owner_column_read_is_caught(kind: str) -> None:
+    assert len(raw_reads(PLANTED_READS[kind])) == 1, kind
+
+
+def test_queries_scalars_and_records_are_not_raw_reads() -> None:
+    source = (
+        "def f(self, state, rows, emit):\n"
+        "    t = state.seqs\n"
+        "    seq = t.seq_at(int(rows[0]))\n"
+        "    n = t.computed_at(seq.row) + t.num_running + state.pool.num_available\n"
+        "    left = t.tokens_left(rows)\n"
+        "    ok = state.hybrid and state.ckpts.next_id > 0\n"
+        "    return seq.tokens[:n], left, ok, state.transfers.ready_loads()\n"
+    )
+    assert raw_reads(source) == []

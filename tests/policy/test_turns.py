@@ -109,7 +109,10 @@ def test_a_running_prefill_on_its_last_chunk_is_short_work_not_long() -> None:
     exactly 64 tokens left are short work; only one with 65 left is long."""
     config = Harness().config
     turns = PrefillTurns(config, None, None)  # type: ignore[arg-type]
-    seqs = SimpleNamespace(ntokens=np.asarray([100, 128, 129]), computed=np.asarray([64, 64, 64]))
+    known, computed = np.asarray([100, 128, 129]), np.asarray([64, 64, 64])
+    seqs = SimpleNamespace(
+        tokens_left=lambda rows: known[rows] - computed[rows], known_of=lambda rows: known[rows]
+    )
     state = SimpleNamespace(seqs=seqs)
     last_chunks = np.asarray([0, 1])
     assert turns._work(state, last_chunks, []) == (True, False), "a last chunk counted as long"  # type: ignore[arg-type]

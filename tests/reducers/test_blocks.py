@@ -447,3 +447,20 @@ BlockPoolMachine.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow],
 )
 TestBlockPoolMachine = BlockPoolMachine.TestCase
+
+
+def test_the_pools_queries_answer_without_handing_out_its_columns():
+    pool = BlockPool(8)
+    h = chain([1, 2])
+    [a] = cache_chain(pool, h[:1]).tolist()
+    assert pool.cached_block(h[0]) == a and pool.is_cached(h[0])
+    assert pool.cached_block(h[1]) is None and not pool.is_cached(h[1])
+    assert not pool.has_experts(a)
+    [b] = allocate(pool, 1).tolist()  # held once
+    assert not pool.is_unheld(b)
+    drops = np.zeros(pool.num_blocks, dtype=np.int64)
+    drops[b] = 1
+    freed = pool.freed_by(drops)
+    assert np.nonzero(freed)[0].tolist() == [b]  # dropping its one reference frees it
+    freed[:] = True  # a new array: the pool does not change
+    assert not pool.is_unheld(b)

@@ -407,3 +407,19 @@ def test_a_lowered_aging_floor_is_still_reported_after_a_later_eviction() -> Non
     fold(table, ev.CheckpointEvicted(second.ckpt_id, 3.0))
     problem = table.check_invariants({})
     assert problem is not None and "went down to 4.0 from 5.0" in problem
+
+
+def test_the_awaiting_checkpoints_and_the_per_rule_counts_are_handed_out_read_only():
+    table = make_table(max_batch=2, budget=3)
+    c = reserve(table, 16, b"k1")
+    fold(table, ev.StepStarted(0, 0.0))  # the step that reserved it ran: it awaits publication
+    awaiting = table.awaiting_ids()
+    assert awaiting == [c.ckpt_id]
+    awaiting.clear()  # a copy
+    assert table.awaiting_ids() == [c.ckpt_id]
+    table._pool.add(c.anchor, path(1))  # type: ignore[attr-defined]
+    fold(table, ev.CheckpointPublished(c.ckpt_id))
+    saves = table.saves_by_rule()
+    assert sum(saves.values()) == 1 and dict(table.restores_by_rule()) == {}
+    with pytest.raises(TypeError):
+        saves["chunk_end"] = 9  # type: ignore[index]

@@ -67,3 +67,12 @@ def test_the_holdings_check_finds_a_holding_of_no_rowless_load() -> None:
     h = _rowless_load()
     assert h.state.holdings.check_invariants({0}) is None
     assert "loads without a row []" in (h.state.holdings.check_invariants(set()) or "")
+
+
+def test_a_rowless_loads_blocks_are_handed_out_read_only() -> None:
+    store = _rowless_load()
+    seq = store.state.seq(0)
+    for blocks in (store.state.holdings.blocks_of(0), store.state.seqs.block_table(seq)):
+        assert len(blocks) and not blocks.flags.writeable
+        with pytest.raises(ValueError, match="read-only"):
+            blocks[0] = 0

@@ -68,3 +68,55 @@ def test_a_rows_blocks_are_its_block_table_up_to_its_block_count():
     t = h.state.seqs
     row = h.state.seq(1).row
     assert len(t.blocks_of(row)) == int(t.nblocks[row]) == 3
+
+
+def test_a_rows_block_table_is_handed_out_read_only() -> None:
+    h = Harness()
+    h.step([request(1, 40)])
+    t = h.state.seqs
+    row = h.state.seq(1).row
+    blocks = t.blocks_of(row)
+    assert len(blocks) == 3
+    with pytest.raises(ValueError, match="read-only"):
+        blocks[0] = 0
+    with pytest.raises(ValueError, match="read-only"):
+        t.block_table(h.state.seq(1))[:] = 0
+
+
+def test_the_per_row_queries_answer_from_the_columns_and_return_copies() -> None:
+    h = Harness()
+    h.step([request(1, 40, max_tokens=3), request(2, 20)])
+    h.step()  # both prompts computed: each row decodes next
+    t = h.state.seqs
+    rows = t.rows_of(np.array([1, 2]))
+    assert t.ids_at(rows).tolist() == [1, 2]
+    assert [s.seq_id for s in t.seqs_at(rows)] == [1, 2] and t.seq_at(int(rows[0])).seq_id == 1
+    assert t.computed_of(rows).tolist() == [40, 20] and t.computed_at(int(rows[1])) == 20
+    assert t.known_of(rows).tolist() == [41, 21] and t.tokens_left(rows).tolist() == [1, 1]
+    assert t.awaiting_decode(rows).tolist() == [True, True]
+    assert t.block_counts(rows).tolist() == [3, 2] and t.nblocks_at(int(rows[0])) == 3
+    assert t.token_limits(rows).tolist() == [43, 24]
+    assert t.outputs_done(rows).tolist() == [False, False]
+    assert t.is_eos(rows, np.array([0, 5])).tolist() == [False, False]
+    # 20 computed tokens fill 1 of sequence 2's 2 blocks: its next position (20) is in block 1
+    assert t.rows_needing_blocks(rows).tolist() == []
+    assert t.still_held(rows).tolist() == rows.tolist()
+    spans = t.blocks_in(rows, np.array([1, 0]), np.array([3, 1]))
+    own = [t.blocks_of(int(rows[0]))[1:3], t.blocks_of(int(rows[1]))[:1]]
+    assert spans.tolist() == np.concatenate(own).tolist() and spans.flags.writeable
+    for answer in (t.ids_at(rows), t.computed_of(rows), t.tokens_left(rows)):
+        answer[:] = -1  # a copy: the columns do not change
+    assert t.ids_at(rows).tolist() == [1, 2] and t.computed_of(rows).tolist() == [40, 20]
+
+
+def test_rows_to_cache_names_each_rows_computed_full_blocks_not_yet_indexed() -> None:
+    h = Harness()
+    h.step([request(1, 40)])
+    t = h.state.seqs
+    row = h.state.seq(1).row
+    grown, first, last = t.rows_to_cache()
+    assert (grown.tolist(), first.tolist(), last.tolist()) == ([], [], [])  # none computed
+    h.step()  # 40 tokens computed: blocks 0 and 1 are full and were cached after the step
+    assert t.registered_at(row) == 2
+    assert t.rows_to_cache(np.array([row]))[0].tolist() == []
+    assert t.rows_to_save(np.array([row])).tolist() == [row] and t.saved_at(row) == 0

@@ -7,7 +7,7 @@ from tests.policy.helpers import Harness, tokens
 
 from kvsched.events import types as ev
 from kvsched.reducers.errors import ReplayMismatch
-from kvsched.statemachines import SeqState
+from kvsched.statemachines import LoadState, SeqState
 
 
 def _loading_without_a_row() -> Harness:
@@ -35,3 +35,11 @@ def test_a_load_without_a_row_is_settled_only_into_a_row() -> None:
     h.state.apply(ev.KVLoadFinished(0))
     with pytest.raises(ReplayMismatch, match="settled beyond its blocks"):
         h.state.apply(ev.KVLoadSettled(0, 3))  # no row named
+
+
+def test_the_loads_are_listed_by_sequence_as_a_copy() -> None:
+    h = _loading_without_a_row()
+    loads = h.state.transfers.loads_by_seq()
+    assert [(seq_id, load.state) for seq_id, load in loads] == [(0, LoadState.LOADING)]
+    loads.clear()
+    assert len(h.state.transfers.loads_by_seq()) == 1

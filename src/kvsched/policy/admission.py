@@ -172,15 +172,14 @@ class Admission:
     ) -> None:
         """Continue the chunked prefills of running sequences, oldest first."""
         table = state.seqs
-        seqs = [table.objs[r] for r in rows.tolist()]
-        for seq in sorted((s for s in seqs if s is not None), key=_arrival_key):
+        for seq in sorted(table.seqs_at(table.still_held(rows)), key=_arrival_key):
             if seq.state != SeqState.RUNNING:
                 continue  # preempted for an earlier sequence's chunk this step
-            chunk = self.chunk_of(seq, int(table.computed[seq.row]))
+            chunk = self.chunk_of(seq, table.computed_at(seq.row))
             chunk = self.cut_at_branch(seq, chunk, seq.kv_hit_tokens)
             if not (self.fits_budget(budget, chunk) and self.long_gate_open(budget, seq, chunk)):
                 continue
-            need = cdiv(chunk.end, self.bs) - int(table.nblocks[seq.row])
+            need = cdiv(chunk.end, self.bs) - table.nblocks_at(seq.row)
             if need > state.pool.num_available:
                 self.growth.return_spares(state, emit)
                 self.growth.reclaim_sessions(state, need, emit, keep=-1)
@@ -340,7 +339,7 @@ class Admission:
         pool = state.pool
         unheld = 0 if self._path_held(state, keep, hit) else pool.count_unheld(hit)
         if overlap:
-            unheld += int(pool.ref[overlap] == 0)
+            unheld += int(pool.is_unheld(overlap))
             hit = np.append(hit, np.int32(overlap)).astype(np.int32)
         shortfall = need - (pool.num_available - unheld)
         if shortfall <= 0:

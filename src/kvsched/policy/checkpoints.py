@@ -69,7 +69,7 @@ class Checkpoints:
             return
         if not aligned and not state.pool.num_available:
             return  # no frozen block to be had: check before evicting anything for room
-        if phase == "before" and step >= self.bs and anchor not in state.pool.index:
+        if phase == "before" and step >= self.bs and not state.pool.is_cached(anchor):
             return  # its prefix is not indexed (a chain past a private copy): no path to hold
         cost = ckpts.cost_of(not aligned)
         worth = self.eviction.candidate_priority(ckpts, seq.seq_id, step, kind, cost)
@@ -97,7 +97,7 @@ class Checkpoints:
             kind = "session_end"
         else:
             return
-        step = int(state.seqs.computed[seq.row])
+        step = state.seqs.computed_at(seq.row)
         if step:
             self.reserve(state, seq, step, emit, kind, "before")
 
@@ -116,10 +116,9 @@ class Checkpoints:
             if interval and config.places(kind)
         ]
         for kind, interval in rules:
-            for row in rows[(table.computed[rows] + 1) % interval == 0].tolist():
-                seq = table.objs[row]
-                assert seq is not None
-                self.reserve(state, seq, int(table.computed[row]) + 1, emit, kind)
+            for row in rows[(table.computed_of(rows) + 1) % interval == 0].tolist():
+                seq = table.seq_at(row)
+                self.reserve(state, seq, table.computed_at(row) + 1, emit, kind)
 
     # ------------------------------------------------------------------- publication
 
@@ -127,13 +126,13 @@ class Checkpoints:
         """After a successful step: publish what it saved (a duplicate identity is abandoned);
         a published ``decode_latest`` checkpoint replaces its producer's older ones."""
         ckpts = state.ckpts
-        index = state.pool.index
-        for ckpt_id in list(ckpts.awaiting):
+        pool = state.pool
+        for ckpt_id in ckpts.awaiting_ids():
             c = ckpts.get(ckpt_id)
             if ckpts.find(c.key) is not None:
                 emit(ev.CheckpointAbandoned(ckpt_id, "superseded"))
                 continue
-            if c.step >= self.bs and c.anchor not in index:
+            if c.step >= self.bs and not pool.is_cached(c.anchor):
                 # (without dedup, a chain past a private copy is not indexed: no path to hold)
                 emit(ev.CheckpointAbandoned(ckpt_id, "prefix not cached"))
                 continue
@@ -146,7 +145,7 @@ class Checkpoints:
 
     def abandon(self, state: EngineState, emit: Emit) -> None:
         """After a failed step: its saves never happened (publish rollback)."""
-        for ckpt_id in list(state.ckpts.awaiting):
+        for ckpt_id in state.ckpts.awaiting_ids():
             emit(ev.CheckpointAbandoned(ckpt_id, "step failed"))
 
     # ------------------------------------------------------------------ what to keep
@@ -194,7 +193,7 @@ class Checkpoints:
         for priority, c in self.ranked_victims(state, keep):
             blocks = c.path if not c.frozen_block else np.append(c.path, c.frozen_block)
             np.add.at(delta, blocks, 1)
-            gain = int(np.count_nonzero((pool.ref == delta) & (delta > 0)))
+            gain = int(np.count_nonzero(pool.freed_by(delta)))
             chosen.append((priority, c))
             if pool.num_available + gain >= need:
                 for p, victim in chosen:

@@ -164,10 +164,10 @@ class ValueEviction:
     def weights(ckpts: CheckpointTable) -> dict[str, float]:
         """Continuation rules' weights: the share of their checkpoints ever restored
         (Laplace-smoothed); other rules weigh 1."""
-        reused = ckpts.reused_by_kind
+        reused = ckpts.restores_by_rule()
         return {
             kind: (reused.get(kind, 0) + 1) / (made + 1)
-            for kind, made in ckpts.saves_by_kind.items()
+            for kind, made in ckpts.saves_by_rule().items()
             if kind in CONTINUATIONS
         }
 

@@ -15,6 +15,7 @@ from kvsched.config import SchedulerConfig
 from kvsched.events import types as ev
 from kvsched.policy.common import I32, Emit, arr
 from kvsched.policy.eviction import BLOCK_EVICTION, plan_allocation
+from kvsched.reducers.blocks import BlockPool
 from kvsched.reducers.sequences import Seq, SequenceTable
 from kvsched.reducers.sessions import SessionTable
 from kvsched.reducers.state import EngineState
@@ -64,9 +65,9 @@ class Growth:
         only from free blocks left after every row's one, so no cached block is evicted for
         them; rows in order while they last."""
         t, bs = state.seqs, self.bs
-        limit = np.minimum(t.n_prompt[rows] + t.max_tokens[rows], self.config.model.max_context)
-        last = np.minimum(t.computed[rows] + self.config.decode_prealloc_tokens, limit - 2)
-        extra = np.maximum(0, last // bs - t.nblocks[rows])
+        limit = np.minimum(t.token_limits(rows), self.config.model.max_context)
+        last = np.minimum(t.computed_of(rows) + self.config.decode_prealloc_tokens, limit - 2)
+        extra = np.maximum(0, last // bs - t.block_counts(rows))
         budget = state.pool.num_free - len(rows)
         if budget <= 0 or not extra.any():
             return np.zeros(len(rows), I32)
@@ -79,8 +80,8 @@ class Growth:
         past the block of their newest token, never written."""
         t = state.seqs
         rows = t.running_rows()
-        keep = -(-t.ntokens[rows] // self.bs)
-        spare = t.nblocks[rows] > keep
+        keep = -(-t.known_of(rows) // self.bs)
+        spare = t.block_counts(rows) > keep
         return rows[spare], keep[spare]
 
     def num_spares(self, state: EngineState) -> int:
@@ -88,7 +89,7 @@ class Growth:
         if not self.config.decode_prealloc_tokens:
             return 0
         rows, keep = self._spares(state)
-        return int((state.seqs.nblocks[rows] - keep).sum())
+        return int((state.seqs.block_counts(rows) - keep).sum())
 
     def return_spares(self, state: EngineState, emit: Emit) -> None:
         """Give back every running row's spare blocks. Callers short of room do this before
@@ -100,11 +101,9 @@ class Growth:
         if not len(rows):
             return
         t = state.seqs
-        spares = [t.table[row, k : t.nblocks[row]] for row, k in zip(
-            rows.tolist(), keep.tolist(), strict=True
-        )]
-        counts = arr([len(s) for s in spares], I32)
-        emit(ev.BlocksFreed(t.row_seq[rows].copy(), counts, np.concatenate(spares)))
+        ends = t.block_counts(rows)
+        counts = (ends - keep).astype(I32)
+        emit(ev.BlocksFreed(t.ids_at(rows), counts, t.blocks_in(rows, keep, ends)))
 
     # --------------------------------------------------------------------- caching
 
@@ -113,32 +112,23 @@ class Growth:
     ) -> None:
         """Give identity to the blocks that became full and computed (of ``rows``, default
         every row: a free row has none, a loading row none until its load settles)."""
-        t, bs = state.seqs, self.bs
-        if rows is None:
-            grown = np.nonzero(t.computed // bs > t.registered)[0]
-        else:
-            grown = rows[t.computed[rows] // bs > t.registered[rows]]
+        t = state.seqs
+        grown, firsts, lasts = t.rows_to_cache(rows)
         if not len(grown):
             return
-        index = state.pool.index
-        firsts = t.registered[grown]
-        lasts = t.computed[grown] // bs
-        seq_ids = t.row_seq[grown]
-        own = [t.table[row, first:last] for row, first, last in zip(
-            grown.tolist(), firsts.tolist(), lasts.tolist(), strict=True
-        )]
-        blocks = np.concatenate(own).astype(np.int32)
+        pool = state.pool
+        seq_ids = t.ids_at(grown)
+        blocks = t.blocks_in(grown, firsts, lasts).astype(np.int32)
         hashes: list[bytes] = []
         parents: list[bytes] = []
         for row, first, last in zip(grown.tolist(), firsts.tolist(), lasts.tolist(), strict=True):
-            seq = t.objs[row]
-            assert seq is not None
+            seq = t.seq_at(row)
             chain = seq.hashes.digests(first, last)
             hashes += chain
             parents.append(seq.hashes[first - 1] if first else seq.root)
             parents += chain[:-1]
         replaced = np.zeros(len(blocks), dtype=np.int32)
-        canonical = [index.get(h) for h in hashes]
+        canonical = [pool.cached_block(h) for h in hashes]
         swap = self.config.dedup_cached_blocks
         if any(c is not None for c in canonical) or len(set(hashes)) < len(hashes):
             self._deduplicate(hashes, canonical, blocks, replaced, swap)
@@ -146,11 +136,11 @@ class Growth:
         if self.config.mtp_holds_overlap:
             path = self._keep_overlaps(t, grown, firsts, lasts, blocks, replaced)
         if not swap:
-            self._detach_after_private(t, grown, firsts, lasts, replaced, index)
+            self._detach_after_private(t, grown, firsts, lasts, replaced, pool)
         marks, experts = self._cached_experts(state, grown, firsts, lasts, path)
         emit(
             ev.BlocksCached(
-                seq_ids.copy(), (lasts - firsts).astype(I32), firsts.astype(I32), blocks,
+                seq_ids, (lasts - firsts).astype(I32), firsts.astype(I32), blocks,
                 replaced, b"".join(hashes), b"".join(parents), marks, experts,
             )
         )
@@ -193,13 +183,12 @@ class Growth:
         chain = blocks
         j = 0
         for row, first, last in zip(rows.tolist(), firsts.tolist(), lasts.tolist(), strict=True):
-            seq = t.objs[row]
-            assert seq is not None
+            seq = t.seq_at(row)
             if seq.overlap_block and first <= seq.overlap_at < last:
                 k = j + seq.overlap_at - first
                 if chain is blocks:
                     chain = blocks.copy()
-                blocks[k] = int(t.table[row, seq.overlap_at])
+                blocks[k] = int(t.blocks_of(row)[seq.overlap_at])
                 replaced[k] = ev.PRIVATE_COPY
                 chain[k] = seq.overlap_block
             j += last - first
@@ -212,16 +201,15 @@ class Growth:
         firsts: np.ndarray,
         lasts: np.ndarray,
         replaced: np.ndarray,
-        index: dict[bytes, int],
+        pool: BlockPool,
     ) -> None:
         """Without dedup: a sequence's blocks after a private copy (in this event, or its
         own block before them not being the indexed one) stay unindexed (``UNINDEXED``)."""
         j = 0
         for row, first, last in zip(rows.tolist(), firsts.tolist(), lasts.tolist(), strict=True):
-            seq = t.objs[row]
-            assert seq is not None
+            seq = t.seq_at(row)
             own = t.path_blocks(seq, first - 1, first)[0] if first else 0  # (chain block)
-            detached = bool(first) and index.get(seq.hashes[first - 1]) != own
+            detached = bool(first) and pool.cached_block(seq.hashes[first - 1]) != own
             for k in range(j, j + last - first):
                 if detached and replaced[k] == 0:
                     replaced[k] = ev.UNINDEXED
@@ -245,8 +233,7 @@ class Growth:
         experts: list[np.ndarray] = []
         done: set[int] = set()
         for row, first, last in zip(rows.tolist(), firsts.tolist(), lasts.tolist(), strict=True):
-            seq = t.objs[row]
-            assert seq is not None
+            seq = t.seq_at(row)
             for i in range(first, last):
                 mark = self._experts_of(state, seq, i, int(blocks[j]), done)
                 marks.append(mark is not None)
@@ -261,7 +248,7 @@ class Growth:
     ) -> np.ndarray | None:
         """The routed-expert ids block ``i`` adds to the cache (None: none to add)."""
         bs = self.bs
-        if seq.n_experts < (i + 1) * bs or canonical in state.pool.experts or canonical in done:
+        if seq.n_experts < (i + 1) * bs or state.pool.has_experts(canonical) or canonical in done:
             return None
         assert seq.experts is not None
         done.add(canonical)
@@ -304,7 +291,7 @@ class Growth:
             if keep_for_session and not state.hybrid and row >= 0 and (
                 seq.session_id in state.sessions
             ):
-                keep = int(table.registered[row])
+                keep = table.registered_at(row)
                 if keep:
                     # (the cached chain: an MTP overlap block, not its private copy)
                     chain = table.path_blocks(seq, 0, keep)
@@ -335,7 +322,7 @@ class Growth:
         first: ``session_reclaim``) until ``need`` are available (not counting the cached
         ``hit`` blocks, which an admission attaches)."""
         pool = state.pool
-        sessions = state.sessions.sessions
+        sessions = state.sessions
         if self.config.session_reclaim == "last_use":
             order = sorted(sessions, key=lambda k: (sessions[k].last_used, k))
         else:
@@ -352,12 +339,11 @@ class Growth:
         available to an admission attaching ``hit`` (pure query)."""
         pool = state.pool
         drops = np.zeros(pool.num_blocks, dtype=np.int64)
-        for session_id, session in state.sessions.sessions.items():
+        for session_id, session in state.sessions.items():
             if session_id != keep and len(session.held):
                 drops[session.held] += 1  # a holder never holds a block twice
-        freed = (drops > 0) & (pool.ref == drops)
-        freed[hit] = False  # a hit block set loose is attached again: no gain
-        return int(np.count_nonzero(freed))
+        drops[hit] = 0  # a hit block set loose is attached again: no gain
+        return int(np.count_nonzero(pool.freed_by(drops)))
 
     # ------------------------------------------------------------------- preemption
 
@@ -367,8 +353,7 @@ class Growth:
         t = state.seqs
 
         def key(row: int) -> tuple[int, float, int]:
-            seq = t.objs[row]
-            assert seq is not None
+            seq = t.seq_at(row)
             return (seq.priority, -seq.arrival_time, -seq.seq_id)
 
         return sorted(t.schedulable_rows().tolist(), key=key)
@@ -380,6 +365,5 @@ class Growth:
         while state.pool.num_available < need and running:
             if spare is not None and spare.row < 0:
                 return
-            victim = state.seqs.objs[running.pop(0)]
-            assert victim is not None
+            victim = state.seqs.seq_at(running.pop(0))
             self.preempt(state, victim, emit, "blocks")

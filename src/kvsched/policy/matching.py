@@ -79,7 +79,7 @@ class Matcher:
         privately and holds (0 when it holds none)."""
         if not self._holds_overlap or depth >= len(seq.hashes):
             return 0
-        return state.pool.index.get(seq.hashes[depth], 0)
+        return state.pool.cached_block(seq.hashes[depth]) or 0
 
     def _find_checkpoint(self, state: EngineState, seq: Seq) -> Match:
         """The deepest usable checkpoint. With MTP, the cached KV must reach beyond the

@@ -72,11 +72,11 @@ class PrefillOrder:
         their sizes when the caller has them)."""
         config = self.config
         if config.order == "fcfs":
-            return sorted(state.seqs.waiting.values(), key=_seq_arrival)
+            return sorted(state.seqs.waiting_seqs(), key=_seq_arrival)
         if config.order == "priority":
-            return self._by_priority(list(state.seqs.waiting.values()), state.clock)
+            return self._by_priority(list(state.seqs.waiting_seqs()), state.clock)
         if sized is None:
-            sized = self.sizes(state, list(state.seqs.waiting.values()))
+            sized = self.sizes(state, list(state.seqs.waiting_seqs()))
         shorts = sorted((s for s in sized if not s.long), key=lambda s: (s.left, *_arrival(s)))
         lane = self._long_lane([s for s in sized if s.long], state.clock)
         if turn in (TurnState.LONG_FIRST, TurnState.LONG_FIRST_IF_FINAL):

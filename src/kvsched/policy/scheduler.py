@@ -72,7 +72,7 @@ class Policy:
             return "empty prompt"
         if e.max_tokens <= 0:
             return f"max_tokens must be positive, got {e.max_tokens}"
-        if e.seq_id in state.seqs.seqs or e.seq_id < 0:
+        if state.seqs.is_live(e.seq_id) or e.seq_id < 0:
             return f"duplicate or invalid request id {e.seq_id}"
         arrival = state.arrival(e)  # (the hashing pass also finds the largest id)
         top = arrival.top
@@ -120,7 +120,7 @@ class Policy:
     def _awaiting_identities(state: EngineState) -> list[tuple[int, int, bytes]]:
         """(seq id, tokens, identity) of each checkpoint the executed step saved."""
         ckpts = state.ckpts
-        return [(c.seq_id, c.step, c.key) for c in map(ckpts.get, ckpts.awaiting)]
+        return [(c.seq_id, c.step, c.key) for c in map(ckpts.get, ckpts.awaiting_ids())]
 
     def _finish_finished(self, state: EngineState, outcome: ev.StepExecuted, emit: Emit) -> None:
         """Retire the sequences whose newest token ends them (eos, max_tokens or context)."""
@@ -128,10 +128,8 @@ class Policy:
             return
         t = state.seqs
         rows = t.rows_of(outcome.seq_ids)  # (the outcome's samplers: the fold's lookup, kept)
-        stop = outcome.tokens == t.eos[rows]
-        length = (t.ntokens[rows] - t.n_prompt[rows] >= t.max_tokens[rows]) | (
-            t.ntokens[rows] >= self.config.model.max_context
-        )
+        stop = t.is_eos(rows, outcome.tokens)
+        length = t.outputs_done(rows) | (t.known_of(rows) >= self.config.model.max_context)
         migrate = self.config.role == "prefill"  # the first token ends a prefill-role request
         done = np.nonzero(stop | length | migrate)[0]
         if len(done):
@@ -158,7 +156,7 @@ class Policy:
     ) -> bool:
         """Abort a sequence; False when the abort is deferred (its KV transfer is in flight:
         it is applied, once, when the load ends)."""
-        seq = state.seqs.seqs.get(seq_id)
+        seq = state.seqs.find(seq_id)
         if seq is None:
             return True  # unknown or already retired: nothing to release
         load = state.transfers.load_of(seq_id)
@@ -222,7 +220,7 @@ class Policy:
         the deepest level asked for); meanwhile nothing is scheduled. Loads that ended
         without a row lose their blocks with the device memory: they are preempted like
         running sequences."""
-        for seq_id, load in sorted(state.transfers.loads.items()):
+        for seq_id, load in sorted(state.transfers.loads_by_seq()):
             if load.open:
                 emit(ev.KVLoadCancelled(seq_id, "drain"))
         if state.transfers.transferring:
@@ -233,12 +231,12 @@ class Policy:
         for seq_id in state.transfers.ready_loads():
             self.growth.preempt(state, state.seq(seq_id), emit, reason="drain")
         t = state.seqs
-        for seq in [t.objs[r] for r in t.running_rows().tolist()]:
-            assert seq is not None
+        for seq in t.seqs_at(t.running_rows()):
             self.growth.preempt(state, seq, emit, reason="drain")
-        for session_id in sorted(state.sessions.sessions):
+        for session_id in sorted(state.sessions):
             self.growth.free_session_hold(state, session_id, emit)
-        for ckpt_id, c in sorted(state.ckpts.ckpts.items()):
+        for c in sorted(state.ckpts.checkpoints(), key=lambda c: c.ckpt_id):
+            ckpt_id = c.ckpt_id
             if c.state == CkptState.RESERVED:  # a finished sequence's state, not yet saved
                 emit(ev.CheckpointAbandoned(ckpt_id, "drain"))
             else:
@@ -254,8 +252,8 @@ class Policy:
         checkpoint); attention-only sequences retry the same work (a failed forward writes
         KV only at positions that the retry rewrites)."""
         self.checkpoints.abandon(state, emit)
-        for seq_id in state.seqs.failed:
-            seq = state.seqs.seqs.get(seq_id)
+        for seq_id in state.seqs.failed_ids():
+            seq = state.seqs.find(seq_id)
             if seq is None or seq.state != SeqState.RUNNING:
                 continue
             if seq.num_failures > self.config.max_step_retries:
@@ -275,7 +273,7 @@ class Policy:
             return
         table = state.seqs
         rows = table.schedulable_rows()
-        decode_mask = table.computed[rows] == table.ntokens[rows] - 1
+        decode_mask = table.awaiting_decode(rows)
         decode_rows, chunk_rows = rows[decode_mask], rows[~decode_mask]
         alternate = self.config.turn_mode == "alternate"
         prefill_turn = self._is_prefill_turn(state, len(decode_rows), chunk_rows)
@@ -283,13 +281,13 @@ class Policy:
         if len(decode_rows) and not (alternate and prefill_turn):
             budget.busy = self._schedule_decode(state, decode_rows, emit)
         if prefill_turn:
-            chunk_rows = chunk_rows[table.row_seq[chunk_rows] >= 0]  # not preempted by decode
+            chunk_rows = table.still_held(chunk_rows)  # not preempted by decode
             self.turns.run(state, chunk_rows, budget, emit)
         if budget.seq_ids:
             emit(ev.PrefillScheduled(arr(budget.seq_ids), arr(budget.starts), arr(budget.ends)))
         elif alternate and prefill_turn and len(decode_rows):
             # The prefill turn found nothing it could run: decode rather than idle.
-            self._schedule_decode(state, decode_rows[table.row_seq[decode_rows] >= 0], emit)
+            self._schedule_decode(state, table.still_held(decode_rows), emit)
 
     def _is_prefill_turn(self, state: EngineState, n_decode: int, chunk_rows: np.ndarray) -> bool:
         """Mixed mode: always (decodes and prefills share every step). Alternate mode (as
@@ -319,9 +317,7 @@ class Policy:
         """Whether a running sequence's next chunk ends its prompt."""
         table = state.seqs
         for row in chunk_rows.tolist():
-            seq = table.objs[row]
-            assert seq is not None
-            if self.chunk_of(seq, int(table.computed[row])).final:
+            if self.chunk_of(table.seq_at(row), table.computed_at(row)).final:
                 return True
         return False
 
@@ -329,7 +325,7 @@ class Policy:
         """Whether the waiting sequences' tokens reach ``max_prefill_tokens`` (their cached
         prefixes are not known before admission: every token counts, as in lmdeploy)."""
         total, budget = 0, self.config.max_prefill_tokens
-        for seq in state.seqs.waiting.values():
+        for seq in state.seqs.waiting_seqs():
             total += seq.n_tokens
             if total >= budget:
                 return True
@@ -338,18 +334,18 @@ class Policy:
     def _schedule_decode(self, state: EngineState, rows: np.ndarray, emit: Emit) -> bool:
         """Grow and schedule the decoding rows; returns whether any decode was scheduled."""
         table = state.seqs
-        needing = rows[table.computed[rows] // self.bs >= table.nblocks[rows]]
+        needing = table.rows_needing_blocks(rows)
         if len(needing) > state.pool.num_available:
             needing = self._make_room(state, needing, emit)
-            rows = rows[table.row_seq[rows] >= 0]
+            rows = table.still_held(rows)
         if len(needing):
-            seq_ids = table.row_seq[needing].copy()
+            seq_ids = table.ids_at(needing)
             counts = np.ones(len(needing), I32)
             if self.config.decode_prealloc_tokens:
                 counts += self.growth.decode_spares(state, needing)
             self.growth.allocate(state, seq_ids, counts, emit)
         if len(rows):
-            emit(ev.DecodeScheduled(table.row_seq[rows].copy()))
+            emit(ev.DecodeScheduled(table.ids_at(rows)))
             if state.hybrid:
                 self.checkpoints.decode_saves(state, rows, emit)
         return bool(len(rows))
@@ -369,8 +365,7 @@ class Policy:
         while state.pool.num_available < len(need) and running:
             victim = running.pop(0)
             need.discard(victim)
-            seq = state.seqs.objs[victim]
-            assert seq is not None
+            seq = state.seqs.seq_at(victim)
             self.growth.preempt(state, seq, emit, "blocks")
         return np.asarray(sorted(need), dtype=np.int64)
 

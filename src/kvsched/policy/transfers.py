@@ -121,9 +121,9 @@ class Transfers:
         each still lacks (waiting for its transfer or a row, or settled and prefilling). Only
         a load admission honours them; ordinary admissions and decode may borrow them."""
         table, total = state.seqs, 0
-        for seq_id, load in state.transfers.loads.items():
+        for seq_id, load in state.transfers.loads_by_seq():
             if load.admitted:
-                seq = table.seqs[seq_id]
+                seq = table.seq(seq_id)
                 total += max(0, cdiv(seq.n_prompt, self.bs) - len(table.block_table(seq)))
         return total
 
@@ -140,22 +140,20 @@ class Transfers:
         if state.hybrid:
             for seq_id, step, key in published:
                 c = state.ckpts.find(key)
-                seq = t.seqs.get(seq_id)
+                seq = t.find(seq_id)
                 if c is None or step % self.bs or seq is None or seq.row < 0:
                     continue
                 self._save(state, seq, step // self.bs, c.ckpt_id, c.slot, emit)
             return
         rows = t.schedulable_rows()
-        for row in rows[t.registered[rows] > t.saved[rows]].tolist():
-            seq = t.objs[row]
-            assert seq is not None
-            self._save(state, seq, int(t.registered[row]), -1, -1, emit)
+        for row in t.rows_to_save(rows).tolist():
+            self._save(state, t.seq_at(row), t.registered_at(row), -1, -1, emit)
 
     def _save(
         self, state: EngineState, seq: Seq, end: int, ckpt: int, slot: int, emit: Emit
     ) -> None:
         row = seq.row
-        lo = int(state.seqs.saved[row])
+        lo = state.seqs.saved_at(row)
         if end <= lo:
             return
         blocks = state.seqs.path_blocks(seq, lo, end)  # the cached chain (no MTP private copy)

@@ -56,7 +56,7 @@ class PrefillTurns:
             return
         # Sized when the turn is chosen, before running chunks continue (a sequence they
         # preempt is not readmitted in the same step anyway).
-        sized = self.order.sizes(state, list(state.seqs.waiting.values()))
+        sized = self.order.sizes(state, list(state.seqs.waiting_seqs()))
         long_work = False
         if not self._keeps_turn:
             short_work, long_work = self._work(state, chunk_rows, sized)
@@ -66,14 +66,14 @@ class PrefillTurns:
         self._run_turn(state, turn, chunk_rows, budget, emit, sized)
         if turn in GATED and long_work and not budget.prefills:
             emit(ev.PrefillTurnChosen(turn_name(_T.LONG_FIRST), fallback=True))
-            rows = chunk_rows[state.seqs.row_seq[chunk_rows] >= 0]  # (not preempted meanwhile)
+            rows = state.seqs.still_held(chunk_rows)  # (not preempted meanwhile)
             self._run_turn(state, _T.LONG_FIRST, rows, budget, emit, None)
 
     @staticmethod
     def has_work(state: EngineState, chunk_rows: np.ndarray) -> bool:
         """Whether a prefill turn has anything to offer: a waiting sequence, a running chunked
         prefill, or a load that ended and waits for a row."""
-        return bool(state.seqs.waiting or len(chunk_rows) or state.transfers.ready_loads())
+        return bool(state.seqs.has_waiting or len(chunk_rows) or state.transfers.ready_loads())
 
     def _run_turn(
         self,
@@ -93,7 +93,7 @@ class PrefillTurns:
     ) -> tuple[bool, bool]:
         """(short work, long work): whether a short / a long prefill waits or runs."""
         table = state.seqs
-        left = table.ntokens[chunk_rows] - table.computed[chunk_rows]
+        left = table.tokens_left(chunk_rows)
         kinds = [self.config.long_prefill(n) for n in left.tolist()]
         kinds += [s.long for s in sized]
         return not all(kinds), any(kinds)

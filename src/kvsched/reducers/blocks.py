@@ -151,6 +151,27 @@ class BlockPool:
                 return i
         return len(blocks)
 
+    def cached_block(self, h: bytes) -> int | None:
+        """The block cached under identity ``h`` (None: not cached)."""
+        return self.index.get(h)
+
+    def is_cached(self, h: bytes) -> bool:
+        return h in self.index
+
+    def has_experts(self, block: int) -> bool:
+        """Whether the cached block carries routed-expert ids."""
+        return block in self.experts
+
+    def is_unheld(self, block: int) -> bool:
+        """Whether nobody holds a reference on the block."""
+        return bool(self.ref[block] == 0)
+
+    def freed_by(self, drops: np.ndarray) -> np.ndarray:
+        """Which blocks dropping ``drops[b]`` references each (a count per block id) would
+        leave unheld: those whose every reference is dropped (a new boolean array)."""
+        freed: np.ndarray = (drops > 0) & (self.ref == drops)
+        return freed
+
     def count_unheld(self, blocks: np.ndarray) -> int:
         """How many of these cached blocks are evictable now (attaching them removes them)."""
         return int(np.count_nonzero(self.ref[blocks] == 0))

@@ -12,6 +12,8 @@ returned.
 
 from __future__ import annotations
 
+from collections.abc import ValuesView
+
 import numpy as np
 
 from kvsched.events import types as ev
@@ -27,6 +29,8 @@ __all__ = ["BlockTables"]
 class BlockTables(RowTable):
     # Set by the owner that builds on it (SequenceTable).
     seqs: dict[int, Seq]
+    waiting: dict[int, Seq]
+    failed: list[int]
     _pool: BlockPool
     _holdings: LoadHoldings
 
@@ -35,6 +39,26 @@ class BlockTables(RowTable):
             return self.seqs[seq_id]
         except KeyError:
             raise ReplayMismatch(f"sequence {seq_id} is not live") from None
+
+    def find(self, seq_id: int) -> Seq | None:
+        """The live sequence ``seq_id`` (None: not live)."""
+        return self.seqs.get(seq_id)
+
+    def is_live(self, seq_id: int) -> bool:
+        return seq_id in self.seqs
+
+    def waiting_seqs(self) -> ValuesView[Seq]:
+        """The waiting sequences, in the order they were queued (a view: no method of it
+        changes the queue)."""
+        return self.waiting.values()
+
+    @property
+    def has_waiting(self) -> bool:
+        return bool(self.waiting)
+
+    def failed_ids(self) -> list[int]:
+        """The sequences the latest failed step computed (a copy)."""
+        return list(self.failed)
 
     def _rows(self, seq_ids: np.ndarray) -> np.ndarray:
         try:

@@ -35,7 +35,8 @@ returns the references it takes or drops as a ``RefChange``.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
+from types import MappingProxyType
 from typing import Any
 
 import attrs
@@ -189,6 +190,18 @@ class CheckpointTable:
     def checkpoints(self) -> Iterable[Checkpoint]:
         """Every live checkpoint (reserved, published or pinned), oldest first (a view)."""
         return self.ckpts.values()
+
+    def awaiting_ids(self) -> list[int]:
+        """The checkpoints awaiting publication after the step (a copy)."""
+        return list(self.awaiting)
+
+    def saves_by_rule(self) -> Mapping[str, int]:
+        """Checkpoints ever saved, by placement rule (a read-only view)."""
+        return MappingProxyType(self.saves_by_kind)
+
+    def restores_by_rule(self) -> Mapping[str, int]:
+        """Checkpoints ever restored, by placement rule (a read-only view)."""
+        return MappingProxyType(self.reused_by_kind)
 
     def peek_slot(self) -> int:
         return self.free_slots[-1] if self.free_slots else 0

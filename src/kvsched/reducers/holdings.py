@@ -61,9 +61,13 @@ class LoadHoldings:
         return seq_id in self.loads
 
     def blocks_of(self, seq_id: int) -> np.ndarray:
-        """The blocks a rowless load holds (none for any other sequence)."""
+        """The blocks a rowless load holds (none for any other sequence; a read-only view)."""
         holding = self.loads.get(seq_id)
-        return _NONE if holding is None else holding.blocks
+        if holding is None:
+            return _NONE
+        view = holding.blocks.view()
+        view.flags.writeable = False
+        return view
 
     def cached_of(self, seq_id: int) -> int:
         holding = self.loads.get(seq_id)

@@ -16,6 +16,8 @@ It also keeps the work scheduled in the current step until its outcome arrives
 
 from __future__ import annotations
 
+from typing import cast
+
 import numpy as np
 
 from kvsched.events import types as ev
@@ -125,7 +127,120 @@ class RowTable:
         return np.concatenate((seq.tokens[:n0], tail))
 
     def blocks_of(self, row: int) -> np.ndarray:
-        return self.table[row, : self.nblocks[row]]
+        """The row's block table (a read-only view)."""
+        view = self.table[row, : self.nblocks[row]]
+        view.flags.writeable = False
+        return view
+
+    # Per-row questions the policy asks. Arrays are copies (fancy indexing), numbers ints:
+    # nothing returned here can write a column.
+
+    def seq_at(self, row: int) -> Seq:
+        """The sequence holding ``row``."""
+        seq = self.objs[row]
+        assert seq is not None, f"row {row} is free"
+        return seq
+
+    def seqs_at(self, rows: np.ndarray) -> list[Seq]:
+        """The sequences holding ``rows``, in order (each row must hold one)."""
+        objs = self.objs
+        seqs = [objs[r] for r in rows.tolist()]
+        assert all(s is not None for s in seqs), "a free row"
+        return cast("list[Seq]", seqs)
+
+    def ids_at(self, rows: np.ndarray) -> np.ndarray:
+        """The ids of the sequences holding ``rows``."""
+        ids: np.ndarray = self.row_seq[rows]
+        return ids
+
+    def still_held(self, rows: np.ndarray) -> np.ndarray:
+        """Those of ``rows`` that still hold a sequence (none preempted or ended meanwhile)."""
+        held: np.ndarray = rows[self.row_seq[rows] >= 0]
+        return held
+
+    def computed_at(self, row: int) -> int:
+        """Tokens of the row whose KV is written."""
+        return int(self.computed[row])
+
+    def nblocks_at(self, row: int) -> int:
+        """Blocks in the row's block table."""
+        return int(self.nblocks[row])
+
+    def registered_at(self, row: int) -> int:
+        """Leading blocks of the row in the prefix index."""
+        return int(self.registered[row])
+
+    def saved_at(self, row: int) -> int:
+        """Leading chain blocks of the row in the store or being saved."""
+        return int(self.saved[row])
+
+    def computed_of(self, rows: np.ndarray) -> np.ndarray:
+        out: np.ndarray = self.computed[rows]
+        return out
+
+    def block_counts(self, rows: np.ndarray) -> np.ndarray:
+        out: np.ndarray = self.nblocks[rows]
+        return out
+
+    def known_of(self, rows: np.ndarray) -> np.ndarray:
+        """Tokens each row knows (prompt and sampled outputs)."""
+        out: np.ndarray = self.ntokens[rows]
+        return out
+
+    def tokens_left(self, rows: np.ndarray) -> np.ndarray:
+        """Tokens each row knows but has not computed."""
+        left: np.ndarray = self.ntokens[rows] - self.computed[rows]
+        return left
+
+    def token_limits(self, rows: np.ndarray) -> np.ndarray:
+        """Each row's prompt plus its ``max_tokens``."""
+        limit: np.ndarray = self.n_prompt[rows] + self.max_tokens[rows]
+        return limit
+
+    def outputs_done(self, rows: np.ndarray) -> np.ndarray:
+        """Whether each row has sampled its ``max_tokens`` outputs."""
+        done: np.ndarray = self.ntokens[rows] - self.n_prompt[rows] >= self.max_tokens[rows]
+        return done
+
+    def is_eos(self, rows: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+        """Whether each row's ``tokens`` entry is its end-of-sequence token."""
+        eos: np.ndarray = tokens == self.eos[rows]
+        return eos
+
+    def awaiting_decode(self, rows: np.ndarray) -> np.ndarray:
+        """Whether each row has computed all but its newest token (its next work decodes)."""
+        mask: np.ndarray = self.computed[rows] == self.ntokens[rows] - 1
+        return mask
+
+    def rows_needing_blocks(self, rows: np.ndarray) -> np.ndarray:
+        """Those of ``rows`` whose next token's position lies past their block table."""
+        needing: np.ndarray = rows[self.computed[rows] // self.block_size >= self.nblocks[rows]]
+        return needing
+
+    def rows_to_cache(
+        self, rows: np.ndarray | None = None
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(rows, first, last): the rows (of ``rows``, default all) with full computed blocks
+        not in the prefix index yet, and each one's block range [first, last) of them."""
+        bs = self.block_size
+        if rows is None:
+            grown = np.nonzero(self.computed // bs > self.registered)[0]
+        else:
+            grown = rows[self.computed[rows] // bs > self.registered[rows]]
+        return grown, self.registered[grown], self.computed[grown] // bs
+
+    def blocks_in(self, rows: np.ndarray, firsts: np.ndarray, lasts: np.ndarray) -> np.ndarray:
+        """Entries [first, last) of each row's block table, concatenated (a new array)."""
+        table = self.table
+        if not len(rows):
+            return np.zeros(0, dtype=table.dtype)
+        spans = zip(rows.tolist(), firsts.tolist(), lasts.tolist(), strict=True)
+        return np.concatenate([table[row, first:last] for row, first, last in spans])
+
+    def rows_to_save(self, rows: np.ndarray) -> np.ndarray:
+        """Those of ``rows`` with indexed blocks not yet in the store nor being saved."""
+        out: np.ndarray = rows[self.registered[rows] > self.saved[rows]]
+        return out
 
     def peek_free_row(self) -> int:
         return self.free_rows[-1] if self.free_rows else FREE_ROW

@@ -152,6 +152,10 @@ class TransferTable:
         """Sequences whose load ended and that wait to be settled into a batch row."""
         return sorted(s for s, ld in self.loads.items() if ld.ended)
 
+    def loads_by_seq(self) -> list[tuple[int, KVLoad]]:
+        """(sequence id, load record) of every load, in the order they started."""
+        return list(self.loads.items())
+
     def load_of(self, seq_id: int) -> KVLoad | None:
         return self.loads.get(seq_id)
 
