@@ -13,7 +13,8 @@ The rule, fixed so that two trees compare:
   path); the event classes, containers, identity kernels, logs and sinks live elsewhere;
 - it counts once, at its first call, under the step that first called it;
 - it does not count if it is a trivial accessor: decorated ``@property`` (or a setter), or a
-  body (its docstring aside) of one ``return`` whose expression calls nothing;
+  body (its docstring aside) of one statement that calls nothing (a one-line getter or
+  setter: ``return self.x``, ``self.step = e.step``);
 - comprehensions, generator expressions, lambdas and generated code (attrs' ``__init__``)
   are not functions here.
 
@@ -73,7 +74,7 @@ def _is_property(node: ast.FunctionDef | ast.AsyncFunctionDef) -> bool:
 
 
 def trivial(code: CodeType) -> bool:
-    """A property, or one ``return`` (docstring aside) of an expression that calls nothing."""
+    """A property, or one statement (docstring aside) that calls nothing."""
     node = _defs(code.co_filename).get((code.co_firstlineno, code.co_name))
     if node is None:
         return False
@@ -82,10 +83,9 @@ def trivial(code: CodeType) -> bool:
     body = node.body
     if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
         body = body[1:]
-    if len(body) != 1 or not isinstance(body[0], ast.Return):
+    if len(body) != 1 or isinstance(body[0], (ast.If, ast.For, ast.While, ast.With, ast.Try)):
         return False
-    value = body[0].value
-    return value is None or not any(isinstance(n, ast.Call) for n in ast.walk(value))
+    return not any(isinstance(n, ast.Call) for n in ast.walk(body[0]))
 
 
 class Walk:

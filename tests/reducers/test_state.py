@@ -7,7 +7,7 @@ import pytest
 from tests.policy.helpers import Harness, config, request
 
 from kvsched.events import types as ev
-from kvsched.reducers.inputs import InputError
+from kvsched.reducers.inputs import InputError, validate_inputs
 from kvsched.reducers.state import OWNER_AFTER, OWNER_ORDER, EngineState, check_owner_order
 
 
@@ -55,7 +55,7 @@ def test_a_decision_given_as_an_input_is_refused_before_anything_changes():
     state = EngineState(config())
     before = state.snapshot()
     with pytest.raises(InputError):
-        state.check_inputs([request(1, 20), ev.CacheCleared()])
+        validate_inputs(state, [request(1, 20), ev.CacheCleared()])
     assert state.snapshot() == before
 
 

@@ -55,17 +55,9 @@ class Policy:
 
     # ----------------------------------------------------------------------- inputs
 
-    def validate(
-        self, state: EngineState, e: ev.RequestArrived
-    ) -> tuple[str | None, Arrival | None]:
-        """(why a request must be rejected, None) or, when it is acceptable, (None, its
-        tokens and block digests: ``EngineState.arrival``, which its fold takes)."""
-        reason = self._first_problem(state, e)
-        if isinstance(reason, str):
-            return reason, None
-        return None, reason
-
-    def _first_problem(self, state: EngineState, e: ev.RequestArrived) -> str | Arrival:
+    def validate(self, state: EngineState, e: ev.RequestArrived) -> str | Arrival:
+        """Why a request must be rejected or, when it is acceptable, its tokens and block
+        digests (``SequenceTable.arrival``, which its fold takes)."""
         model, bs = self.config.model, self.bs
         prompt = e.prompt
         if len(prompt) == 0:
@@ -74,7 +66,7 @@ class Policy:
             return f"max_tokens must be positive, got {e.max_tokens}"
         if e.seq_id in state.seqs.seqs or e.seq_id < 0:
             return f"duplicate or invalid request id {e.seq_id}"
-        arrival = state.arrival(e)  # (the hashing pass also finds the largest id)
+        arrival = state.seqs.arrival(e)  # (the hashing pass also finds the largest id)
         top = arrival.top
         if top is None:
             top = -1 if in_vocabulary(prompt, model.vocab_size) else model.vocab_size

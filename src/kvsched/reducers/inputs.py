@@ -26,7 +26,7 @@ outcome of its sequence's step is applied after it, and the outcome never meets 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 import msgspec
@@ -49,6 +49,7 @@ class Owners(Protocol):
 
     @property
     def transfers(self) -> TransferTable: ...
+
 
 __all__ = [
     "InputError",
@@ -129,63 +130,6 @@ _FIELDS: dict[type[ev.Event], tuple[tuple[str, Any], ...]] = {
 }
 
 
-def _check_int(name: str, value: object) -> str | None:
-    if type(value) is int:  # (the common case first: no further isinstance checks)
-        return None if -_I64 <= value < _I64 else f"{name}={value} does not fit in int64"
-    return _check_value(name, int, value)
-
-
-def _check_float(name: str, value: object) -> str | None:
-    if type(value) is float:
-        return None if math.isfinite(value) else f"{name} must be finite, got {value}"
-    return _check_value(name, float, value)
-
-
-def _check_str(name: str, value: object) -> str | None:
-    if type(value) is str and value.isascii():
-        return None
-    return _check_value(name, str, value)
-
-
-def _check_bool(name: str, value: object) -> str | None:
-    return None if type(value) is bool else _check_value(name, bool, value)
-
-
-def _check_bytes(name: str, value: object) -> str | None:
-    return None if type(value) is bytes else _check_value(name, bytes, value)
-
-
-def _check_array(name: str, value: object) -> str | None:
-    if type(value) is np.ndarray and value.ndim == 1 and value.dtype.kind in "iu":
-        return None
-    return _check_value(name, np.ndarray, value)
-
-
-def _check_tuple(name: str, value: object) -> str | None:
-    return None if type(value) is tuple and not value else _check_spans(name, value)
-
-
-_FAST_CHECKS: dict[Any, Callable[[str, object], str | None]] = {
-    int: _check_int,
-    float: _check_float,
-    str: _check_str,
-    bool: _check_bool,
-    bytes: _check_bytes,
-    np.ndarray: _check_array,
-}
-
-
-def _checker(kind: Any) -> Callable[[str, object], str | None]:
-    """The check of one declared field type (fast paths for the common exact types and for
-    an empty tuple of spans)."""
-    fast = _FAST_CHECKS.get(kind)
-    if fast is not None:
-        return fast
-    if getattr(kind, "__origin__", None) is tuple:
-        return _check_tuple
-    return lambda name, value: _check_value(name, kind, value)
-
-
 def _check_value(name: str, kind: Any, value: object) -> str | None:
     if kind is bool:
         return None if isinstance(value, (bool, np.bool_)) else f"{name} must be a bool"
@@ -228,14 +172,33 @@ def _check_spans(name: str, value: object) -> str | None:
 _F32_MAX = float(np.finfo(np.float32).max)
 
 
-_CHECKS: dict[type[ev.Event], tuple[tuple[str, Callable[[str, object], str | None]], ...]] = {
-    kind: tuple((name, _checker(typ)) for name, typ in fields) for kind, fields in _FIELDS.items()
+def _kind(typ: Any) -> Any:
+    """A field's declared type as checked: ``tuple`` for a tuple of spans."""
+    return tuple if getattr(typ, "__origin__", None) is tuple else typ
+
+
+_KINDS: dict[type[ev.Event], tuple[tuple[str, Any], ...]] = {
+    kind: tuple((name, _kind(typ)) for name, typ in fields) for kind, fields in _FIELDS.items()
 }
 
 
 def _check_fields(event: ev.Event) -> str | None:
-    for name, check in _CHECKS[type(event)]:
-        reason = check(name, getattr(event, name))
+    for name, kind in _KINDS[type(event)]:
+        value = getattr(event, name)
+        if type(value) is kind:  # the common case, checked here: the declared type exactly
+            if kind is int:
+                ok = -_I64 <= value < _I64
+            elif kind is float:
+                ok = math.isfinite(value)
+            elif kind is str:
+                ok = value.isascii()
+            elif kind is np.ndarray:
+                ok = value.ndim == 1 and value.dtype.kind in "iu"
+            else:
+                ok = kind is not tuple or not value  # bool, bytes; an empty tuple of spans
+            if ok:
+                continue
+        reason = _check_value(name, kind, value)
         if reason is not None:
             return reason
     if isinstance(event, ev.RequestArrived) and abs(event.temperature) > _F32_MAX:
@@ -274,8 +237,10 @@ class _Checker:
         if seqs.has_pending and not self.answered:
             step = seqs.pending_step
             raise OutcomeMismatch(
-                self.count, None, f"the outcome of step {step} (StepExecuted or "
-                "StepFailed) is missing: every step that scheduled work needs one"
+                self.count,
+                None,
+                f"the outcome of step {step} (StepExecuted or "
+                "StepFailed) is missing: every step that scheduled work needs one",
             )
 
     def _outcome(self, i: int, e: ev.StepExecuted | ev.StepFailed) -> None:
@@ -283,8 +248,9 @@ class _Checker:
         if self.answered or not seqs.has_pending:
             raise OutcomeMismatch(i, e, f"no step awaits an outcome (step {e.step} given)")
         if e.step != seqs.pending_step:
-            raise OutcomeMismatch(i, e, f"outcome of step {e.step}, but step "
-                                  f"{seqs.pending_step} ran")
+            raise OutcomeMismatch(
+                i, e, f"outcome of step {e.step}, but step {seqs.pending_step} ran"
+            )
         self.answered = True
         if isinstance(e, ev.StepExecuted):
             reason = self._sampled(e)

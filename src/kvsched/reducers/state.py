@@ -28,7 +28,6 @@ from kvsched.reducers.blocks import BlockPool
 from kvsched.reducers.checkpoints import CheckpointTable
 from kvsched.reducers.errors import InvariantError, RefChange, ReplayMismatch
 from kvsched.reducers.holdings import LoadHoldings
-from kvsched.reducers.inputs import validate_inputs
 from kvsched.reducers.sequences import Arrival, Seq, SequenceTable
 from kvsched.reducers.sessions import SessionTable
 from kvsched.reducers.stats import Stats
@@ -161,22 +160,14 @@ class EngineState:
             if change is not None:
                 pool.apply(change)
 
-    def arrival(self, e: ev.RequestArrived) -> Arrival:
-        """An arrival's tokens and block digests (a pure query; ``apply_arrival`` takes it)."""
-        return self.seqs.arrival(e)
-
     def apply_arrival(self, e: ev.RequestArrived, arrival: Arrival) -> None:
-        """``apply(e)`` with the arrival's tokens and digests already computed (``arrival``):
+        """``apply(e)`` with the arrival's tokens and digests already computed
+        (``SequenceTable.arrival``):
         the prompt is hashed once for the policy's check and the fold."""
         for handler, takes_arrival in self._arrival_route:
             change = handler(e, arrival) if takes_arrival else handler(e)
             if change is not None:
                 self.pool.apply(change)
-
-    def check_inputs(self, inputs: Sequence[ev.Event]) -> list[ev.Event]:
-        """The step's inputs in the order they are applied, after checking every one of them
-        against the state (``reducers.inputs.InputError`` otherwise; nothing changes)."""
-        return validate_inputs(self, inputs)
 
     # ------------------------------------------------------------------------ queries
 
