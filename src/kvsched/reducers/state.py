@@ -104,6 +104,21 @@ STATELESS_INPUTS: tuple[type[ev.Event], ...] = (
 Handler = Callable[[Any], RefChange | None]
 
 
+def idle_owners(config: SchedulerConfig) -> frozenset[str]:
+    """The owners that hold nothing under ``config``, so ``apply`` does not visit their folds:
+    without external KV nothing is transferred (``transfers``), without soft loads no load is
+    admitted without a row (``holdings``), and an attention model has no state slot to
+    checkpoint (``ckpts``). Their queries still answer (empty)."""
+    idle = set()
+    if not config.hybrid:
+        idle.add("ckpts")
+    if not config.external_kv:
+        idle.add("transfers")
+    if not config.soft_loads:
+        idle.add("holdings")
+    return frozenset(idle)
+
+
 class EngineState:
     def __init__(self, config: SchedulerConfig) -> None:
         self.config = config
@@ -135,11 +150,15 @@ class EngineState:
 
     def _build_routes(self) -> dict[type[ev.Event], tuple[Handler, ...]]:
         routes: dict[type[ev.Event], list[Handler]] = {}
+        folded: set[type[ev.Event]] = set()
+        idle = idle_owners(self.config)
         for name in OWNER_ORDER:
             for kind, handler in getattr(self, name).folds().items():
-                routes.setdefault(kind, []).append(handler)
+                folded.add(kind)
+                if name not in idle:
+                    routes.setdefault(kind, []).append(handler)
         every = set(ev.INPUT_TYPES) | set(ev.DECISION_TYPES)
-        missing = every - set(routes) - set(STATELESS_INPUTS)
+        missing = every - folded - set(STATELESS_INPUTS)
         if missing:
             names = sorted(k.__name__ for k in missing)
             raise TypeError(f"events with no owner to fold them: {names}")
@@ -153,7 +172,7 @@ class EngineState:
         if handlers is None:
             if isinstance(event, STATELESS_INPUTS):
                 return
-            raise ReplayMismatch(f"no reducer for {type(event).__name__}")
+            raise ReplayMismatch(f"no reducer for {type(event).__name__} (in this configuration)")
         pool = self.pool
         for handler in handlers:
             change = handler(event)
