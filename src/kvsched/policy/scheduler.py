@@ -104,8 +104,10 @@ class Policy:
         saving = self.config.external_save and state.hybrid
         published = self._awaiting_identities(state) if saving else []
         self.growth.cache_computed(state, emit)
-        self.checkpoints.publish(state, emit)
-        self.transfers.start_saves(state, published, emit)
+        if state.hybrid:  # (an attention model saves no checkpoint)
+            self.checkpoints.publish(state, emit)
+        if self.config.external_save:
+            self.transfers.start_saves(state, published, emit)
         self._finish_finished(state, outcome, emit)
 
     @staticmethod
@@ -270,7 +272,9 @@ class Policy:
         decode_mask = table.computed[rows] == table.ntokens[rows] - 1
         decode_rows, chunk_rows = rows[decode_mask], rows[~decode_mask]
         alternate = self.config.turn_mode == "alternate"
-        prefill_turn = self._is_prefill_turn(state, len(decode_rows), chunk_rows)
+        prefill_turn = not (alternate and len(decode_rows)) or self._is_prefill_turn(
+            state, len(decode_rows), chunk_rows
+        )
         budget = StepBudget()
         if len(decode_rows) and not (alternate and prefill_turn):
             budget.busy = self._schedule_decode(state, decode_rows, emit)
@@ -284,8 +288,9 @@ class Policy:
             self._schedule_decode(state, decode_rows[table.row_seq[decode_rows] >= 0], emit)
 
     def _is_prefill_turn(self, state: EngineState, n_decode: int, chunk_rows: np.ndarray) -> bool:
-        """Mixed mode: always (decodes and prefills share every step). Alternate mode (as
-        lmdeploy's do_prefill_default): a prefill turn when there is prefill work and, after
+        """Alternate mode with decodes running (mixed mode, or nothing to decode, is always a
+        prefill turn: ``schedule`` asks only here otherwise), as lmdeploy's
+        do_prefill_default: a prefill turn when there is prefill work and, after
         at least one decode turn, the batch is less than half full, ``prefill_interval``
         decode turns have passed, a running sequence's last chunk is pending
         (``prefill_on_last_chunk``) or the waiting tokens fill a prefill budget
