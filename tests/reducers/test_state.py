@@ -78,13 +78,14 @@ def _visited(state: EngineState) -> set[str]:
     return {owners[id(h.__self__)] for hs in state._routes.values() for h in hs}  # type: ignore[attr-defined]
 
 
-def test_an_attention_engine_without_external_kv_visits_no_transfer_holding_or_checkpoint_owner():
+def test_an_attention_engine_without_external_kv_visits_no_transfer_holding_checkpoint_or_turn():
     state = EngineState(config())
-    assert idle_owners(state.config) == {"transfers", "holdings", "ckpts"}
-    assert _visited(state) == set(OWNER_ORDER) - {"transfers", "holdings", "ckpts"}
+    idle = {"transfers", "holdings", "ckpts", "turns"}
+    assert idle_owners(state.config) == idle
+    assert _visited(state) == set(OWNER_ORDER) - idle
 
 
 def test_a_hybrid_engine_with_soft_external_loads_visits_every_owner():
-    state = EngineState(config(hybrid=True, external_kv=True, load_admission="soft"))
+    state = EngineState(config(hybrid=True, external_kv=True, load_admission="soft", order="ttft"))
     assert idle_owners(state.config) == frozenset()
     assert _visited(state) == set(OWNER_ORDER)

@@ -21,6 +21,7 @@ import numpy as np
 from kvsched.events import types as ev
 from kvsched.reducers.errors import ReplayMismatch
 from kvsched.reducers.seq import FREE_ROW, Seq
+from kvsched.statemachines import SEQUENCE, fire
 
 _MEMO = 3  # rows_of answers kept
 
@@ -162,7 +163,7 @@ class RowTable:
         fires; a load admitted into a row waits for its KV there: ``loading``)."""
         if not self.free_rows or self.free_rows[-1] != row:
             raise ReplayMismatch(f"sequence {seq.seq_id}: row {row} is not the next free row")
-        seq.fire(event)
+        seq.state = fire(SEQUENCE, event, seq.seq_id, seq.state)
         self.loading[row] = type(event) is ev.KVLoadAdmitted
         self.row_state[row] = seq.state
         self.free_rows.pop()

@@ -107,9 +107,12 @@ Handler = Callable[[Any], RefChange | None]
 def idle_owners(config: SchedulerConfig) -> frozenset[str]:
     """The owners that hold nothing under ``config``, so ``apply`` does not visit their folds:
     without external KV nothing is transferred (``transfers``), without soft loads no load is
-    admitted without a row (``holdings``), and an attention model has no state slot to
-    checkpoint (``ckpts``). Their queries still answer (empty)."""
+    admitted without a row (``holdings``), an attention model has no state slot to
+    checkpoint (``ckpts``), and standard prefill turns never change (``turns``). Their queries
+    still answer (empty, or the initial turn)."""
     idle = set()
+    if config.turn_policy == "standard":
+        idle.add("turns")
     if not config.hybrid:
         idle.add("ckpts")
     if not config.external_kv:
