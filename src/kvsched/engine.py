@@ -1,6 +1,6 @@
 """The engine shell: wires inputs, policy, reducers, plan, log and publishers one step at a time.
 
-    inputs    = check_inputs(inputs)         validated and ordered; nothing folded on error
+    inputs    = validate_inputs(inputs)      validated and ordered; nothing folded on error
     decisions = [StepStarted] + policy(inputs) + policy.schedule(state)
     plan      = plan_step(state)
     log      <- StepRecord(step, clock, inputs, decisions, plan_digest(plan))
@@ -31,7 +31,7 @@ from kvsched.events.codec import SCHEMA_VERSION, StepRecord, encode
 from kvsched.events.log import EventLog
 from kvsched.plan import StepPlan, plan_digest
 from kvsched.policy import Policy
-from kvsched.reducers.inputs import InputError, MalformedInput
+from kvsched.reducers.inputs import InputError, MalformedInput, validate_inputs
 from kvsched.reducers.planner import plan_step
 from kvsched.reducers.state import EngineState
 
@@ -138,37 +138,38 @@ class Engine:
         ):
             raise MalformedInput(-1, clock, f"the step clock must be a finite number: {clock!r}")
         items = list(inputs) if isinstance(inputs, list) else _input_list(inputs)
-        ordered = self.state.check_inputs(items)
+        ordered = validate_inputs(self.state, items)  # (InputError: nothing is folded)
+        clock = float(clock)
         try:
-            return self._step(ordered, float(clock))
+            decisions: list[ev.Event] = []
+            self._decisions = decisions
+            step = self.state.step + 1
+            self._emit(ev.StepStarted(step, clock))
+            react, fold = self._reactions.get, self.state.apply
+            for event in ordered:
+                react(type(event), fold)(event)
+            self.policy.schedule(self.state, self._emit)
+            plan = plan_step(self.state)
+            if self.log is not None or self.sinks:
+                digest = plan_digest(plan, self.config.identity)
+                self._record(StepRecord(step, clock, ordered, decisions, digest))
+            if self.bus is not None:
+                self.bus.publish_many((*ordered, *decisions))
+            if self.check:
+                self.state.check_invariants()
         except BaseException as exc:
             self.halted = exc
             raise
+        return StepResult(step, plan, tuple(ordered), tuple(decisions))
 
-    def _step(self, inputs: list[ev.Event], clock: float) -> StepResult:
-        self._decisions = []
-        step = self.state.step + 1
-        self._emit(ev.StepStarted(step, clock))
-        react, fold = self._reactions.get, self.state.apply
-        for event in inputs:
-            react(type(event), fold)(event)
-        self.policy.schedule(self.state, self._emit)
-        plan = plan_step(self.state)
-        decisions = tuple(self._decisions)
-        if self.log is not None or self.sinks:
-            digest = plan_digest(plan, self.config.identity)
-            record = StepRecord(step, clock, inputs, list(decisions), digest)
-            payload = encode(record)
-            if self.log is not None:
-                self.log.append(payload)
-                self.log.flush()  # a crashed process loses at most the record being written
-            for sink in self.sinks:
-                sink.publish(payload)
-        if self.bus is not None:
-            self.bus.publish_many((*inputs, *decisions))
-        if self.check:
-            self.state.check_invariants()
-        return StepResult(step, plan, tuple(inputs), decisions)
+    def _record(self, record: StepRecord) -> None:
+        """Write the step's record to the log (flushed) and to every sink."""
+        payload = encode(record)
+        if self.log is not None:
+            self.log.append(payload)
+            self.log.flush()  # a crashed process loses at most the record being written
+        for sink in self.sinks:
+            sink.publish(payload)
 
     # ------------------------------------------------------------------- reactions
     # One per input type that the policy answers (``reactions``); any other input is only
@@ -189,11 +190,11 @@ class Engine:
         }
 
     def _on_arrived(self, e: ev.RequestArrived) -> None:
-        reason, arrival = self.policy.validate(self.state, e)
-        if arrival is None:
-            self._emit(ev.RequestRejected(e.seq_id, reason or "rejected"))
+        verdict = self.policy.validate(self.state, e)
+        if isinstance(verdict, str):
+            self._emit(ev.RequestRejected(e.seq_id, verdict or "rejected"))
             return
-        self.state.apply_arrival(e, arrival)
+        self.state.apply_arrival(e, verdict)
 
     def _on_executed(self, e: ev.StepExecuted) -> None:
         self.state.apply(e)

@@ -20,7 +20,7 @@ def _decoding(h: Harness, steps: int = 6) -> int:
 def test_an_arrival_is_computed_by_a_query_that_changes_nothing() -> None:
     h = Harness()
     before = h.state.snapshot()
-    arrival = h.state.arrival(request(5, 40))
+    arrival = h.state.seqs.arrival(request(5, 40))
     assert len(arrival.tokens) == 40 and len(arrival.hashes) == 40 // 16
     assert arrival.top is not None and arrival.top < 1000
     assert h.state.snapshot() == before
@@ -29,7 +29,7 @@ def test_an_arrival_is_computed_by_a_query_that_changes_nothing() -> None:
 def test_the_fold_takes_the_arrival_its_check_computed() -> None:
     h = Harness()
     e = request(5, 40)
-    arrival = h.state.arrival(e)
+    arrival = h.state.seqs.arrival(e)
     h.state.apply_arrival(e, arrival)
     assert h.state.seqs.seqs[5].hashes is arrival.hashes
     other = Harness()

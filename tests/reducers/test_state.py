@@ -7,8 +7,14 @@ import pytest
 from tests.policy.helpers import Harness, config, request
 
 from kvsched.events import types as ev
-from kvsched.reducers.inputs import InputError
-from kvsched.reducers.state import OWNER_AFTER, OWNER_ORDER, EngineState, check_owner_order
+from kvsched.reducers.inputs import InputError, validate_inputs
+from kvsched.reducers.state import (
+    OWNER_AFTER,
+    OWNER_ORDER,
+    EngineState,
+    check_owner_order,
+    idle_owners,
+)
 
 
 def test_the_declared_owner_order_satisfies_every_constraint() -> None:
@@ -55,7 +61,7 @@ def test_a_decision_given_as_an_input_is_refused_before_anything_changes():
     state = EngineState(config())
     before = state.snapshot()
     with pytest.raises(InputError):
-        state.check_inputs([request(1, 20), ev.CacheCleared()])
+        validate_inputs(state, [request(1, 20), ev.CacheCleared()])
     assert state.snapshot() == before
 
 
@@ -64,3 +70,22 @@ def test_every_held_block_is_listed_by_its_holder():
     h.step([request(1, 40)])
     held = sorted(int(b) for blocks in h.state.holders() for b in blocks)
     assert len(held) == 3 and len(set(held)) == 3
+
+
+def _visited(state: EngineState) -> set[str]:
+    """The owners whose folds ``apply`` visits."""
+    owners = {id(getattr(state, name)): name for name in OWNER_ORDER}
+    return {owners[id(h.__self__)] for hs in state._routes.values() for h in hs}  # type: ignore[attr-defined]
+
+
+def test_an_attention_engine_without_external_kv_visits_no_transfer_holding_checkpoint_or_turn():
+    state = EngineState(config())
+    idle = {"transfers", "holdings", "ckpts", "turns"}
+    assert idle_owners(state.config) == idle
+    assert _visited(state) == set(OWNER_ORDER) - idle
+
+
+def test_a_hybrid_engine_with_soft_external_loads_visits_every_owner():
+    state = EngineState(config(hybrid=True, external_kv=True, load_admission="soft", order="ttft"))
+    assert idle_owners(state.config) == frozenset()
+    assert _visited(state) == set(OWNER_ORDER)

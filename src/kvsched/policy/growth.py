@@ -267,23 +267,17 @@ class Growth:
         """End sequences: release everything the live ones hold (``BlocksFreed``, then
         ``CheckpointUnpinned``), then emit their ``ending``. The only way the policy ends a
         sequence, so a release always comes before the end its fold requires (the sequence
-        table and the load holdings refuse an end that finds blocks still held)."""
-        live = [seq for seq in seqs if seq.state != SeqState.WAITING]
-        if live:
-            self._release(state, live, emit, keep_for_session)
-        emit(ending)
-
-    def _release(
-        self, state: EngineState, seqs: list[Seq], emit: Emit, keep_for_session: bool = False
-    ) -> None:
-        """Drop every block the sequences hold (a session keeps its cached full blocks; a load
-        without a row keeps none for it)."""
+        table and the load holdings refuse an end that finds blocks still held). A waiting
+        sequence holds nothing; a session keeps its turn's cached full blocks; a load without
+        a row keeps none for it."""
         table = state.seqs
         holders: list[int] = []
         counts: list[int] = []
         blocks: list[np.ndarray] = []
         unpins: list[Seq] = []
         for seq in seqs:
+            if seq.state == SeqState.WAITING:
+                continue
             row = seq.row
             held = table.held_blocks(seq)
             if seq.pinned_ckpt >= 0:
@@ -305,6 +299,7 @@ class Growth:
             emit(ev.BlocksFreed(arr(holders), arr(counts, I32), np.concatenate(blocks)))
         for seq in unpins:
             emit(ev.CheckpointUnpinned(seq.pinned_ckpt, seq.seq_id))
+        emit(ending)
 
     def free_session_hold(self, state: EngineState, session_id: int, emit: Emit) -> None:
         session = state.sessions.get(session_id)

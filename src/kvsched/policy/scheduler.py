@@ -55,17 +55,9 @@ class Policy:
 
     # ----------------------------------------------------------------------- inputs
 
-    def validate(
-        self, state: EngineState, e: ev.RequestArrived
-    ) -> tuple[str | None, Arrival | None]:
-        """(why a request must be rejected, None) or, when it is acceptable, (None, its
-        tokens and block digests: ``EngineState.arrival``, which its fold takes)."""
-        reason = self._first_problem(state, e)
-        if isinstance(reason, str):
-            return reason, None
-        return None, reason
-
-    def _first_problem(self, state: EngineState, e: ev.RequestArrived) -> str | Arrival:
+    def validate(self, state: EngineState, e: ev.RequestArrived) -> str | Arrival:
+        """Why a request must be rejected or, when it is acceptable, its tokens and block
+        digests (``SequenceTable.arrival``, which its fold takes)."""
         model, bs = self.config.model, self.bs
         prompt = e.prompt
         if len(prompt) == 0:
@@ -74,7 +66,7 @@ class Policy:
             return f"max_tokens must be positive, got {e.max_tokens}"
         if state.seqs.is_live(e.seq_id) or e.seq_id < 0:
             return f"duplicate or invalid request id {e.seq_id}"
-        arrival = state.arrival(e)  # (the hashing pass also finds the largest id)
+        arrival = state.seqs.arrival(e)  # (the hashing pass also finds the largest id)
         top = arrival.top
         if top is None:
             top = -1 if in_vocabulary(prompt, model.vocab_size) else model.vocab_size
@@ -112,8 +104,10 @@ class Policy:
         saving = self.config.external_save and state.hybrid
         published = self._awaiting_identities(state) if saving else []
         self.growth.cache_computed(state, emit)
-        self.checkpoints.publish(state, emit)
-        self.transfers.start_saves(state, published, emit)
+        if state.hybrid:  # (an attention model saves no checkpoint)
+            self.checkpoints.publish(state, emit)
+        if self.config.external_save:
+            self.transfers.start_saves(state, published, emit)
         self._finish_finished(state, outcome, emit)
 
     @staticmethod
@@ -276,7 +270,9 @@ class Policy:
         decode_mask = table.awaiting_decode(rows)
         decode_rows, chunk_rows = rows[decode_mask], rows[~decode_mask]
         alternate = self.config.turn_mode == "alternate"
-        prefill_turn = self._is_prefill_turn(state, len(decode_rows), chunk_rows)
+        prefill_turn = not (alternate and len(decode_rows)) or self._is_prefill_turn(
+            state, len(decode_rows), chunk_rows
+        )
         budget = StepBudget()
         if len(decode_rows) and not (alternate and prefill_turn):
             budget.busy = self._schedule_decode(state, decode_rows, emit)
@@ -290,8 +286,9 @@ class Policy:
             self._schedule_decode(state, table.still_held(decode_rows), emit)
 
     def _is_prefill_turn(self, state: EngineState, n_decode: int, chunk_rows: np.ndarray) -> bool:
-        """Mixed mode: always (decodes and prefills share every step). Alternate mode (as
-        lmdeploy's do_prefill_default): a prefill turn when there is prefill work and, after
+        """Alternate mode with decodes running (mixed mode, or nothing to decode, is always a
+        prefill turn: ``schedule`` asks only here otherwise), as lmdeploy's
+        do_prefill_default: a prefill turn when there is prefill work and, after
         at least one decode turn, the batch is less than half full, ``prefill_interval``
         decode turns have passed, a running sequence's last chunk is pending
         (``prefill_on_last_chunk``) or the waiting tokens fill a prefill budget

@@ -26,7 +26,7 @@ outcome of its sequence's step is applied after it, and the outcome never meets 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 import msgspec
@@ -49,6 +49,7 @@ class Owners(Protocol):
 
     @property
     def transfers(self) -> TransferTable: ...
+
 
 __all__ = [
     "InputError",
@@ -117,7 +118,7 @@ def validate_inputs(state: Owners, inputs: Sequence[ev.Event]) -> list[ev.Event]
         if reason is not None:
             raise MalformedInput(i, event, reason)
     ordered = _ordered(list(enumerate(inputs)))
-    _Checker(state, len(inputs)).run(ordered)
+    _check_against_state(state, ordered, len(inputs))
     return [e for _, e in ordered]
 
 
@@ -127,63 +128,6 @@ _INPUT_NAMES = ", ".join(t.__name__ for t in ev.INPUT_TYPES)
 _FIELDS: dict[type[ev.Event], tuple[tuple[str, Any], ...]] = {
     kind: tuple((f.name, f.type) for f in msgspec.structs.fields(kind)) for kind in ev.INPUT_TYPES
 }
-
-
-def _check_int(name: str, value: object) -> str | None:
-    if type(value) is int:  # (the common case first: no further isinstance checks)
-        return None if -_I64 <= value < _I64 else f"{name}={value} does not fit in int64"
-    return _check_value(name, int, value)
-
-
-def _check_float(name: str, value: object) -> str | None:
-    if type(value) is float:
-        return None if math.isfinite(value) else f"{name} must be finite, got {value}"
-    return _check_value(name, float, value)
-
-
-def _check_str(name: str, value: object) -> str | None:
-    if type(value) is str and value.isascii():
-        return None
-    return _check_value(name, str, value)
-
-
-def _check_bool(name: str, value: object) -> str | None:
-    return None if type(value) is bool else _check_value(name, bool, value)
-
-
-def _check_bytes(name: str, value: object) -> str | None:
-    return None if type(value) is bytes else _check_value(name, bytes, value)
-
-
-def _check_array(name: str, value: object) -> str | None:
-    if type(value) is np.ndarray and value.ndim == 1 and value.dtype.kind in "iu":
-        return None
-    return _check_value(name, np.ndarray, value)
-
-
-def _check_tuple(name: str, value: object) -> str | None:
-    return None if type(value) is tuple and not value else _check_spans(name, value)
-
-
-_FAST_CHECKS: dict[Any, Callable[[str, object], str | None]] = {
-    int: _check_int,
-    float: _check_float,
-    str: _check_str,
-    bool: _check_bool,
-    bytes: _check_bytes,
-    np.ndarray: _check_array,
-}
-
-
-def _checker(kind: Any) -> Callable[[str, object], str | None]:
-    """The check of one declared field type (fast paths for the common exact types and for
-    an empty tuple of spans)."""
-    fast = _FAST_CHECKS.get(kind)
-    if fast is not None:
-        return fast
-    if getattr(kind, "__origin__", None) is tuple:
-        return _check_tuple
-    return lambda name, value: _check_value(name, kind, value)
 
 
 def _check_value(name: str, kind: Any, value: object) -> str | None:
@@ -228,14 +172,33 @@ def _check_spans(name: str, value: object) -> str | None:
 _F32_MAX = float(np.finfo(np.float32).max)
 
 
-_CHECKS: dict[type[ev.Event], tuple[tuple[str, Callable[[str, object], str | None]], ...]] = {
-    kind: tuple((name, _checker(typ)) for name, typ in fields) for kind, fields in _FIELDS.items()
+def _kind(typ: Any) -> Any:
+    """A field's declared type as checked: ``tuple`` for a tuple of spans."""
+    return tuple if getattr(typ, "__origin__", None) is tuple else typ
+
+
+_KINDS: dict[type[ev.Event], tuple[tuple[str, Any], ...]] = {
+    kind: tuple((name, _kind(typ)) for name, typ in fields) for kind, fields in _FIELDS.items()
 }
 
 
 def _check_fields(event: ev.Event) -> str | None:
-    for name, check in _CHECKS[type(event)]:
-        reason = check(name, getattr(event, name))
+    for name, kind in _KINDS[type(event)]:
+        value = getattr(event, name)
+        if type(value) is kind:  # the common case, checked here: the declared type exactly
+            if kind is int:
+                ok = -_I64 <= value < _I64
+            elif kind is float:
+                ok = math.isfinite(value)
+            elif kind is str:
+                ok = value.isascii()
+            elif kind is np.ndarray:
+                ok = value.ndim == 1 and value.dtype.kind in "iu"
+            else:
+                ok = kind is not tuple or not value  # bool, bytes; an empty tuple of spans
+            if ok:
+                continue
+        reason = _check_value(name, kind, value)
         if reason is not None:
             return reason
     if isinstance(event, ev.RequestArrived) and abs(event.temperature) > _F32_MAX:
@@ -250,82 +213,72 @@ def _check_fields(event: ev.Event) -> str | None:
 # ----------------------------------------------------------------- against the state
 
 
-class _Checker:
-    """Checks the ordered inputs against the state as it would be when each is applied."""
-
-    def __init__(self, state: Owners, count: int) -> None:
-        self.state = state
-        self.count = count
-        self.answered = False  # the pending step's outcome has been given
-        self.loads_done: set[int] = set()
-        self.saves_done: set[int] = set()
-
-    def run(self, ordered: list[tuple[int, ev.Event]]) -> None:
-        for i, event in ordered:
-            if isinstance(event, (ev.StepExecuted, ev.StepFailed)):
-                self._outcome(i, event)
-            elif isinstance(event, (ev.KVLoadFinished, ev.KVLoadFailed)):
-                self._load_report(i, event)
-            elif isinstance(event, ev.KVSaveFinished):
-                self._save_report(i, event)
-            elif isinstance(event, ev.KVLookupAnswered) and event.num_blocks < 0:
-                raise MalformedInput(i, event, "num_blocks must be >= 0")
-        seqs = self.state.seqs
-        if seqs.has_pending and not self.answered:
-            step = seqs.pending_step
-            raise OutcomeMismatch(
-                self.count, None, f"the outcome of step {step} (StepExecuted or "
-                "StepFailed) is missing: every step that scheduled work needs one"
-            )
-
-    def _outcome(self, i: int, e: ev.StepExecuted | ev.StepFailed) -> None:
-        seqs = self.state.seqs
-        if self.answered or not seqs.has_pending:
-            raise OutcomeMismatch(i, e, f"no step awaits an outcome (step {e.step} given)")
-        if e.step != seqs.pending_step:
-            raise OutcomeMismatch(i, e, f"outcome of step {e.step}, but step "
-                                  f"{seqs.pending_step} ran")
-        self.answered = True
-        if isinstance(e, ev.StepExecuted):
-            reason = self._sampled(e)
+def _check_against_state(state: Owners, ordered: list[tuple[int, ev.Event]], count: int) -> None:
+    """Check the ordered inputs against the state as it would be when each is applied: one
+    outcome of the pending step, transfer reports of transfers in flight, each once."""
+    seqs = state.seqs
+    answered = False  # the pending step's outcome has been given
+    loads_done: set[int] = set()
+    saves_done: set[int] = set()
+    for i, event in ordered:
+        if isinstance(event, (ev.StepExecuted, ev.StepFailed)):
+            if answered or not seqs.has_pending:
+                raise OutcomeMismatch(
+                    i, event, f"no step awaits an outcome (step {event.step} given)"
+                )
+            if event.step != seqs.pending_step:
+                raise OutcomeMismatch(
+                    i, event, f"outcome of step {event.step}, but step {seqs.pending_step} ran"
+                )
+            answered = True
+            reason = _sampled(state, event) if isinstance(event, ev.StepExecuted) else None
             if reason is not None:
-                raise OutcomeMismatch(i, e, reason)
+                raise OutcomeMismatch(i, event, reason)
+        elif isinstance(event, (ev.KVLoadFinished, ev.KVLoadFailed)):
+            load = state.transfers.load_of(event.seq_id)
+            if load is None or not load.in_flight or event.seq_id in loads_done:
+                raise UnknownTransfer(i, event, f"sequence {event.seq_id} has no load in flight")
+            if isinstance(event, ev.KVLoadFailed) and event.num_good_blocks < 0:
+                raise MalformedInput(i, event, "num_good_blocks must be >= 0")
+            loads_done.add(event.seq_id)
+        elif isinstance(event, ev.KVSaveFinished):
+            if event.save_id not in state.transfers.leases or event.save_id in saves_done:
+                raise UnknownTransfer(i, event, f"save {event.save_id} is not in flight")
+            saves_done.add(event.save_id)
+        elif isinstance(event, ev.KVLookupAnswered) and event.num_blocks < 0:
+            raise MalformedInput(i, event, "num_blocks must be >= 0")
+    if seqs.has_pending and not answered:
+        raise OutcomeMismatch(
+            count,
+            None,
+            f"the outcome of step {seqs.pending_step} (StepExecuted or StepFailed) is missing: "
+            "every step that scheduled work needs one",
+        )
 
-    def _sampled(self, e: ev.StepExecuted) -> str | None:
-        seqs, model = self.state.seqs, self.state.config.model
-        expected = seqs.sampling_seq_ids()
-        if len(e.tokens) != len(e.seq_ids):
-            return f"{len(e.tokens)} tokens for {len(e.seq_ids)} sequences"
-        if not np.array_equal(e.seq_ids, expected):  # (the plan's order: the common case)
-            if len(np.unique(e.seq_ids)) != len(e.seq_ids):
-                return "a sequence id appears twice"
-            if not np.array_equal(np.sort(e.seq_ids), np.sort(expected)):
-                extra = sorted(set(e.seq_ids.tolist()) ^ set(expected.tolist()))[:8]
-                return f"sampled ids differ from the sequences that sample (differ: {extra})"
-        if len(e.tokens) and (e.tokens.min() < 0 or e.tokens.max() >= model.vocab_size):
-            return f"a sampled token is outside the vocabulary [0, {model.vocab_size})"
-        if not math.isfinite(e.duration_s) or e.duration_s < 0:
-            return f"duration_s must be finite and >= 0, got {e.duration_s}"
-        k = model.routed_experts_per_token
-        experts = e.routed_experts
-        if len(experts):
-            _, starts, ends = seqs.pending_arrays()
-            want = int((ends - starts).sum()) * k
-            if not k or len(experts) != want:
-                return f"{len(experts)} routed-expert ids, expected {want} or none"
-            if experts.min() < 0 or experts.max() > np.iinfo(np.int16).max:
-                return "a routed-expert id is outside [0, 32767]"
-        return None
 
-    def _load_report(self, i: int, e: ev.KVLoadFinished | ev.KVLoadFailed) -> None:
-        load = self.state.transfers.load_of(e.seq_id)
-        if load is None or not load.in_flight or e.seq_id in self.loads_done:
-            raise UnknownTransfer(i, e, f"sequence {e.seq_id} has no load in flight")
-        if isinstance(e, ev.KVLoadFailed) and e.num_good_blocks < 0:
-            raise MalformedInput(i, e, "num_good_blocks must be >= 0")
-        self.loads_done.add(e.seq_id)
-
-    def _save_report(self, i: int, e: ev.KVSaveFinished) -> None:
-        if e.save_id not in self.state.transfers.leases or e.save_id in self.saves_done:
-            raise UnknownTransfer(i, e, f"save {e.save_id} is not in flight")
-        self.saves_done.add(e.save_id)
+def _sampled(state: Owners, e: ev.StepExecuted) -> str | None:
+    """Why the sampled ids, tokens, duration or expert ids do not answer the pending step."""
+    seqs, model = state.seqs, state.config.model
+    expected = seqs.sampling_seq_ids()
+    if len(e.tokens) != len(e.seq_ids):
+        return f"{len(e.tokens)} tokens for {len(e.seq_ids)} sequences"
+    if not np.array_equal(e.seq_ids, expected):  # (the plan's order: the common case)
+        if len(np.unique(e.seq_ids)) != len(e.seq_ids):
+            return "a sequence id appears twice"
+        if not np.array_equal(np.sort(e.seq_ids), np.sort(expected)):
+            extra = sorted(set(e.seq_ids.tolist()) ^ set(expected.tolist()))[:8]
+            return f"sampled ids differ from the sequences that sample (differ: {extra})"
+    if len(e.tokens) and (e.tokens.min() < 0 or e.tokens.max() >= model.vocab_size):
+        return f"a sampled token is outside the vocabulary [0, {model.vocab_size})"
+    if not math.isfinite(e.duration_s) or e.duration_s < 0:
+        return f"duration_s must be finite and >= 0, got {e.duration_s}"
+    k = model.routed_experts_per_token
+    experts = e.routed_experts
+    if len(experts):
+        _, starts, ends = seqs.pending_arrays()
+        want = int((ends - starts).sum()) * k
+        if not k or len(experts) != want:
+            return f"{len(experts)} routed-expert ids, expected {want} or none"
+        if experts.min() < 0 or experts.max() > np.iinfo(np.int16).max:
+            return "a routed-expert id is outside [0, 32767]"
+    return None

@@ -49,7 +49,7 @@ def plan_step(state: EngineState) -> StepPlan:
     decode = (lens == 1) & (starts == table.ntokens[rows] - 1)
     input_ids[bounds[:-1][decode]] = table.last_token[rows[decode]]
     for i in np.nonzero(~decode)[0].tolist():
-        seq = state.seq(int(table.row_seq[rows[i]]))
+        seq = state.seqs.seq(int(table.row_seq[rows[i]]))
         input_ids[bounds[i] : bounds[i + 1]] = seq.tokens[starts[i] : ends[i]]
     nblocks = -(-ends // bs)
     width = int(nblocks.max()) if len(nblocks) else 0

@@ -23,6 +23,7 @@ import numpy as np
 from kvsched.events import types as ev
 from kvsched.reducers.errors import ReplayMismatch
 from kvsched.reducers.seq import FREE_ROW, Seq
+from kvsched.statemachines import SEQUENCE, fire
 
 _MEMO = 3  # rows_of answers kept
 
@@ -87,7 +88,15 @@ class RowTable:
         for version, ids, rows in self._rows_memo:
             if ids is seq_ids and version == self._version:
                 return rows
-        rows = self._lookup_rows(seq_ids)
+        if self._row_index is None or self._row_index[0] != self._version:
+            order = np.argsort(self.row_seq, kind="stable")
+            self._row_index = (self._version, order, self.row_seq[order])
+        _, order, sorted_ids = self._row_index
+        pos = np.minimum(np.searchsorted(sorted_ids, seq_ids), len(order) - 1)
+        rows = order[pos]
+        if len(seq_ids) and not np.array_equal(self.row_seq[rows], seq_ids):
+            missing = seq_ids[self.row_seq[rows] != seq_ids]
+            raise KeyError(f"sequences not running: {missing[:8].tolist()}")
         self.remember_rows(seq_ids, rows)
         return rows
 
@@ -98,19 +107,6 @@ class RowTable:
         if len(memo) == _MEMO:
             del memo[0]
         memo.append((self._version, seq_ids, rows))
-
-    def _lookup_rows(self, seq_ids: np.ndarray) -> np.ndarray:
-        if self._row_index is None or self._row_index[0] != self._version:
-            order = np.argsort(self.row_seq, kind="stable")
-            self._row_index = (self._version, order, self.row_seq[order])
-        _, order, sorted_ids = self._row_index
-        pos = np.searchsorted(sorted_ids, seq_ids)
-        pos = np.minimum(pos, len(order) - 1)
-        rows = order[pos]
-        if len(seq_ids) and not np.array_equal(self.row_seq[rows], seq_ids):
-            missing = seq_ids[self.row_seq[rows] != seq_ids]
-            raise KeyError(f"sequences not running: {missing[:8].tolist()}")
-        return rows
 
     def num_tokens(self, seq: Seq) -> int:
         """Tokens the sequence knows (its row's count, sampled tokens not yet flushed too)."""
@@ -282,7 +278,7 @@ class RowTable:
         fires; a load admitted into a row waits for its KV there: ``loading``)."""
         if not self.free_rows or self.free_rows[-1] != row:
             raise ReplayMismatch(f"sequence {seq.seq_id}: row {row} is not the next free row")
-        seq.fire(event)
+        seq.state = fire(SEQUENCE, event, seq.seq_id, seq.state)
         self.loading[row] = type(event) is ev.KVLoadAdmitted
         self.row_state[row] = seq.state
         self.free_rows.pop()

@@ -8,7 +8,7 @@ import numpy as np
 
 from kvsched.events import types as ev
 from kvsched.identity import HashChain
-from kvsched.statemachines import SEQUENCE, SeqState, fire
+from kvsched.statemachines import SeqState
 
 FREE_ROW = -1
 NO_BLOCKS = np.zeros(0, dtype=np.int32)
@@ -89,11 +89,6 @@ class Seq:
 
     def token_view(self) -> np.ndarray:
         return self.tokens[: self.n_tokens]
-
-    def fire(self, event: ev.Event) -> None:
-        """Fire the trigger ``event`` fires on a sequence (statemachines/triggers.py). The
-        compiled table returns the destination member itself: no enum construction."""
-        self.state = fire(SEQUENCE, event, self.seq_id, self.state)
 
 
 @attrs.frozen

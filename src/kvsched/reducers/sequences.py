@@ -34,7 +34,7 @@ from kvsched.reducers.blocktables import BlockTables
 from kvsched.reducers.errors import RefChange, ReplayMismatch
 from kvsched.reducers.holdings import LoadHoldings
 from kvsched.reducers.seq import FREE_ROW, History, Seq
-from kvsched.statemachines import SEQUENCE, SeqState, fire_many
+from kvsched.statemachines import SEQUENCE, SeqState, fire, fire_many
 
 __all__ = ["FREE_ROW", "Arrival", "History", "Seq", "SequenceTable"]
 
@@ -252,7 +252,7 @@ class SequenceTable(BlockTables):
     def _on_load_admitted(self, e: ev.KVLoadAdmitted) -> None:
         seq = self.seq(e.seq_id)
         if e.row == FREE_ROW:  # no batch row: it holds only what it loads (LoadHoldings)
-            seq.fire(e)
+            seq.state = fire(SEQUENCE, e, seq.seq_id, seq.state)
         else:
             self.activate(seq, e.row, e)
             self.saved[e.row] = e.num_blocks  # the store has them
@@ -266,7 +266,7 @@ class SequenceTable(BlockTables):
             return
         if e.row != FREE_ROW or e.num_blocks > self.nblocks[row]:
             raise ReplayMismatch(f"sequence {e.seq_id}: load settled beyond its blocks")
-        seq.fire(e)
+        seq.state = fire(SEQUENCE, e, seq.seq_id, seq.state)
         self.row_state[row] = seq.state
         self.loading[row] = False
         if seq.num_preemptions == 0:  # what the store brought past the local prefix
@@ -339,7 +339,7 @@ class SequenceTable(BlockTables):
 
     def _on_preempted(self, e: ev.SequencePreempted) -> None:
         seq = self.seq(e.seq_id)
-        seq.fire(e)
+        seq.state = fire(SEQUENCE, e, seq.seq_id, seq.state)
         self._release_row(seq)
         self.waiting[seq.seq_id] = seq
         seq.num_preemptions += 1
@@ -354,7 +354,7 @@ class SequenceTable(BlockTables):
             seq = self.seq(seq_id)
             if reported and seq.cached_tokens != tuple(int(c[i]) for c in counts):
                 raise ReplayMismatch(f"sequence {seq_id}: cached-token counts not its own")
-            seq.fire(e)
+            seq.state = fire(SEQUENCE, e, seq.seq_id, seq.state)
             seq.finish_reason = reason
             self._release_row(seq)
             self._retire(seq)
@@ -366,7 +366,7 @@ class SequenceTable(BlockTables):
             raise ReplayMismatch(f"sequence {e.seq_id}: cached-token counts not its own")
         if seq.state != SeqState.WAITING:  # running, or a load whose transfer ended
             self._release_row(seq)
-        seq.fire(e)
+        seq.state = fire(SEQUENCE, e, seq.seq_id, seq.state)
         seq.finish_reason = e.reason
         self._retire(seq)
 

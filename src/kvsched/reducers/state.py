@@ -28,7 +28,6 @@ from kvsched.reducers.blocks import BlockPool
 from kvsched.reducers.checkpoints import CheckpointTable
 from kvsched.reducers.errors import InvariantError, RefChange, ReplayMismatch
 from kvsched.reducers.holdings import LoadHoldings
-from kvsched.reducers.inputs import validate_inputs
 from kvsched.reducers.sequences import Arrival, Seq, SequenceTable
 from kvsched.reducers.sessions import SessionTable
 from kvsched.reducers.stats import Stats
@@ -105,6 +104,24 @@ STATELESS_INPUTS: tuple[type[ev.Event], ...] = (
 Handler = Callable[[Any], RefChange | None]
 
 
+def idle_owners(config: SchedulerConfig) -> frozenset[str]:
+    """The owners that hold nothing under ``config``, so ``apply`` does not visit their folds:
+    without external KV nothing is transferred (``transfers``), without soft loads no load is
+    admitted without a row (``holdings``), an attention model has no state slot to
+    checkpoint (``ckpts``), and standard prefill turns never change (``turns``). Their queries
+    still answer (empty, or the initial turn)."""
+    idle = set()
+    if config.turn_policy == "standard":
+        idle.add("turns")
+    if not config.hybrid:
+        idle.add("ckpts")
+    if not config.external_kv:
+        idle.add("transfers")
+    if not config.soft_loads:
+        idle.add("holdings")
+    return frozenset(idle)
+
+
 class EngineState:
     def __init__(self, config: SchedulerConfig) -> None:
         self.config = config
@@ -136,11 +153,15 @@ class EngineState:
 
     def _build_routes(self) -> dict[type[ev.Event], tuple[Handler, ...]]:
         routes: dict[type[ev.Event], list[Handler]] = {}
+        folded: set[type[ev.Event]] = set()
+        idle = idle_owners(self.config)
         for name in OWNER_ORDER:
             for kind, handler in getattr(self, name).folds().items():
-                routes.setdefault(kind, []).append(handler)
+                folded.add(kind)
+                if name not in idle:
+                    routes.setdefault(kind, []).append(handler)
         every = set(ev.INPUT_TYPES) | set(ev.DECISION_TYPES)
-        missing = every - set(routes) - set(STATELESS_INPUTS)
+        missing = every - folded - set(STATELESS_INPUTS)
         if missing:
             names = sorted(k.__name__ for k in missing)
             raise TypeError(f"events with no owner to fold them: {names}")
@@ -154,29 +175,21 @@ class EngineState:
         if handlers is None:
             if isinstance(event, STATELESS_INPUTS):
                 return
-            raise ReplayMismatch(f"no reducer for {type(event).__name__}")
+            raise ReplayMismatch(f"no reducer for {type(event).__name__} (in this configuration)")
         pool = self.pool
         for handler in handlers:
             change = handler(event)
             if change is not None:
                 pool.apply(change)
 
-    def arrival(self, e: ev.RequestArrived) -> Arrival:
-        """An arrival's tokens and block digests (a pure query; ``apply_arrival`` takes it)."""
-        return self.seqs.arrival(e)
-
     def apply_arrival(self, e: ev.RequestArrived, arrival: Arrival) -> None:
-        """``apply(e)`` with the arrival's tokens and digests already computed (``arrival``):
+        """``apply(e)`` with the arrival's tokens and digests already computed
+        (``SequenceTable.arrival``):
         the prompt is hashed once for the policy's check and the fold."""
         for handler, takes_arrival in self._arrival_route:
             change = handler(e, arrival) if takes_arrival else handler(e)
             if change is not None:
                 self.pool.apply(change)
-
-    def check_inputs(self, inputs: Sequence[ev.Event]) -> list[ev.Event]:
-        """The step's inputs in the order they are applied, after checking every one of them
-        against the state (``reducers.inputs.InputError`` otherwise; nothing changes)."""
-        return validate_inputs(self, inputs)
 
     # ------------------------------------------------------------------------ queries
 
