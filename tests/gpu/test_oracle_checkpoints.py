@@ -31,7 +31,7 @@ def _config(**overrides: object) -> SchedulerConfig:
         "checkpoint_budget": 32,
     }
     base.update(overrides)
-    return SchedulerConfig(**base)  # type: ignore[arg-type]
+    return SchedulerConfig.from_dict(base)
 
 
 def test_a_session_turn_restores_the_previous_turns_end_state_and_matches_hf(  # type: ignore[no-untyped-def]
@@ -39,8 +39,13 @@ def test_a_session_turn_restores_the_previous_turns_end_state_and_matches_hf(  #
 ) -> None:
     cfg = _config()
     wl = chat_workload(
-        sessions=2, turns=3, system_tokens=20, user_tokens=(5, 20), output_tokens=(5, 12),
-        vocab_size=VOCAB, seed=3,
+        sessions=2,
+        turns=3,
+        system_tokens=20,
+        user_tokens=(5, 20),
+        output_tokens=(5, 12),
+        vocab_size=VOCAB,
+        seed=3,
     )
     engine = Engine(cfg, check_invariants=True)
     _run_and_compare(cfg, wl, tiny_dir, hf_model, engine)
@@ -81,8 +86,13 @@ def test_eviction_under_a_byte_budget_keeps_outputs_equal_to_hf(  # type: ignore
     cfg = _config(checkpoint_memory=4_200, checkpoint_interval=32)
     engine = Engine(cfg, check_invariants=True)
     wl = chat_workload(
-        sessions=4, turns=2, system_tokens=36, user_tokens=(5, 40), output_tokens=(4, 10),
-        vocab_size=VOCAB, seed=5,
+        sessions=4,
+        turns=2,
+        system_tokens=36,
+        user_tokens=(5, 40),
+        output_tokens=(4, 10),
+        vocab_size=VOCAB,
+        seed=5,
     )
     summary = _run_and_compare(cfg, wl, tiny_dir, hf_model, engine)
     ckpts = engine.state.ckpts

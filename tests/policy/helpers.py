@@ -6,10 +6,11 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
-from kvsched.config import ModelSpec, SchedulerConfig
+from kvsched.config import CHECKPOINT_POLICIES, ModelSpec, SchedulerConfig
 from kvsched.engine import Engine, StepResult
 from kvsched.events import types as ev
 from kvsched.gpu.sim import SimulatedExecutor
+from kvsched.headers import FLAT_OF
 from kvsched.reducers.state import EngineState
 
 VOCAB = 1000
@@ -25,7 +26,12 @@ def config(**overrides: object) -> SchedulerConfig:
         "max_prefill_tokens": 64,
     }
     base.update(overrides)
-    return SchedulerConfig(**base)  # type: ignore[arg-type]
+    return SchedulerConfig.from_dict(base)  # (flat names of sub-config fields: FLAT_NAMES)
+
+
+def preset(name: str) -> dict[str, object]:
+    """A named checkpoint policy as ``config``'s flat keyword arguments."""
+    return {FLAT_OF["checkpoints", k]: v for k, v in CHECKPOINT_POLICIES[name].items()}
 
 
 def tokens(n: int, seed: int) -> np.ndarray:

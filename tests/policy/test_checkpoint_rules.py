@@ -10,7 +10,7 @@ from kvsched.events import types as ev
 from kvsched.gpu.fingerprint import FingerprintExecutor
 from kvsched.policy.eviction import ValueEviction
 
-from .helpers import VOCAB, Harness, config, matched, of_type, request, tokens
+from .helpers import VOCAB, Harness, config, matched, of_type, preset, request, tokens
 
 
 def reserved(result) -> list[ev.CheckpointReserved]:  # type: ignore[no-untyped-def]
@@ -64,8 +64,11 @@ def test_interval_checkpoints_are_saved_inside_a_chunk_at_every_interval() -> No
     h = hybrid(checkpoint_placement=("interval",), checkpoint_interval=16)
     serve(h, 0, tokens(60, seed=5))  # one 60-token chunk
     saves = [(d.num_tokens, d.kind, d.phase) for d in every_reserved(h)]
-    assert saves == [(48, "interval", "within"), (32, "interval", "within"),
-                     (16, "interval", "within")]
+    assert saves == [
+        (48, "interval", "within"),
+        (32, "interval", "within"),
+        (16, "interval", "within"),
+    ]
     plan = h.results[0].plan
     assert plan.state_save_within[:, 1].tolist() == [48, 32, 16]
 
@@ -105,15 +108,17 @@ def test_decode_blocks_keeps_every_block_boundary_of_decode() -> None:
 
 
 def test_the_lmdeploy_policy_saves_chunk_ends_and_the_prompt_end_only() -> None:
-    h = hybrid(**CHECKPOINT_POLICIES["lmdeploy"], max_prefill_tokens=32)
+    h = hybrid(**preset("lmdeploy"), max_prefill_tokens=32)
     serve(h, 0, tokens(70, seed=10), max_tokens=5, session_id=1)
     assert [(d.num_tokens, d.kind) for d in every_reserved(h)] == [
-        (32, "chunk_end"), (64, "chunk_end"), (70, "prompt_end")
+        (32, "chunk_end"),
+        (64, "chunk_end"),
+        (70, "prompt_end"),
     ]
 
 
 def test_the_vllm_align_policy_saves_block_aligned_states_only() -> None:
-    h = hybrid(**CHECKPOINT_POLICIES["vllm-align"], max_prefill_tokens=32)
+    h = hybrid(**preset("vllm-align"), max_prefill_tokens=32)
     serve(h, 0, tokens(70, seed=10), max_tokens=30)
     steps = [(d.num_tokens, d.kind) for d in every_reserved(h)]
     assert all(n % 16 == 0 for n, _ in steps)
@@ -217,8 +222,8 @@ def test_checkpoint_options_reject_unknown_rules_and_evictions_naming_them():
 
 def test_a_schema_2_header_runs_the_lmdeploy_rules():
     cfg = SchedulerConfig.from_log_header({"hybrid": True}, 2)
-    assert cfg.checkpoint_placement == CHECKPOINT_POLICIES["lmdeploy"]["checkpoint_placement"]
-    assert cfg.checkpoint_eviction == "frozen_first" and not cfg.mid_chunk_saves
+    assert cfg.checkpoints.placement == CHECKPOINT_POLICIES["lmdeploy"]["checkpoint_placement"]
+    assert cfg.checkpoints.eviction == "frozen_first" and not cfg.checkpoints.mid_chunk_saves
     assert SchedulerConfig.from_log_header({"hybrid": True}, 3).checkpoint_eviction == "value"
 
 

@@ -134,7 +134,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
             interval=args.checkpoint_interval,
         ),
     )
-    check_config_options(args, config.hybrid, config.order, config.prefill_turns)
+    check_config_options(args, config.hybrid, config.order, config.turns.policy)
     name = Path(args.trace).name
     if setup.sweep is not None or setup.policies:
         if args.publish:

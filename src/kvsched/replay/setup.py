@@ -15,6 +15,7 @@ from kvsched.config import CHECKPOINT_POLICIES, PLACEMENTS, ModelSpec, Scheduler
 from kvsched.engine import create_log
 from kvsched.events.log import EventLog
 from kvsched.gpu.sim import CostModel, SimulatedExecutor
+from kvsched.headers import FLAT_OF
 from kvsched.replay.driver import Executor
 from kvsched.replay.traces import Trace, TraceInfo, detect_format, log_config, read_trace
 from kvsched.replay.workload import speed_up
@@ -225,7 +226,8 @@ def checkpoint_fields(
         if policy not in CHECKPOINT_POLICIES:
             known = ", ".join(CHECKPOINT_POLICIES)
             raise SetupError(f"--checkpoint-policy {policy!r}: not one of {known}")
-        fields.update(CHECKPOINT_POLICIES[policy])
+        preset = CHECKPOINT_POLICIES[policy]
+        fields.update({FLAT_OF["checkpoints", k]: v for k, v in preset.items()})
     if placement is not None:
         rules = tuple(r.strip() for r in placement.split(",") if r.strip())
         unknown = sorted(set(rules) - set(PLACEMENTS))
@@ -288,7 +290,7 @@ def trace_config(
     if cache_blocks is None:
         cache_blocks = unbounded_blocks(trace.info, trace.info.requests, block)
     fields = {
-        **{k: v for k, v in base.items() if k != "model"},
+        **{k: v for k, v in base.items() if k not in ("model", "legacy")},
         "model": ModelSpec(**model),
         "block_size": block,
         "num_blocks": cache_blocks,
@@ -300,6 +302,6 @@ def trace_config(
         fields["hybrid"] = True
     fields.update(checkpoints or {})
     try:
-        return SchedulerConfig(**fields)
+        return SchedulerConfig.from_dict(fields)
     except (TypeError, ValueError) as exc:
         raise SetupError(f"bad configuration: {exc}") from None
