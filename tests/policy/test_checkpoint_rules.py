@@ -5,9 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvsched.config import CHECKPOINT_POLICIES, PLACEMENTS, ModelSpec, SchedulerConfig
+from kvsched.config import PLACEMENTS, ModelSpec, SchedulerConfig
 from kvsched.events import types as ev
 from kvsched.gpu.fingerprint import FingerprintExecutor
+from kvsched.headers import LMDEPLOY_BEFORE_SCHEMA_3
 from kvsched.policy.eviction import ValueEviction
 
 from .helpers import VOCAB, Harness, config, matched, of_type, preset, request, tokens
@@ -210,9 +211,9 @@ def test_a_byte_budget_charges_a_frozen_tail_its_kv_block_and_never_overflows():
 
 
 def test_checkpoint_options_reject_unknown_rules_and_evictions_naming_them():
-    with pytest.raises(ValueError, match="checkpoint_placement"):
+    with pytest.raises(ValueError, match=r"checkpoints\.placement"):
         config(hybrid=True, checkpoint_placement=("chunk_end", "everywhere"))
-    with pytest.raises(ValueError, match="checkpoint_eviction"):
+    with pytest.raises(ValueError, match=r"checkpoints\.eviction"):
         config(hybrid=True, checkpoint_eviction="random")
     with pytest.raises(ValueError, match="value_pair_s"):
         config(hybrid=True, value_pair_s=-1.0)
@@ -222,9 +223,9 @@ def test_checkpoint_options_reject_unknown_rules_and_evictions_naming_them():
 
 def test_a_schema_2_header_runs_the_lmdeploy_rules():
     cfg = SchedulerConfig.from_log_header({"hybrid": True}, 2)
-    assert cfg.checkpoints.placement == CHECKPOINT_POLICIES["lmdeploy"]["checkpoint_placement"]
+    assert cfg.checkpoints.placement == LMDEPLOY_BEFORE_SCHEMA_3["checkpoint_placement"]
     assert cfg.checkpoints.eviction == "frozen_first" and not cfg.checkpoints.mid_chunk_saves
-    assert SchedulerConfig.from_log_header({"hybrid": True}, 3).checkpoint_eviction == "value"
+    assert SchedulerConfig.from_log_header({"hybrid": True}, 3).checkpoints.eviction == "value"
 
 
 @pytest.mark.parametrize("memory", [5_000, 50_000], ids=["tight", "roomy"])
@@ -238,8 +239,9 @@ def test_every_rule_together_restores_only_states_that_match_their_prefix(
         model=SMALL_STATES,
         hybrid=True,
         checkpoint_memory=memory,
-        checkpoint_placement=PLACEMENTS,
-        checkpoint_interval=32,
+        # ("interval" needs mid-chunk saves: without them it would be ignored, so refused)
+        checkpoint_placement=tuple(p for p in PLACEMENTS if mid_chunk or p != "interval"),
+        **({"checkpoint_interval": 32} if mid_chunk else {}),
         decode_checkpoint_interval=32,
         mid_chunk_saves=mid_chunk,
         max_prefill_tokens=48,

@@ -146,7 +146,7 @@ def test_a_hybrid_mtp_hit_needs_one_cached_block_beyond_its_checkpoint_and_later
 def test_old_logs_recompute_k_blocks_and_swap_them_for_the_cached_copies() -> None:
     legacy = SchedulerConfig.from_log_header({"num_speculative_tokens": 2}, schema_version=3)
     assert legacy.legacy.mtp_overlap == "k_blocks" and legacy.mtp_recompute_blocks == 2
-    assert SchedulerConfig.from_log_header({}, schema_version=4).mtp_overlap == "one_block"
+    assert SchedulerConfig.from_log_header({}, schema_version=4).legacy.mtp_overlap == "one_block"
     h = Harness(num_speculative_tokens=2, mtp_overlap="k_blocks")
     prompt = tokens(64, seed=7)
     producer = _serve_producer(h, prompt)

@@ -132,7 +132,7 @@ def test_a_prompt_tail_cut_never_splits_a_multimodal_span() -> None:
 def test_old_logs_let_chunks_split_multimodal_spans() -> None:
     legacy = SchedulerConfig.from_log_header({}, schema_version=3)
     assert not legacy.legacy.multimodal_safe
-    assert SchedulerConfig.from_log_header({}, schema_version=4).multimodal_safe
+    assert SchedulerConfig.from_log_header({}, schema_version=4).legacy.multimodal_safe
     h = Harness(multimodal_safe=False)
     spans = (_span(50, 100),)
     h.step([request(0, tokens(150, seed=1), max_tokens=1, mm_spans=spans)])

@@ -51,7 +51,8 @@ class TurnMachine(RuleBasedStateMachine):
                 max_prefill_tokens=BS * chunk_blocks,
                 order="ttft",
                 prefill_turns=policy,
-                short_turns_per_long=quota,
+                # (the quota is an interleave setting: refused with another policy)
+                short_turns_per_long=quota if policy == "interleave" else 3,
                 long_order=long_order,
                 hybrid=hybrid,
                 checkpoint_budget=4,

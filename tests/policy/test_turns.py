@@ -92,7 +92,7 @@ def test_the_triggers_and_preallocation_are_checked_options() -> None:
         SchedulerConfig(decode_prealloc_tokens=-1)
     for flag in ("prefill_on_last_chunk", "prefill_on_waiting_tokens", "report_cached_tokens"):
         with pytest.raises(ValueError, match=flag):
-            SchedulerConfig(**{flag: 1})  # type: ignore[arg-type]
+            SchedulerConfig.from_log_header({flag: 1}, schema_version=4)
 
 
 def test_logs_before_schema_4_run_without_the_triggers_preallocation_or_cached_counts() -> None:
