@@ -27,7 +27,8 @@ VOCAB = 97
 
 
 def _config(hybrid: bool) -> SchedulerConfig:
-    return SchedulerConfig.from_dict(
+    # (the rules schema 2 ran: lmdeploy's, "decode" included; from_log_header pins them)
+    return SchedulerConfig.from_log_header(
         dict(
             model=ModelSpec(vocab_size=VOCAB, max_context=256),
             block_size=4,
@@ -38,7 +39,8 @@ def _config(hybrid: bool) -> SchedulerConfig:
             checkpoint_budget=3,
             decode_checkpoint_interval=4 if hybrid else 0,
             external_kv=True,
-        )
+        ),
+        2,
     )
 
 

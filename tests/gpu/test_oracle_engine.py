@@ -91,8 +91,7 @@ def test_oracle_engine_preemption_and_recompute_match_hf_greedy(tiny_dir: Path, 
             max_batch=4,
             max_prefill_tokens=32,
             hybrid=True,
-            checkpoint_budget=4,
-            decode_checkpoint_interval=32,
+            checkpoint_budget=4,  # (kvsched's rules place no "decode": no decode interval)
         )
     )
     wl = chat_workload(

@@ -126,7 +126,6 @@ def recorded_runs(
             enable_prefix_caching=draw(st.booleans()),
             hybrid=hybrid,
             checkpoint_budget=draw(st.integers(1, 4)) if hybrid else 256,
-            decode_checkpoint_interval=draw(st.sampled_from([0, 0, bs, 2 * bs])),
         )
     )
     token = st.integers(0, VOCAB - 1)
