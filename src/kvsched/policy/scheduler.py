@@ -132,7 +132,7 @@ class Policy:
         length = (t.ntokens[rows] - t.n_prompt[rows] >= t.max_tokens[rows]) | (
             t.ntokens[rows] >= self.config.model.max_context
         )
-        migrate = self.config.external.role == "prefill"  # the first token ends a prefill-role request
+        migrate = self.config.external.role == "prefill"  # (prefill role: its first token ends it)
         done = np.nonzero(stop | length | migrate)[0]
         if len(done):
             seqs = [t.seq(int(s)) for s in outcome.seq_ids[done]]

@@ -11,7 +11,7 @@ from typing import Any
 
 import attrs
 
-from kvsched.config import CHECKPOINT_POLICIES, PLACEMENTS, ModelSpec, SchedulerConfig
+from kvsched.config import BLOCK_SIZE, CHECKPOINT_POLICIES, PLACEMENTS, ModelSpec, SchedulerConfig
 from kvsched.engine import create_log
 from kvsched.events.log import EventLog
 from kvsched.gpu.sim import CostModel, SimulatedExecutor
@@ -49,6 +49,7 @@ def parse_size(text: str) -> int:
     if not value >= 0 or value != value or value > 1 << 50:
         raise ValueError(f"not a size: {text!r}")
     return int(value)
+
 
 Sweep = tuple[str, list[int]]
 
@@ -204,8 +205,7 @@ def parse_policies(spec: str) -> tuple[str, ...]:
     unknown = [n for n in names if n not in CHECKPOINT_POLICIES]
     if unknown or not names or len(set(names)) != len(names):
         raise SetupError(
-            f"--policies {spec!r}: give distinct names of {', '.join(CHECKPOINT_POLICIES)}, "
-            "or all"
+            f"--policies {spec!r}: give distinct names of {', '.join(CHECKPOINT_POLICIES)}, or all"
         )
     return tuple(names)
 
@@ -286,7 +286,7 @@ def trace_config(
     while context < longest:
         context *= 2
     model["max_context"] = context
-    block = block_size or int(base.get("block_size", 64))
+    block = block_size or int(base.get("block_size", BLOCK_SIZE))
     if cache_blocks is None:
         cache_blocks = unbounded_blocks(trace.info, trace.info.requests, block)
     fields = {
