@@ -130,6 +130,11 @@ def _rules(value: Any) -> tuple[str, ...]:
     return tuple(value)
 
 
+def _is_set(record: Any, name: str) -> bool:
+    """Whether a field of a config record differs from its default."""
+    return bool(getattr(record, name) != _default(type(record), name))
+
+
 def _default(cls: type, name: str) -> Any:
     """A plain default of a field (each one the refusals compare with)."""
     return getattr(attrs.fields(cls), name).default
@@ -260,16 +265,17 @@ class PrefillTurns:
         in_range("turns.short_per_long", self.short_per_long, 1, 1 << 20)
         one_of("turns.long_order", self.long_order, LONG_ORDERS)
 
-    def refuse_ignored(self, order: str) -> None:
-        """Refuse a setting another one makes ignored (ConfigError naming both)."""
-        interval = self.prefill_interval != _default(PrefillTurns, "prefill_interval")
-        if interval and self.mode != "alternate":
+    def refuse_ignored(self, order: str, given: set[str] | None = None) -> None:
+        """Refuse a setting another one makes ignored (ConfigError naming both): each field
+        in ``given`` (the CLI: the options given), else each that is not its default."""
+        if given is None:
+            given = {f.name for f in attrs.fields(PrefillTurns) if _is_set(self, f.name)}
+        if "prefill_interval" in given and self.mode != "alternate":
             raise refuse("turns.prefill_interval", "turns.mode 'alternate'", "is used only by")
         for name in ("policy", "short_per_long", "long_order"):
-            if getattr(self, name) != _default(PrefillTurns, name) and order != "ttft":
+            if name in given and order != "ttft":
                 raise refuse(f"turns.{name}", "order 'ttft'", "is used only by")
-        short = self.short_per_long != _default(PrefillTurns, "short_per_long")
-        if short and self.policy != "interleave":
+        if "short_per_long" in given and self.policy != "interleave":
             raise refuse("turns.short_per_long", "turns.policy 'interleave'", "is used only by")
 
 
