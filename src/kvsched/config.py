@@ -13,22 +13,14 @@ from typing import Any, Literal
 
 import attrs
 
-from kvsched.headers import (
-    FLAT_NAMES,
-    ConfigError,
-    Legacy,
-    header_settings,
-    in_range,
-    is_bool,
-    one_of,
-    refuse,
-)
-from kvsched.headers import (
-    LOAD_ADMISSIONS as LOAD_ADMISSIONS,
-)
-from kvsched.headers import (
-    MTP_OVERLAPS as MTP_OVERLAPS,
-)
+from kvsched import headers
+from kvsched.headers import FLAT_NAMES, header_settings, in_range, is_bool, one_of, refuse
+
+# Defined beside the header reading (headers.py), found here with the rest of the config.
+ConfigError = headers.ConfigError
+Legacy = headers.Legacy
+MTP_OVERLAPS = headers.MTP_OVERLAPS
+LOAD_ADMISSIONS = headers.LOAD_ADMISSIONS
 
 MAX_BLOCKS = 1 << 26  # KV blocks of one engine
 MAX_BATCH = 1 << 16  # batch rows

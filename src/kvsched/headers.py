@@ -167,7 +167,7 @@ def header_settings(data: dict[str, Any], schema_version: int) -> dict[str, Any]
             data[sub].setdefault(name, value)
         elif flat not in data:
             data[flat] = value
-    flat = not any(isinstance(data.get(sub), dict) for sub in ("checkpoints", "turns"))
-    if flat or schema_version < 4:  # (a nested header of today's shape keeps its own mark)
+    is_flat = not any(isinstance(data.get(sub), dict) for sub in ("checkpoints", "turns"))
+    if is_flat or schema_version < 4:  # (a nested header of today's shape keeps its own mark)
         data["legacy"] = {**dict(data.get("legacy") or {}), "header": True}
     return data
