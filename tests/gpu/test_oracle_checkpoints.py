@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvsched.config import ModelSpec, SchedulerConfig
+from kvsched.config import CHECKPOINT_BUDGET, CHECKPOINT_POLICIES, ModelSpec, SchedulerConfig
 from kvsched.engine import Engine
 from kvsched.events.types import RequestArrived
 from kvsched.replay.workload import Turn, Workload, chat_workload
@@ -70,7 +70,10 @@ def test_a_branch_point_checkpoint_serves_later_requests_and_matches_hf(  # type
     # A 40-token document: the second request finds 32 tokens of cached KV but no state
     # there (no rule of the first request saved one), saves it at the branch point (inside
     # its 64-token chunk, or by ending a chunk there), and the third restores it.
-    cfg = _config(mid_chunk_saves=mid_chunk, checkpoint_interval=4096)
+    # (without mid-chunk saves the "interval" rule would be ignored: the config refuses it)
+    rules = CHECKPOINT_POLICIES["kvsched"]["placement"]
+    rules = tuple(r for r in rules if mid_chunk or r != "interval")
+    cfg = _config(mid_chunk_saves=mid_chunk, checkpoint_placement=rules)
     engine = Engine(cfg, check_invariants=True)
     wl = _branching_workload(40, (30, 27, 21), seed=4)
     summary = _run_and_compare(cfg, wl, tiny_dir, hf_model, engine)
@@ -83,7 +86,10 @@ def test_eviction_under_a_byte_budget_keeps_outputs_equal_to_hf(  # type: ignore
 ) -> None:
     # Room for 4 states (1,000 bytes each; a frozen partial block costs 160 more): many
     # sessions' checkpoints compete, the value eviction evicts and declines.
-    cfg = _config(checkpoint_memory=4_200, checkpoint_interval=32)
+    # (the memory sets the count: the budget of _config would be ignored, so it is dropped)
+    cfg = _config(
+        checkpoint_memory=4_200, checkpoint_interval=32, checkpoint_budget=CHECKPOINT_BUDGET
+    )
     engine = Engine(cfg, check_invariants=True)
     wl = chat_workload(
         sessions=4,
