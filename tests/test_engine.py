@@ -10,7 +10,7 @@ import msgspec
 import numpy as np
 import pytest
 
-from kvsched.config import ModelSpec, SchedulerConfig
+from kvsched.config import ModelSpec, PrefillTurns, SchedulerConfig
 from kvsched.engine import Engine, StepResult
 from kvsched.events import types as ev
 from kvsched.gpu.sim import SimulatedExecutor
@@ -287,7 +287,8 @@ def test_a_step_plan_is_not_changed_by_later_steps():
 
 
 def test_alternate_turn_mode_keeps_decoding_when_the_batch_is_full():
-    config = attrs.evolve(CONFIG, max_batch=1, turn_mode="alternate", prefill_interval=1)
+    turns = PrefillTurns(mode="alternate", prefill_interval=1)
+    config = attrs.evolve(CONFIG, max_batch=1, turns=turns)
     engine = new_engine(config)
     schedule = {1: [request(0, 8, max_tokens=4), request(1, 8, max_tokens=4)]}
 

@@ -16,10 +16,12 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 from tests.mtp_images import IMAGES, SpansWhole, with_image
 from tests.planted import assert_machine_catches
+from tests.policy.helpers import preset
 
-from kvsched.config import CHECKPOINT_POLICIES, PLACEMENTS, ModelSpec, SchedulerConfig
+from kvsched.config import CHECKPOINT_POLICIES, PLACEMENTS, ModelSpec, SchedulerConfig, Speculation
 from kvsched.engine import Engine
 from kvsched.events import types as ev
+from kvsched.events.codec import SCHEMA_VERSION
 from kvsched.gpu.fingerprint import FingerprintExecutor
 from kvsched.plan import StepPlan
 from kvsched.reducers.blocks import BlockPool
@@ -90,37 +92,59 @@ class EngineMachine(RuleBasedStateMachine):
     DEDUP = True  # dedup_cached_blocks (EngineMachineWithPrivateCopies: off, as under vLLM)
 
     @initialize(**ENGINE_CONFIGS)
-    def start(self, hybrid, num_blocks, max_batch, chunk_blocks, decode_interval, budget, turn_mode, policy, mid_chunk, by_bytes, keep_aborted, session_reclaim, last_chunk, waiting_tokens, prealloc, order):  # type: ignore[no-untyped-def]  # noqa: E501
+    def start(
+        self,
+        hybrid,
+        num_blocks,
+        max_batch,
+        chunk_blocks,
+        decode_interval,
+        budget,
+        turn_mode,
+        policy,
+        mid_chunk,
+        by_bytes,
+        keep_aborted,
+        session_reclaim,
+        last_chunk,
+        waiting_tokens,
+        prealloc,
+        order,
+    ):  # type: ignore[no-untyped-def]
         bs = 4
         rules = (
             {"checkpoint_placement": PLACEMENTS, "checkpoint_eviction": "value"}
-            if policy == "every rule" else CHECKPOINT_POLICIES[policy]
+            if policy == "every rule"
+            else preset(policy)
         )
         # by_bytes: a state costs 100 bytes, a frozen block 40 more (10 per token)
         memory = {"checkpoint_memory": 100 * budget + 40} if by_bytes else {}
-        self.config = SchedulerConfig(
-            model=ModelSpec(
-                vocab_size=VOCAB, max_context=128, state_bytes=100, kv_bytes_per_token=10
+        self.config = SchedulerConfig.from_log_header(
+            dict(
+                model=ModelSpec(
+                    vocab_size=VOCAB, max_context=128, state_bytes=100, kv_bytes_per_token=10
+                ),
+                block_size=bs,
+                num_blocks=num_blocks,
+                max_batch=max_batch,
+                max_prefill_tokens=bs * chunk_blocks,
+                hybrid=hybrid,
+                checkpoint_budget=budget,
+                decode_checkpoint_interval=decode_interval,
+                turn_mode=turn_mode,
+                dedup_cached_blocks=self.DEDUP,
+                checkpoint_interval=2 * bs,
+                mid_chunk_saves=mid_chunk,
+                keep_aborted_turns=keep_aborted,  # an aborted session turn stays its history
+                session_reclaim=session_reclaim,
+                prefill_on_last_chunk=last_chunk,  # alternate turns' triggers
+                prefill_on_waiting_tokens=waiting_tokens,
+                decode_prealloc_tokens=prealloc,  # 0, 1 or 2 blocks ahead
+                order=order,  # ttft: lmdeploy's interleaved prefill turns
+                **memory,
+                **rules,
             ),
-            block_size=bs,
-            num_blocks=num_blocks,
-            max_batch=max_batch,
-            max_prefill_tokens=bs * chunk_blocks,
-            hybrid=hybrid,
-            checkpoint_budget=budget,
-            decode_checkpoint_interval=decode_interval,
-            turn_mode=turn_mode,
-            dedup_cached_blocks=self.DEDUP,
-            checkpoint_interval=2 * bs,
-            mid_chunk_saves=mid_chunk,
-            keep_aborted_turns=keep_aborted,  # an aborted session turn stays its history
-            session_reclaim=session_reclaim,
-            prefill_on_last_chunk=last_chunk,  # alternate turns' triggers
-            prefill_on_waiting_tokens=waiting_tokens,
-            decode_prealloc_tokens=prealloc,  # 0, 1 or 2 blocks ahead
-            order=order,  # ttft: lmdeploy's interleaved prefill turns
-            **memory,
-            **rules,
+            SCHEMA_VERSION,
         )
         self.engine = Engine(self.config, check_invariants=True)
         # The fingerprint executor's state slots hold the prefix hash of what they computed:
@@ -150,8 +174,14 @@ class EngineMachine(RuleBasedStateMachine):
         prompt = np.concatenate([PREFIXES[prefix], np.full(suffix, 5, np.int32)])
         self.inputs.append(
             ev.RequestArrived(
-                self.next_id, prompt, max_tokens, arrival_time=self.clock, priority=priority,
-                session_id=session, adapter=adapter, cache_salt=salt,
+                self.next_id,
+                prompt,
+                max_tokens,
+                arrival_time=self.clock,
+                priority=priority,
+                session_id=session,
+                adapter=adapter,
+                cache_salt=salt,
             )
         )
         self.next_id += 1
@@ -254,7 +284,7 @@ class EngineMachineWithMTPAndImages(EngineMachine):
     @initialize(**ENGINE_CONFIGS, mtp=st.sampled_from([1, 2]))
     def start(self, mtp: int, **kw) -> None:  # type: ignore[no-untyped-def]
         super().start(**kw)
-        self.config = attrs.evolve(self.config, num_speculative_tokens=mtp)
+        self.config = attrs.evolve(self.config, speculation=Speculation(tokens=mtp))
         self.engine = Engine(self.config, check_invariants=True)
         self.executor = SpansWhole(self.executor, self.engine.state)
         self.runner = _Faulty(self.executor)

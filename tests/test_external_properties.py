@@ -35,9 +35,10 @@ from tests.mtp_images import IMAGES, SpansWhole, with_image
 from tests.planted import assert_machine_catches
 from tests.policy.helpers import Harness
 
-from kvsched.config import ModelSpec, SchedulerConfig
+from kvsched.config import ModelSpec, SchedulerConfig, Speculation
 from kvsched.engine import Engine
 from kvsched.events import types as ev
+from kvsched.events.codec import SCHEMA_VERSION
 from kvsched.gpu.sim import SimulatedExecutor
 from kvsched.policy.scheduler import Policy
 from kvsched.policy.transfers import Transfers
@@ -104,20 +105,23 @@ class ExternalKVMachine(RuleBasedStateMachine):
         load_admission="soft",
     ):
         bs = 4
-        self.config = SchedulerConfig(
-            model=ModelSpec(vocab_size=VOCAB, max_context=128),
-            block_size=bs,
-            num_blocks=num_blocks,
-            max_batch=max_batch,
-            max_prefill_tokens=bs * chunk_blocks,
-            hybrid=hybrid,
-            checkpoint_budget=budget,
-            decode_checkpoint_interval=decode_interval,
-            turn_mode=turn_mode,
-            order=order,
-            external_kv=True,
-            role=role,
-            load_admission=load_admission,
+        self.config = SchedulerConfig.from_log_header(
+            dict(
+                model=ModelSpec(vocab_size=VOCAB, max_context=128),
+                block_size=bs,
+                num_blocks=num_blocks,
+                max_batch=max_batch,
+                max_prefill_tokens=bs * chunk_blocks,
+                hybrid=hybrid,
+                checkpoint_budget=budget,
+                decode_checkpoint_interval=decode_interval,
+                turn_mode=turn_mode,
+                order=order,
+                external_kv=True,
+                role=role,
+                load_admission=load_admission,
+            ),
+            SCHEMA_VERSION,
         )
         self.engine = Engine(self.config, check_invariants=True)
         self.executor = SimulatedExecutor(VOCAB)
@@ -215,7 +219,7 @@ class ExternalKVMachine(RuleBasedStateMachine):
                 assert (d.state_slot >= 0) == self.config.hybrid
                 self.loads[d.seq_id] = len(d.blocks)
             elif isinstance(d, ev.KVSaveStarted):
-                assert self.config.role != "decode", "a decode-role engine saved"
+                assert self.config.external.role != "decode", "a decode-role engine saved"
                 assert d.save_id not in self.saves, f"save id {d.save_id} reused"
                 assert len(d.blocks) > 0
                 assert not self.drain_deferred, "a save started while a drain waits"
@@ -492,9 +496,9 @@ class ExternalKVMachine(RuleBasedStateMachine):
         assert len(held) + lacking <= self.config.num_blocks - 1, (
             f"incomplete loads hold {len(held)} blocks and lack {lacking}: more than the cache"
         )
-        assert all(
-            s.row < 0 for s in state.seqs.seqs.values() if s.state == SeqState.LOADING_KV
-        ), "a soft load holds a batch row"
+        assert all(s.row < 0 for s in state.seqs.seqs.values() if s.state == SeqState.LOADING_KV), (
+            "a soft load holds a batch row"
+        )
 
     @invariant()
     def pinned_checkpoints_are_pinned_by_running_sequences_or_saves(self) -> None:
@@ -558,7 +562,7 @@ class ExternalKVMachineWithMTPAndImages(ExternalKVMachine):
     @initialize(**EXTERNAL_CONFIGS, mtp=st.sampled_from([0, 1]))
     def start(self, mtp: int, **kw) -> None:  # type: ignore[no-untyped-def]
         super().start(**kw)
-        self.config = attrs.evolve(self.config, num_speculative_tokens=mtp)
+        self.config = attrs.evolve(self.config, speculation=Speculation(tokens=mtp))
         self.engine = Engine(self.config, check_invariants=True)
         self.executor = SpansWhole(self.executor, self.engine.state)
 
@@ -643,8 +647,13 @@ def test_without_the_fit_invariant_the_teardown_finds_loads_waiting_on_each_othe
     the teardown (a prompt store, no new work) reports the livelock."""
     monkeypatch.setattr(Transfers, "load_need", _loaded_blocks_only)
     planted = settings(
-        max_examples=600, stateful_step_count=30, deadline=None, database=None,
-        derandomize=True, print_blob=False, phases=[Phase.generate],
+        max_examples=600,
+        stateful_step_count=30,
+        deadline=None,
+        database=None,
+        derandomize=True,
+        print_blob=False,
+        phases=[Phase.generate],
     )
     with pytest.raises(AssertionError, match="livelock"):
         run_state_machine_as_test(_WithoutTheFitCheck, settings=planted)

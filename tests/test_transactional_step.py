@@ -479,7 +479,7 @@ def external_run(tmp_path: Path, **overrides: object) -> Run:
         "max_prefill_tokens": 4,
         "external_kv": True,
     }
-    return Run(tmp_path / "external.kvlog", SchedulerConfig(**{**base, **overrides}))  # type: ignore[arg-type]
+    return Run(tmp_path / "external.kvlog", SchedulerConfig.from_dict({**base, **overrides}))  # type: ignore[arg-type]
 
 
 def _prompt(start: int, n: int) -> np.ndarray:

@@ -1,4 +1,11 @@
-"""Engine configuration: one frozen record, stored in every event log's header."""
+"""Engine configuration: one frozen record, stored in every event log's header.
+
+``SchedulerConfig`` holds the settings every engine has; the settings of one concern sit in a
+sub-config of their own (``Checkpoints``, ``PrefillTurns``, ``ExternalStore``, ``Speculation``),
+and the behaviours of kvsched before schema 4 in ``Legacy``, which only an old log's header
+fills (``SchedulerConfig.from_log_header``). A setting that another one makes ignored, or
+that contradicts another, is refused at construction with a message naming both.
+"""
 
 from __future__ import annotations
 
@@ -6,17 +13,46 @@ from typing import Any, Literal
 
 import attrs
 
+from kvsched import headers
+from kvsched.headers import FLAT_NAMES, header_settings, in_range, is_bool, one_of, refuse
+
+# Defined beside the header reading (headers.py), found here with the rest of the config.
+ConfigError = headers.ConfigError
+Legacy = headers.Legacy
+MTP_OVERLAPS = headers.MTP_OVERLAPS
+LOAD_ADMISSIONS = headers.LOAD_ADMISSIONS
+
 MAX_BLOCKS = 1 << 26  # KV blocks of one engine
 MAX_BATCH = 1 << 16  # batch rows
 MAX_TABLE_ENTRIES = 1 << 28  # block-table entries (max_batch x blocks per sequence): 1 GiB
 
+# The defaults, one table for the library, the CLI and the vLLM adapter. What differs is
+# deliberate: ``kvsched demo`` serves 64 chat sessions on DEMO_NUM_BLOCKS blocks and
+# DEMO_MAX_BATCH rows, so that sessions contend for the cache (its recorded runs depend on
+# them); ``kvsched replay`` defaults to an unbounded cache (replay.setup.unbounded_blocks),
+# so only --cache-blocks makes it evict; the vLLM adapter takes vLLM's own KV cache size
+# and max_num_seqs (vLLM decides memory), and caps checkpoints at CHECKPOINT_BUDGET.
+BLOCK_SIZE = 64
+NUM_BLOCKS = 4096
+MAX_BATCH_ROWS = 256
+MAX_PREFILL_TOKENS = 8192
+CHECKPOINT_BUDGET = 256
+DEMO_NUM_BLOCKS = 2048
+DEMO_MAX_BATCH = 64
+
 OrderPolicy = Literal["fcfs", "priority", "ttft"]
+TurnMode = Literal["mixed", "alternate"]
+Role = Literal["both", "prefill", "decode"]
 
 # The TTFT order's prefill-turn policies (lmdeploy's _PrefillTurnPolicy, policy/turns.py): one
 # kind of turn for every step, or lmdeploy's engine interleaving ("interleave": short-only turns
-# while long prefills wait, a long-first turn after short_turns_per_long of them).
+# while long prefills wait, a long-first turn after short_per_long of them).
 PREFILL_TURNS: tuple[str, ...] = (
-    "standard", "short_only", "long_first", "long_first_if_final", "interleave"
+    "standard",
+    "short_only",
+    "long_first",
+    "long_first_if_final",
+    "interleave",
 )
 # The order of long prefills on long-first turns: "size" (fewest chunks left, minus one per
 # aging_s waited) or "fifo" (arrival); lmdeploy's LMDEPLOY_PT_TTFT_POLICY.
@@ -31,65 +67,69 @@ PLACEMENTS: tuple[str, ...] = (
     "chunk_end",  # block-aligned ends of prefill chunks (lmdeploy)
     "prompt_end",  # the prompt end, its partial block frozen (lmdeploy)
     "prompt_tail",  # the last block boundary before the prompt's last token (vLLM "align")
-    "interval",  # every checkpoint_interval tokens inside prefill chunks (vLLM "all" mode)
+    "interval",  # every Checkpoints.interval tokens inside prefill chunks (vLLM "all" mode)
     "branch",  # where a request's cached KV runs past its deepest state (Marconi, SGLang)
     "sequence_end",  # the end of every finished sequence, prompt plus output (SGLang)
     "session_end",  # the end of a finished sequence of a session (its next turn resumes there)
-    "decode",  # every decode_checkpoint_interval decode tokens, all kept (lmdeploy)
+    "decode",  # every Checkpoints.decode_interval decode tokens, all kept
     "decode_blocks",  # every block boundary a decode step reaches, all kept (vLLM "align")
     "decode_latest",  # at block boundaries in decode, each replacing the sequence's previous
 )
-# Which checkpoint an eviction drops: least recently used; frozen partial tails first, then
-# least recently used (lmdeploy); or the lowest value (prefill compute a hit saves per byte of
-# state, times its hits squared, aged: greedy-dual-size-frequency), declining a new checkpoint
-# worth less than every one it would replace.
+# Which checkpoint an eviction drops (policy/eviction.py): least recently used; frozen partial
+# tails first, then least recently used (lmdeploy); or the lowest value (prefill compute a hit
+# saves per byte of state, times its hits squared, aged: greedy-dual-size-frequency),
+# declining a new checkpoint worth less than every one it would replace.
 EVICTIONS: tuple[str, ...] = ("lru", "frozen_first", "value")
-# What an MTP hit recomputes (SchedulerConfig.mtp_overlap).
-MTP_OVERLAPS: tuple[str, ...] = ("one_block", "k_blocks")
-# How an external load is admitted (SchedulerConfig.load_admission).
-LOAD_ADMISSIONS: tuple[str, ...] = ("soft", "whole_prompt")
-# Named checkpoint policies: kvsched's own, and baselines that behave like its peers.
+# Named checkpoint policies (Checkpoints fields): kvsched's own, and baselines that behave
+# like its peers. "lmdeploy" places no "decode" checkpoints: its decode interval was 0 and
+# nothing could set it, so that rule never saved one (docs/checkpoints.md).
 CHECKPOINT_POLICIES: dict[str, dict[str, Any]] = {
     "kvsched": {
-        "checkpoint_placement": (
-            "chunk_end", "prompt_end", "prompt_tail", "interval", "branch", "session_end"
+        "placement": (
+            "chunk_end",
+            "prompt_end",
+            "prompt_tail",
+            "interval",
+            "branch",
+            "session_end",
         ),
-        "checkpoint_eviction": "value",
-        "aligned_checkpoints_only": False,
-        "checkpoint_min_gain_blocks": 1,
+        "eviction": "value",
+        "aligned_only": False,
+        "min_gain_blocks": 1,
     },
     "lmdeploy": {
-        "checkpoint_placement": ("chunk_end", "prompt_end", "decode"),
-        "checkpoint_eviction": "frozen_first",
-        "aligned_checkpoints_only": False,
-        "checkpoint_min_gain_blocks": 0,
+        "placement": ("chunk_end", "prompt_end"),
+        "eviction": "frozen_first",
+        "aligned_only": False,
+        "min_gain_blocks": 0,
     },
     "vllm-align": {
-        "checkpoint_placement": ("chunk_end", "prompt_tail", "decode_blocks"),
-        "checkpoint_eviction": "lru",
-        "aligned_checkpoints_only": True,
-        "checkpoint_min_gain_blocks": 0,
+        "placement": ("chunk_end", "prompt_tail", "decode_blocks"),
+        "eviction": "lru",
+        "aligned_only": True,
+        "min_gain_blocks": 0,
     },
     "sglang": {
-        "checkpoint_placement": ("chunk_end", "sequence_end"),
-        "checkpoint_eviction": "lru",
-        "aligned_checkpoints_only": False,
-        "checkpoint_min_gain_blocks": 0,
+        "placement": ("chunk_end", "sequence_end"),
+        "eviction": "lru",
+        "aligned_only": False,
+        "min_gain_blocks": 0,
     },
 }
-
-
-def _in_range(name: str, value: int, lo: int, hi: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
-        raise ValueError(f"{name} must be an integer in [{lo}, {hi}], got {value!r}")
 
 
 def _rules(value: Any) -> tuple[str, ...]:
     return tuple(value)
 
 
-TurnMode = Literal["mixed", "alternate"]
-Role = Literal["both", "prefill", "decode"]
+def _is_set(record: Any, name: str) -> bool:
+    """Whether a field of a config record differs from its default."""
+    return bool(getattr(record, name) != _default(type(record), name))
+
+
+def _default(cls: type, name: str) -> Any:
+    """A plain default of a field (each one the refusals compare with)."""
+    return getattr(attrs.fields(cls), name).default
 
 
 @attrs.frozen(kw_only=True)
@@ -111,33 +151,174 @@ class ModelSpec:
     kv_bytes_per_token: int = 12 * 2 * 2 * 256 * 2
 
     def __attrs_post_init__(self) -> None:
-        _in_range("vocab_size", self.vocab_size, 1, 1 << 31)
-        _in_range("max_context", self.max_context, 2, 1 << 31)
-        _in_range("routed_experts_per_token", self.routed_experts_per_token, 0, 1 << 12)
-        _in_range("state_bytes", self.state_bytes, 1, 1 << 40)
-        _in_range("kv_bytes_per_token", self.kv_bytes_per_token, 1, 1 << 30)
+        in_range("vocab_size", self.vocab_size, 1, 1 << 31)
+        in_range("max_context", self.max_context, 2, 1 << 31)
+        in_range("routed_experts_per_token", self.routed_experts_per_token, 0, 1 << 12)
+        in_range("state_bytes", self.state_bytes, 1, 1 << 40)
+        in_range("kv_bytes_per_token", self.kv_bytes_per_token, 1, 1 << 30)
+
+
+@attrs.frozen(kw_only=True)
+class Checkpoints:
+    """Hybrid models' state checkpoints: how many, where saved, which evicted first."""
+
+    budget: int = CHECKPOINT_BUDGET  # checkpoint state slots (besides one runtime slot per row)
+    # Bytes for checkpoints (0: count them against budget instead): a checkpoint costs the
+    # model's state_bytes, plus one KV block when it owns a frozen partial block; the state
+    # pool then has memory // state_bytes checkpoint slots.
+    memory: int = 0
+    placement: tuple[str, ...] = attrs.field(
+        default=CHECKPOINT_POLICIES["kvsched"]["placement"], converter=_rules
+    )
+    eviction: str = "value"
+    interval: int = 4096  # tokens between "interval" checkpoints (whole blocks)
+    decode_interval: int = 0  # tokens between "decode" checkpoints (0: none)
+    # A save less than this many blocks past the state the sequence restored is not made: a
+    # hit on it would save less prefill than its state slot (and frozen block) are worth.
+    min_gain_blocks: int = 1
+    # The executor can save a state in the middle of a chunk (plan.state_save_within); when it
+    # cannot, "branch" and "prompt_tail" end a chunk there instead and "interval" is not used.
+    mid_chunk_saves: bool = True
+    # Save states only at block boundaries (no partial-block checkpoints at prompt ends), and
+    # end a prompt's last chunk at the deepest boundary a later hit can use: for executors that
+    # keep states in whole KV-cache blocks (vLLM's mamba "align" mode).
+    aligned_only: bool = False
+    # The value of a hit, in seconds of prefill it saves (eviction "value"): tokens x
+    # value_token_s + causal attention pairs (tokens^2 / 2) x value_pair_s.
+    value_token_s: float = 1.0e-5
+    value_pair_s: float = 1.3e-9
+
+    def __attrs_post_init__(self) -> None:
+        in_range("checkpoints.budget", self.budget, 0, 1 << 20)
+        in_range("checkpoints.memory", self.memory, 0, 1 << 50)
+        in_range("checkpoints.interval", self.interval, 1, 1 << 31)
+        in_range("checkpoints.decode_interval", self.decode_interval, 0, 1 << 31)
+        in_range("checkpoints.min_gain_blocks", self.min_gain_blocks, 0, 1 << 20)
+        is_bool("checkpoints.mid_chunk_saves", self.mid_chunk_saves)
+        is_bool("checkpoints.aligned_only", self.aligned_only)
+        unknown = sorted(set(self.placement) - set(PLACEMENTS))
+        if unknown or len(set(self.placement)) != len(self.placement):
+            raise ConfigError(
+                f"checkpoints.placement: unknown or repeated rules {unknown or 'repeated'}; "
+                f"known: {', '.join(PLACEMENTS)}"
+            )
+        one_of("checkpoints.eviction", self.eviction, EVICTIONS)
+        for name in ("value_token_s", "value_pair_s"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and 0 <= value < float("inf")):
+                raise ConfigError(f"checkpoints.{name} must be a finite number >= 0, got {value!r}")
+
+    def refuse_ignored(self) -> None:
+        """Refuse a setting another one makes ignored (ConfigError naming both)."""
+        if ("decode" in self.placement) != (self.decode_interval > 0):
+            why = "places no checkpoint" if self.decode_interval else "needs"
+            raise refuse("checkpoints.placement 'decode'", "checkpoints.decode_interval > 0", why)
+        if "interval" in self.placement and not self.mid_chunk_saves:
+            raise refuse("checkpoints.placement 'interval'", "checkpoints.mid_chunk_saves", "needs")
+        if self.interval != _default(Checkpoints, "interval") and "interval" not in self.placement:
+            raise refuse(
+                "checkpoints.interval", "checkpoints.placement 'interval'", "is used only by"
+            )
+        if self.eviction == "frozen_first" and self.aligned_only:
+            raise refuse(
+                "checkpoints.eviction 'frozen_first'",
+                "checkpoints.aligned_only (no frozen partial blocks: plain 'lru')",
+                "is the same as 'lru' under",
+            )
+        for name in ("value_token_s", "value_pair_s"):
+            if getattr(self, name) != _default(Checkpoints, name) and self.eviction != "value":
+                raise refuse(
+                    f"checkpoints.{name}", "checkpoints.eviction 'value'", "is read only by"
+                )
+
+
+@attrs.frozen(kw_only=True)
+class PrefillTurns:
+    """When a step prefills, and (order "ttft") which prefills take its turn."""
+
+    # "mixed": prefills and decodes in every step; "alternate" (lmdeploy's
+    # do_prefill_default): prefill steps and decode steps, a prefill turn due when the batch
+    # is half empty, after prefill_interval decode turns, and (Legacy) on a last chunk or a
+    # full prefill budget of waiting tokens.
+    mode: TurnMode = "mixed"
+    prefill_interval: int = 16
+    max_long_chunks_per_step: int = 1  # non-final chunks per step
+    # Order "ttft" only: the prefill-turn policy (PREFILL_TURNS), the short turns before a
+    # long chunk is due ("interleave"), the long lane's order (LONG_ORDERS).
+    policy: str = "interleave"
+    short_per_long: int = 3
+    long_order: str = "size"
+
+    def __attrs_post_init__(self) -> None:
+        one_of("turns.mode", self.mode, ("mixed", "alternate"))
+        in_range("turns.prefill_interval", self.prefill_interval, 1, 1 << 20)
+        in_range("turns.max_long_chunks_per_step", self.max_long_chunks_per_step, 1, 1 << 20)
+        one_of("turns.policy", self.policy, PREFILL_TURNS)
+        in_range("turns.short_per_long", self.short_per_long, 1, 1 << 20)
+        one_of("turns.long_order", self.long_order, LONG_ORDERS)
+
+    def refuse_ignored(self, order: str, given: set[str] | None = None) -> None:
+        """Refuse a setting another one makes ignored (ConfigError naming both): each field
+        in ``given`` (the CLI: the options given), else each that is not its default."""
+        if given is None:
+            given = {f.name for f in attrs.fields(PrefillTurns) if _is_set(self, f.name)}
+        if "prefill_interval" in given and self.mode != "alternate":
+            raise refuse("turns.prefill_interval", "turns.mode 'alternate'", "is used only by")
+        for name in ("policy", "short_per_long", "long_order"):
+            if name in given and order != "ttft":
+                raise refuse(f"turns.{name}", "order 'ttft'", "is used only by")
+        if "short_per_long" in given and self.policy != "interleave":
+            raise refuse("turns.short_per_long", "turns.policy 'interleave'", "is used only by")
+
+
+@attrs.frozen(kw_only=True)
+class ExternalStore:
+    """An external KV store: look up prefixes beyond the local cache and load them; save
+    computed blocks (and aligned state checkpoints) to it (roles both and prefill)."""
+
+    enabled: bool = False
+    # Disaggregation: a prefill-role engine ends each request after its first token (reason
+    # "migrated") once its prompt is saved; a decode-role engine loads prompts, saves nothing.
+    role: Role = "both"
+
+    def __attrs_post_init__(self) -> None:
+        is_bool("external.enabled", self.enabled)
+        one_of("external.role", self.role, ("both", "prefill", "decode"))
+        if self.role != "both" and not self.enabled:
+            raise refuse(f"external.role {self.role!r}", "external.enabled", "needs")
+
+
+@attrs.frozen(kw_only=True)
+class Speculation:
+    """MTP: a hit's last cached block(s) are recomputed for the draft model (Legacy.mtp_overlap)."""
+
+    tokens: int = 0  # speculative tokens per step (0: no MTP)
+
+    def __attrs_post_init__(self) -> None:
+        in_range("speculation.tokens", self.tokens, 0, 64)
+
+
+# The sub-configs by field name, and the flat names of their fields in log headers before
+# sub-configs (schema 4 and older): flat name -> (sub-config, field).
+SUBCONFIGS: dict[str, type] = {
+    "checkpoints": Checkpoints,
+    "turns": PrefillTurns,
+    "external": ExternalStore,
+    "speculation": Speculation,
+    "legacy": Legacy,
+}
 
 
 @attrs.frozen(kw_only=True)
 class SchedulerConfig:
     model: ModelSpec = attrs.field(factory=ModelSpec)
-    block_size: int = 64
-    num_blocks: int = 4096
-    max_batch: int = 256
-    max_prefill_tokens: int = 8192
-    max_long_chunks_per_step: int = 1
+    block_size: int = BLOCK_SIZE
+    num_blocks: int = NUM_BLOCKS
+    max_batch: int = MAX_BATCH_ROWS
+    max_prefill_tokens: int = MAX_PREFILL_TOKENS
     order: OrderPolicy = "fcfs"
-    aging_s: float = 10.0
-    turn_mode: TurnMode = "mixed"
-    prefill_interval: int = 16
+    aging_s: float = 10.0  # orders "priority" and "ttft": one level (or chunk) per aging_s waited
     enable_prefix_caching: bool = True
-    # An aborted turn of an open session stays part of its history (what it generated too;
-    # its full blocks stay held for the next turn), as lmdeploy keeps a stopped turn. False:
-    # the history stays as it was before the turn (kvsched before schema 4).
-    keep_aborted_turns: bool = True
-    # Idle sessions' held blocks are reclaimed least recently used first ("last_use"), or by
-    # session id ("session_id": kvsched before schema 4).
-    session_reclaim: str = "last_use"
     identity: str = "kvs128"  # the block identity scheme (IDENTITY_SCHEMES)
     # A computed block whose hash is already cached on another block is swapped for the cached
     # copy (its own block freed at once). Off where the executor cannot rewrite a block-table
@@ -145,161 +326,60 @@ class SchedulerConfig:
     # sequence's private block and is freed with it.
     dedup_cached_blocks: bool = True
     max_step_retries: int = 2  # a sequence in more failed steps than this is aborted
-    # Hybrid models (attention + gated DeltaNet / Mamba): one recurrent state per running
-    # sequence, prefix hits usable only at published state checkpoints.
-    hybrid: bool = False
-    checkpoint_budget: int = 256  # checkpoint state slots (besides one runtime slot per row)
-    # Bytes for checkpoints (0: count them against checkpoint_budget instead): a checkpoint
-    # costs the model's state_bytes, plus one KV block when it owns a frozen partial block;
-    # the state pool then has checkpoint_memory // state_bytes checkpoint slots.
-    checkpoint_memory: int = 0
-    decode_checkpoint_interval: int = 0  # tokens between "decode" checkpoints (0: none)
-    checkpoint_placement: tuple[str, ...] = attrs.field(
-        default=CHECKPOINT_POLICIES["kvsched"]["checkpoint_placement"], converter=_rules
-    )
-    checkpoint_eviction: str = "value"
-    checkpoint_interval: int = 4096  # tokens between "interval" checkpoints (whole blocks)
-    # A save less than this many blocks past the state the sequence restored is not made: a
-    # hit on it would save less prefill than its state slot (and frozen block) are worth.
-    checkpoint_min_gain_blocks: int = 1
-    # The executor can save a state in the middle of a chunk (plan.state_save_within); when it
-    # cannot, "branch" and "prompt_tail" end a chunk there instead and "interval" is not used.
-    mid_chunk_saves: bool = True
-    # The value of a hit, in seconds of prefill it saves (eviction "value"): tokens x
-    # value_token_s + causal attention pairs (tokens^2 / 2) x value_pair_s.
-    value_token_s: float = 1.0e-5
-    value_pair_s: float = 1.3e-9
-    # Save states only at block boundaries (no partial-block checkpoints at prompt ends), and
-    # end a prompt's last chunk at the deepest boundary a later hit can use: for executors that
-    # keep states in whole KV-cache blocks (vLLM's mamba "align" mode).
-    aligned_checkpoints_only: bool = False
-    num_speculative_tokens: int = 0  # MTP: a hit's last cached block is recomputed (mtp_overlap)
-    # External KV store: look up prefixes beyond the local cache and load them; save computed
-    # blocks (and aligned state checkpoints) to it (roles both and prefill).
-    external_kv: bool = False
-    # Disaggregation: a prefill-role engine ends each request after its first token (reason
-    # "migrated") once its prompt is saved; a decode-role engine loads prompts, saves nothing.
-    role: Role = "both"
-    # Alternate turn mode (lmdeploy's do_prefill_default): besides a half-empty batch and
-    # prefill_interval decode turns, a prefill turn is also due when a running sequence's
-    # next chunk is its last (prefill_on_last_chunk), or when the waiting sequences' tokens
-    # fill a prefill budget, max_prefill_tokens (prefill_on_waiting_tokens). Both off:
-    # kvsched before schema 4.
-    prefill_on_last_chunk: bool = True
-    prefill_on_waiting_tokens: bool = True
     # A decode that needs a new block takes blocks for this many more tokens too (lmdeploy:
     # 16), only from free blocks (never evicting cached ones); these spare blocks are given
     # back before anything else (a session hold, a checkpoint, a sequence) is given up for
     # room. 0: one block at a time.
     decode_prealloc_tokens: int = 0
-    # Each finished or aborted sequence reports the prompt tokens its first admission did
-    # not compute: local prefix hits, checkpoint restores, external loads (SequenceFinished,
-    # SequenceAborted). Off: kvsched before schema 4 (the events carry no counts).
-    report_cached_tokens: bool = True
-    # MTP (num_speculative_tokens > 0): what a hit recomputes for the draft model. "one_block":
-    # the last cached block, into a private block, while the sequence holds the cached one
-    # (lmdeploy); "k_blocks": the last num_speculative_tokens cached blocks, swapped for the
-    # cached copies once computed (kvsched before schema 4).
-    mtp_overlap: str = "one_block"
-    # Multimodal spans are never split: no chunk boundary, prefix hit, load or state save
-    # falls strictly inside one (lmdeploy). False: kvsched before schema 4 (hits only).
-    multimodal_safe: bool = True
-    # Order "ttft" only: the prefill-turn policy (PREFILL_TURNS), the short turns before a
-    # long chunk is due ("interleave"), the long lane's order (LONG_ORDERS), and how a waiting
-    # request is sized: by the tokens left after its tentative prefix match ("after_match"), or
-    # by its whole context, session history included ("context": kvsched before schema 4).
-    prefill_turns: str = "interleave"
-    short_turns_per_long: int = 3
-    long_order: str = "size"
-    ttft_size: str = "after_match"
-    # How an external load is admitted. "soft" (lmdeploy's): it takes no batch row and holds
-    # only the blocks it loads into (and, hybrid, a state slot); the rest of its prompt is
-    # reserved softly (a new load is admitted only if its prefill fits beside every incomplete
-    # load's reservation; ordinary work may borrow reserved blocks). "whole_prompt": it takes
-    # a batch row and every block of its prompt at once (kvsched before schema 4).
-    load_admission: str = "soft"
+    # Hybrid models (attention + gated DeltaNet / Mamba): one recurrent state per running
+    # sequence, prefix hits usable only at published state checkpoints.
+    hybrid: bool = False
+    checkpoints: Checkpoints = attrs.field(factory=Checkpoints)
+    turns: PrefillTurns = attrs.field(factory=PrefillTurns)
+    external: ExternalStore = attrs.field(factory=ExternalStore)
+    speculation: Speculation = attrs.field(factory=Speculation)
+    legacy: Legacy = attrs.field(factory=Legacy)
 
     def __attrs_post_init__(self) -> None:
-        _in_range("block_size", self.block_size, 1, 1 << 16)
-        _in_range("num_blocks", self.num_blocks, 2, MAX_BLOCKS)
-        _in_range("max_batch", self.max_batch, 1, MAX_BATCH)
-        _in_range("max_prefill_tokens", self.max_prefill_tokens, self.block_size, 1 << 24)
-        _in_range("checkpoint_budget", self.checkpoint_budget, 0, 1 << 20)
-        _in_range("max_long_chunks_per_step", self.max_long_chunks_per_step, 1, 1 << 20)
-        _in_range("prefill_interval", self.prefill_interval, 1, 1 << 20)
-        _in_range("max_step_retries", self.max_step_retries, 0, 1 << 20)
-        _in_range("num_speculative_tokens", self.num_speculative_tokens, 0, 64)
-        _in_range("decode_checkpoint_interval", self.decode_checkpoint_interval, 0, 1 << 31)
-        _in_range("checkpoint_memory", self.checkpoint_memory, 0, 1 << 50)
-        _in_range("checkpoint_interval", self.checkpoint_interval, 1, 1 << 31)
-        _in_range("checkpoint_min_gain_blocks", self.checkpoint_min_gain_blocks, 0, 1 << 20)
-        _in_range("decode_prealloc_tokens", self.decode_prealloc_tokens, 0, 1 << 20)
-        for flag in ("prefill_on_last_chunk", "prefill_on_waiting_tokens", "report_cached_tokens"):
-            if not isinstance(getattr(self, flag), bool):
-                raise ValueError(f"{flag} must be a bool, got {getattr(self, flag)!r}")
-        unknown = sorted(set(self.checkpoint_placement) - set(PLACEMENTS))
-        if unknown or len(set(self.checkpoint_placement)) != len(self.checkpoint_placement):
-            raise ValueError(
-                f"checkpoint_placement: unknown or repeated rules {unknown or 'repeated'}; "
-                f"known: {', '.join(PLACEMENTS)}"
-            )
-        if self.session_reclaim not in ("last_use", "session_id"):
-            raise ValueError(
-                f"unknown session_reclaim {self.session_reclaim!r}; known: last_use, session_id"
-            )
-        if self.identity not in IDENTITY_SCHEMES:
-            raise ValueError(
-                f"unknown identity scheme {self.identity!r}; known: {', '.join(IDENTITY_SCHEMES)}"
-            )
-        if self.checkpoint_eviction not in EVICTIONS:
-            raise ValueError(
-                f"unknown checkpoint_eviction {self.checkpoint_eviction!r}; "
-                f"known: {', '.join(EVICTIONS)}"
-            )
-        for name in ("value_token_s", "value_pair_s"):
-            value = getattr(self, name)
-            if not (isinstance(value, (int, float)) and 0 <= value < float("inf")):
-                raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
-        if self.hybrid and self.checkpoint_memory and self.num_checkpoint_slots > 1 << 20:
-            raise ValueError("checkpoint_memory holds more than 2**20 checkpoints")
+        in_range("block_size", self.block_size, 1, 1 << 16)
+        in_range("num_blocks", self.num_blocks, 2, MAX_BLOCKS)
+        in_range("max_batch", self.max_batch, 1, MAX_BATCH)
+        in_range("max_prefill_tokens", self.max_prefill_tokens, self.block_size, 1 << 24)
+        in_range("max_step_retries", self.max_step_retries, 0, 1 << 20)
+        in_range("decode_prealloc_tokens", self.decode_prealloc_tokens, 0, 1 << 20)
+        one_of("identity scheme", self.identity, IDENTITY_SCHEMES)
+        one_of("order policy", self.order, ("fcfs", "priority", "ttft"))
         if not self.aging_s > 0:
-            raise ValueError(f"aging_s must be positive, got {self.aging_s}")
+            raise ConfigError(f"aging_s must be positive, got {self.aging_s}")
+        if self.checkpoints.decode_interval % self.block_size:
+            raise refuse("checkpoints.decode_interval", "block_size", "must be a multiple of")
+        if self.hybrid and self.checkpoints.memory and self.num_checkpoint_slots > 1 << 20:
+            raise ConfigError("checkpoints.memory holds more than 2**20 checkpoints")
         entries = self.max_batch * (self.model.max_context // self.block_size + 1)
         if entries > MAX_TABLE_ENTRIES:
-            raise ValueError(
+            raise ConfigError(
                 f"block tables of max_batch {self.max_batch} x max_context "
                 f"{self.model.max_context} / block_size {self.block_size} need {entries:,} "
                 f"entries (at most {MAX_TABLE_ENTRIES:,}): lower one of them"
             )
-        if self.order not in ("fcfs", "priority", "ttft"):
-            raise ValueError(f"unknown order policy {self.order!r}")
-        if self.decode_checkpoint_interval % self.block_size:
-            raise ValueError("decode_checkpoint_interval must be a multiple of block_size")
-        if self.turn_mode not in ("mixed", "alternate"):
-            raise ValueError(f"unknown turn mode {self.turn_mode!r}")
-        if self.mtp_overlap not in MTP_OVERLAPS:
-            raise ValueError(
-                f"unknown mtp_overlap {self.mtp_overlap!r}; known: {', '.join(MTP_OVERLAPS)}"
+        if not self.legacy.header:
+            self._refuse_ignored()
+
+    def _refuse_ignored(self) -> None:
+        """Refuse settings another one makes ignored or contradicts (a config from an old
+        log's header is exempt: it replays what that run did)."""
+        self.checkpoints.refuse_ignored()
+        self.turns.refuse_ignored(self.order)
+        if self.checkpoints.memory and self.checkpoints.budget != CHECKPOINT_BUDGET:
+            raise refuse(
+                "checkpoints.budget", "checkpoints.memory (which sets the count)", "is ignored with"
             )
-        if self.role not in ("both", "prefill", "decode"):
-            raise ValueError(f"unknown role {self.role!r}")
-        if self.role != "both" and not self.external_kv:
-            raise ValueError(f"role {self.role!r} needs external_kv (the store carries the KV)")
-        _in_range("short_turns_per_long", self.short_turns_per_long, 1, 1 << 20)
-        for name, value, known in (
-            ("load_admission", self.load_admission, LOAD_ADMISSIONS),
-            ("prefill_turns", self.prefill_turns, PREFILL_TURNS),
-            ("long_order", self.long_order, LONG_ORDERS),
-            ("ttft_size", self.ttft_size, ("after_match", "context")),
-        ):
-            if value not in known:
-                raise ValueError(f"unknown {name} {value!r}; known: {', '.join(known)}")
 
     @property
     def turn_policy(self) -> str:
         """The prefill-turn policy in force: the TTFT order's; every other order takes
         standard turns (its own order, long prefills allowed)."""
-        return self.prefill_turns if self.order == "ttft" else "standard"
+        return self.turns.policy if self.order == "ttft" else "standard"
 
     def long_prefill(self, tokens_left: int) -> bool:
         """Whether a prefill of this many tokens needs more than one chunk (lmdeploy: a
@@ -308,55 +388,55 @@ class SchedulerConfig:
 
     @property
     def external_load(self) -> bool:
-        return self.external_kv
+        return self.external.enabled
 
     @property
     def soft_loads(self) -> bool:
-        """External loads take no batch row, under soft reservations (load_admission)."""
-        return self.external_kv and self.load_admission == "soft"
+        """External loads take no batch row, under soft reservations (Legacy.load_admission)."""
+        return self.external.enabled and self.legacy.load_admission == "soft"
 
     @property
     def external_save(self) -> bool:
-        return self.external_kv and self.role != "decode"
+        return self.external.enabled and self.external.role != "decode"
 
     @property
     def mtp_recompute_blocks(self) -> int:
         """Cached blocks at the end of a hit that MTP recomputes (0 without MTP)."""
-        k = self.num_speculative_tokens
-        return min(k, 1) if self.mtp_overlap == "one_block" else k
+        k = self.speculation.tokens
+        return min(k, 1) if self.legacy.mtp_overlap == "one_block" else k
 
     @property
     def mtp_holds_overlap(self) -> bool:
         """Whether a sequence holds the cached block its MTP overlap recomputes privately."""
-        return self.num_speculative_tokens > 0 and self.mtp_overlap == "one_block"
+        return self.speculation.tokens > 0 and self.legacy.mtp_overlap == "one_block"
 
     @property
     def num_checkpoint_slots(self) -> int:
         """State pool rows for checkpoints: the count budget, or what the memory holds."""
-        if self.checkpoint_memory:
-            return self.checkpoint_memory // self.model.state_bytes
-        return self.checkpoint_budget
+        if self.checkpoints.memory:
+            return self.checkpoints.memory // self.model.state_bytes
+        return self.checkpoints.budget
 
     @property
     def checkpoint_capacity(self) -> int:
         """What checkpoints may use together: bytes, or a count (one per checkpoint)."""
-        return self.checkpoint_memory or self.checkpoint_budget
+        return self.checkpoints.memory or self.checkpoints.budget
 
     def checkpoint_cost(self, frozen: bool) -> int:
         """What one checkpoint uses of the capacity (a frozen partial block costs its KV)."""
-        if not self.checkpoint_memory:
+        if not self.checkpoints.memory:
             return 1
         kv = self.model.kv_bytes_per_token * self.block_size
         return self.model.state_bytes + (kv if frozen else 0)
 
     @property
     def interval_tokens(self) -> int:
-        """The "interval" rule's spacing: checkpoint_interval in whole blocks (at least one)."""
-        return max(1, self.checkpoint_interval // self.block_size) * self.block_size
+        """The "interval" rule's spacing: checkpoints.interval in whole blocks (at least one)."""
+        return max(1, self.checkpoints.interval // self.block_size) * self.block_size
 
     def places(self, rule: str) -> bool:
         """Whether checkpoints are saved by placement rule ``rule`` (PLACEMENTS)."""
-        return rule in self.checkpoint_placement
+        return rule in self.checkpoints.placement
 
     @property
     def num_state_slots(self) -> int:
@@ -373,44 +453,32 @@ class SchedulerConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> SchedulerConfig:
+        """The config ``to_dict`` wrote; the flat names of headers before sub-configs
+        (FLAT_NAMES) are read too. Legacy behaviours only from a header (``Legacy``)."""
         data = dict(data)
-        model = ModelSpec(**data.pop("model", {}))
-        return cls(model=model, **data)
+        subs: dict[str, dict[str, Any]] = {k: dict(data.pop(k, None) or {}) for k in SUBCONFIGS}
+        for flat in [k for k in data if k in FLAT_NAMES]:
+            sub, name = FLAT_NAMES[flat]
+            subs[sub][name] = data.pop(flat)
+        model = data.pop("model", {})
+        return cls(
+            model=model if isinstance(model, ModelSpec) else ModelSpec(**model),
+            **{k: SUBCONFIGS[k](**v) for k, v in subs.items()},
+            **data,
+        )
 
     @classmethod
     def from_log_header(cls, data: dict[str, Any], schema_version: int) -> SchedulerConfig:
-        """The config a log header records. Logs of schema 2 predate the checkpoint policies:
-        they ran today's "lmdeploy" rules; logs before schema 4 hashed blocks with blake2b,
-        dropped aborted turns from sessions, reclaimed sessions by id, had no alternate-mode
-        triggers beyond a half-empty batch and prefill_interval, no decode preallocation,
-        no cached-token counts on finished sequences, recomputed k blocks of an MTP hit,
-        let chunks and loads split multimodal spans, ordered TTFT by whole contexts on
-        long-first turns, and admitted a load with a batch row and every prompt block."""
-        data = dict(data)
-        if schema_version < 4:
-            data.setdefault("identity", "blake2b")
-            data.setdefault("checkpoint_min_gain_blocks", 0)
-            data.setdefault("keep_aborted_turns", False)
-            data.setdefault("session_reclaim", "session_id")
-            data.setdefault("prefill_on_last_chunk", False)
-            data.setdefault("prefill_on_waiting_tokens", False)
-            data.setdefault("decode_prealloc_tokens", 0)
-            data.setdefault("report_cached_tokens", False)
-            data.setdefault("mtp_overlap", "k_blocks")
-            data.setdefault("multimodal_safe", False)
-            data.setdefault("ttft_size", "context")
-            data.setdefault("prefill_turns", "long_first")
-            data.setdefault("long_order", "size")
-            data.setdefault("load_admission", "whole_prompt")
-        if schema_version < 3:
-            for key, value in CHECKPOINT_POLICIES["lmdeploy"].items():
-                data.setdefault(key, value)
-            data.setdefault("mid_chunk_saves", False)
-        return cls.from_dict(data)
+        """The config a log header records (``headers.header_settings``: what an old log's
+        kvsched ran), its legacy record marked ``header``: exempt from today's refusals of
+        ignored combinations, so every old log replays."""
+        return cls.from_dict(header_settings(data, schema_version))
 
     def with_checkpoint_policy(self, name: str) -> SchedulerConfig:
         """This config under the named checkpoint policy (CHECKPOINT_POLICIES)."""
         if name not in CHECKPOINT_POLICIES:
             known = ", ".join(CHECKPOINT_POLICIES)
-            raise ValueError(f"unknown checkpoint policy {name!r}; known: {known}")
-        return attrs.evolve(self, **CHECKPOINT_POLICIES[name])
+            raise ConfigError(f"unknown checkpoint policy {name!r}; known: {known}")
+        return attrs.evolve(
+            self, checkpoints=attrs.evolve(self.checkpoints, **CHECKPOINT_POLICIES[name])
+        )

@@ -27,16 +27,20 @@ VOCAB = 97
 
 
 def _config(hybrid: bool) -> SchedulerConfig:
-    return SchedulerConfig(
-        model=ModelSpec(vocab_size=VOCAB, max_context=256),
-        block_size=4,
-        num_blocks=28,
-        max_batch=3,
-        max_prefill_tokens=8,
-        hybrid=hybrid,
-        checkpoint_budget=3,
-        decode_checkpoint_interval=4 if hybrid else 0,
-        external_kv=True,
+    # (the rules schema 2 ran: lmdeploy's, "decode" included; from_log_header pins them)
+    return SchedulerConfig.from_log_header(
+        dict(
+            model=ModelSpec(vocab_size=VOCAB, max_context=256),
+            block_size=4,
+            num_blocks=28,
+            max_batch=3,
+            max_prefill_tokens=8,
+            hybrid=hybrid,
+            checkpoint_budget=3,
+            decode_checkpoint_interval=4 if hybrid else 0,
+            external_kv=True,
+        ),
+        2,
     )
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvsched.config import ModelSpec, SchedulerConfig
+from kvsched.config import CHECKPOINT_BUDGET, CHECKPOINT_POLICIES, ModelSpec, SchedulerConfig
 from kvsched.engine import Engine
 from kvsched.events.types import RequestArrived
 from kvsched.replay.workload import Turn, Workload, chat_workload
@@ -31,7 +31,7 @@ def _config(**overrides: object) -> SchedulerConfig:
         "checkpoint_budget": 32,
     }
     base.update(overrides)
-    return SchedulerConfig(**base)  # type: ignore[arg-type]
+    return SchedulerConfig.from_dict(base)
 
 
 def test_a_session_turn_restores_the_previous_turns_end_state_and_matches_hf(  # type: ignore[no-untyped-def]
@@ -39,8 +39,13 @@ def test_a_session_turn_restores_the_previous_turns_end_state_and_matches_hf(  #
 ) -> None:
     cfg = _config()
     wl = chat_workload(
-        sessions=2, turns=3, system_tokens=20, user_tokens=(5, 20), output_tokens=(5, 12),
-        vocab_size=VOCAB, seed=3,
+        sessions=2,
+        turns=3,
+        system_tokens=20,
+        user_tokens=(5, 20),
+        output_tokens=(5, 12),
+        vocab_size=VOCAB,
+        seed=3,
     )
     engine = Engine(cfg, check_invariants=True)
     _run_and_compare(cfg, wl, tiny_dir, hf_model, engine)
@@ -65,7 +70,10 @@ def test_a_branch_point_checkpoint_serves_later_requests_and_matches_hf(  # type
     # A 40-token document: the second request finds 32 tokens of cached KV but no state
     # there (no rule of the first request saved one), saves it at the branch point (inside
     # its 64-token chunk, or by ending a chunk there), and the third restores it.
-    cfg = _config(mid_chunk_saves=mid_chunk, checkpoint_interval=4096)
+    # (without mid-chunk saves the "interval" rule would be ignored: the config refuses it)
+    rules = CHECKPOINT_POLICIES["kvsched"]["placement"]
+    rules = tuple(r for r in rules if mid_chunk or r != "interval")
+    cfg = _config(mid_chunk_saves=mid_chunk, checkpoint_placement=rules)
     engine = Engine(cfg, check_invariants=True)
     wl = _branching_workload(40, (30, 27, 21), seed=4)
     summary = _run_and_compare(cfg, wl, tiny_dir, hf_model, engine)
@@ -78,11 +86,19 @@ def test_eviction_under_a_byte_budget_keeps_outputs_equal_to_hf(  # type: ignore
 ) -> None:
     # Room for 4 states (1,000 bytes each; a frozen partial block costs 160 more): many
     # sessions' checkpoints compete, the value eviction evicts and declines.
-    cfg = _config(checkpoint_memory=4_200, checkpoint_interval=32)
+    # (the memory sets the count: the budget of _config would be ignored, so it is dropped)
+    cfg = _config(
+        checkpoint_memory=4_200, checkpoint_interval=32, checkpoint_budget=CHECKPOINT_BUDGET
+    )
     engine = Engine(cfg, check_invariants=True)
     wl = chat_workload(
-        sessions=4, turns=2, system_tokens=36, user_tokens=(5, 40), output_tokens=(4, 10),
-        vocab_size=VOCAB, seed=5,
+        sessions=4,
+        turns=2,
+        system_tokens=36,
+        user_tokens=(5, 40),
+        output_tokens=(4, 10),
+        vocab_size=VOCAB,
+        seed=5,
     )
     summary = _run_and_compare(cfg, wl, tiny_dir, hf_model, engine)
     ckpts = engine.state.ckpts

@@ -56,14 +56,16 @@ def _run_and_compare(  # type: ignore[no-untyped-def]
 
 
 def test_oracle_engine_hybrid_chat_matches_hf_greedy(tiny_dir: Path, hf_model) -> None:  # type: ignore[no-untyped-def]
-    cfg = SchedulerConfig(
-        model=ModelSpec(vocab_size=512),
-        block_size=16,
-        num_blocks=400,
-        max_batch=8,
-        max_prefill_tokens=64,
-        hybrid=True,
-        checkpoint_budget=32,
+    cfg = SchedulerConfig.from_dict(
+        dict(
+            model=ModelSpec(vocab_size=512),
+            block_size=16,
+            num_blocks=400,
+            max_batch=8,
+            max_prefill_tokens=64,
+            hybrid=True,
+            checkpoint_budget=32,
+        )
     )
     wl = chat_workload(
         sessions=3,
@@ -81,15 +83,16 @@ def test_oracle_engine_hybrid_chat_matches_hf_greedy(tiny_dir: Path, hf_model) -
 def test_oracle_engine_preemption_and_recompute_match_hf_greedy(tiny_dir: Path, hf_model) -> None:  # type: ignore[no-untyped-def]
     # A cache of 14 blocks for 4 concurrent requests: decode growth preempts (recompute), and
     # preempted requests come back through checkpoint restores or a recompute from scratch.
-    cfg = SchedulerConfig(
-        model=ModelSpec(vocab_size=512),
-        block_size=16,
-        num_blocks=15,
-        max_batch=4,
-        max_prefill_tokens=32,
-        hybrid=True,
-        checkpoint_budget=4,
-        decode_checkpoint_interval=32,
+    cfg = SchedulerConfig.from_dict(
+        dict(
+            model=ModelSpec(vocab_size=512),
+            block_size=16,
+            num_blocks=15,
+            max_batch=4,
+            max_prefill_tokens=32,
+            hybrid=True,
+            checkpoint_budget=4,  # (kvsched's rules place no "decode": no decode interval)
+        )
     )
     wl = chat_workload(
         sessions=5,

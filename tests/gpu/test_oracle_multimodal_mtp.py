@@ -111,7 +111,7 @@ def _config(hybrid: bool, **overrides: object) -> SchedulerConfig:
         "checkpoint_budget": 16,
     }
     base.update(overrides)
-    return SchedulerConfig(**base)  # type: ignore[arg-type]
+    return SchedulerConfig.from_dict(base)
 
 
 def _prompt(n: int, seed: int) -> np.ndarray:

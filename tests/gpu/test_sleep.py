@@ -23,19 +23,28 @@ from kvsched.plan import StepPlan
 from kvsched.replay.driver import run
 from kvsched.replay.workload import chat_workload
 
-CONFIG = SchedulerConfig(
-    model=ModelSpec(vocab_size=512),
-    block_size=16,
-    num_blocks=200,
-    max_batch=4,
-    max_prefill_tokens=64,
-    hybrid=True,
-    checkpoint_budget=16,
+CONFIG = SchedulerConfig.from_dict(
+    dict(
+        model=ModelSpec(vocab_size=512),
+        block_size=16,
+        num_blocks=200,
+        max_batch=4,
+        max_prefill_tokens=64,
+        hybrid=True,
+        checkpoint_budget=16,
+    )
 )
 # Everything arrives at once: the drain at 0.1 ms comes at the second step, mid-prefill.
 WORKLOAD = chat_workload(
-    sessions=3, turns=2, system_tokens=40, user_tokens=(5, 30), output_tokens=(4, 10),
-    rate_per_s=1e6, think_s=0.0, vocab_size=512, seed=1,
+    sessions=3,
+    turns=2,
+    system_tokens=40,
+    user_tokens=(5, 30),
+    output_tokens=(4, 10),
+    rate_per_s=1e6,
+    think_s=0.0,
+    vocab_size=512,
+    seed=1,
 )
 
 
@@ -69,8 +78,9 @@ class Watched:
 def serve(executor: TorchExecutor, level: int = 0) -> Watched:
     watched = Watched(executor)
     controls = [(1e-4, ev.DrainRequested(level=level)), (2e-4, ev.WakeRequested())]
-    summary = run(Engine(CONFIG, check_invariants=True), watched, WORKLOAD,
-                  controls=controls if level else ())
+    summary = run(
+        Engine(CONFIG, check_invariants=True), watched, WORKLOAD, controls=controls if level else ()
+    )
     assert summary.finished == len(WORKLOAD.turns)
     if level:
         assert summary.preemptions > 0  # the drain met sequences at work

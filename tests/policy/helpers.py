@@ -6,17 +6,21 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
-from kvsched.config import ModelSpec, SchedulerConfig
+from kvsched.config import CHECKPOINT_POLICIES, ModelSpec, SchedulerConfig
 from kvsched.engine import Engine, StepResult
 from kvsched.events import types as ev
+from kvsched.events.codec import SCHEMA_VERSION
 from kvsched.gpu.sim import SimulatedExecutor
+from kvsched.headers import FLAT_NAMES, FLAT_OF
 from kvsched.reducers.state import EngineState
 
 VOCAB = 1000
 
 
 def config(**overrides: object) -> SchedulerConfig:
-    """A small config: 16-token blocks, 64 blocks, 8 rows, 64-token prefill budget."""
+    """A small config: 16-token blocks, 64 blocks, 8 rows, 64-token prefill budget. Flat
+    names of sub-config fields are read (FLAT_NAMES); a behaviour of kvsched before schema 4
+    (a Legacy field) makes it an old log's config (``from_log_header``), as only those run it."""
     base: dict[str, object] = {
         "model": ModelSpec(vocab_size=VOCAB, max_context=1024),
         "block_size": 16,
@@ -25,7 +29,14 @@ def config(**overrides: object) -> SchedulerConfig:
         "max_prefill_tokens": 64,
     }
     base.update(overrides)
-    return SchedulerConfig(**base)  # type: ignore[arg-type]
+    if any(FLAT_NAMES.get(k, ("",))[0] == "legacy" for k in overrides):
+        return SchedulerConfig.from_log_header(base, SCHEMA_VERSION)
+    return SchedulerConfig.from_dict(base)  # (flat names of sub-config fields: FLAT_NAMES)
+
+
+def preset(name: str) -> dict[str, object]:
+    """A named checkpoint policy as ``config``'s flat keyword arguments."""
+    return {FLAT_OF["checkpoints", k]: v for k, v in CHECKPOINT_POLICIES[name].items()}
 
 
 def tokens(n: int, seed: int) -> np.ndarray:

@@ -23,8 +23,12 @@ def finished(h: Harness | Node) -> dict[int, tuple[int, int, int]]:
     decisions = h.decisions if isinstance(h, Node) else [d for r in h.results for d in r.decisions]
     out: dict[int, tuple[int, int, int]] = {}
     for d in of_type(decisions, ev.SequenceFinished):
-        counts = zip(d.cached_local.tolist(), d.cached_checkpoint.tolist(),
-                     d.cached_external.tolist(), strict=True)
+        counts = zip(
+            d.cached_local.tolist(),
+            d.cached_checkpoint.tolist(),
+            d.cached_external.tolist(),
+            strict=True,
+        )
         out.update(zip(d.seq_ids.tolist(), counts, strict=True))
     return out
 

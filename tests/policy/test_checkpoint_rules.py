@@ -5,12 +5,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvsched.config import CHECKPOINT_POLICIES, PLACEMENTS, ModelSpec, SchedulerConfig
+from kvsched.config import PLACEMENTS, ModelSpec, SchedulerConfig
 from kvsched.events import types as ev
 from kvsched.gpu.fingerprint import FingerprintExecutor
+from kvsched.headers import LMDEPLOY_BEFORE_SCHEMA_3
 from kvsched.policy.eviction import ValueEviction
 
-from .helpers import VOCAB, Harness, config, matched, of_type, request, tokens
+from .helpers import VOCAB, Harness, config, matched, of_type, preset, request, tokens
 
 
 def reserved(result) -> list[ev.CheckpointReserved]:  # type: ignore[no-untyped-def]
@@ -64,8 +65,11 @@ def test_interval_checkpoints_are_saved_inside_a_chunk_at_every_interval() -> No
     h = hybrid(checkpoint_placement=("interval",), checkpoint_interval=16)
     serve(h, 0, tokens(60, seed=5))  # one 60-token chunk
     saves = [(d.num_tokens, d.kind, d.phase) for d in every_reserved(h)]
-    assert saves == [(48, "interval", "within"), (32, "interval", "within"),
-                     (16, "interval", "within")]
+    assert saves == [
+        (48, "interval", "within"),
+        (32, "interval", "within"),
+        (16, "interval", "within"),
+    ]
     plan = h.results[0].plan
     assert plan.state_save_within[:, 1].tolist() == [48, 32, 16]
 
@@ -105,15 +109,17 @@ def test_decode_blocks_keeps_every_block_boundary_of_decode() -> None:
 
 
 def test_the_lmdeploy_policy_saves_chunk_ends_and_the_prompt_end_only() -> None:
-    h = hybrid(**CHECKPOINT_POLICIES["lmdeploy"], max_prefill_tokens=32)
+    h = hybrid(**preset("lmdeploy"), max_prefill_tokens=32)
     serve(h, 0, tokens(70, seed=10), max_tokens=5, session_id=1)
     assert [(d.num_tokens, d.kind) for d in every_reserved(h)] == [
-        (32, "chunk_end"), (64, "chunk_end"), (70, "prompt_end")
+        (32, "chunk_end"),
+        (64, "chunk_end"),
+        (70, "prompt_end"),
     ]
 
 
 def test_the_vllm_align_policy_saves_block_aligned_states_only() -> None:
-    h = hybrid(**CHECKPOINT_POLICIES["vllm-align"], max_prefill_tokens=32)
+    h = hybrid(**preset("vllm-align"), max_prefill_tokens=32)
     serve(h, 0, tokens(70, seed=10), max_tokens=30)
     steps = [(d.num_tokens, d.kind) for d in every_reserved(h)]
     assert all(n % 16 == 0 for n, _ in steps)
@@ -205,9 +211,9 @@ def test_a_byte_budget_charges_a_frozen_tail_its_kv_block_and_never_overflows():
 
 
 def test_checkpoint_options_reject_unknown_rules_and_evictions_naming_them():
-    with pytest.raises(ValueError, match="checkpoint_placement"):
+    with pytest.raises(ValueError, match=r"checkpoints\.placement"):
         config(hybrid=True, checkpoint_placement=("chunk_end", "everywhere"))
-    with pytest.raises(ValueError, match="checkpoint_eviction"):
+    with pytest.raises(ValueError, match=r"checkpoints\.eviction"):
         config(hybrid=True, checkpoint_eviction="random")
     with pytest.raises(ValueError, match="value_pair_s"):
         config(hybrid=True, value_pair_s=-1.0)
@@ -217,9 +223,9 @@ def test_checkpoint_options_reject_unknown_rules_and_evictions_naming_them():
 
 def test_a_schema_2_header_runs_the_lmdeploy_rules():
     cfg = SchedulerConfig.from_log_header({"hybrid": True}, 2)
-    assert cfg.checkpoint_placement == CHECKPOINT_POLICIES["lmdeploy"]["checkpoint_placement"]
-    assert cfg.checkpoint_eviction == "frozen_first" and not cfg.mid_chunk_saves
-    assert SchedulerConfig.from_log_header({"hybrid": True}, 3).checkpoint_eviction == "value"
+    assert cfg.checkpoints.placement == LMDEPLOY_BEFORE_SCHEMA_3["checkpoint_placement"]
+    assert cfg.checkpoints.eviction == "frozen_first" and not cfg.checkpoints.mid_chunk_saves
+    assert SchedulerConfig.from_log_header({"hybrid": True}, 3).checkpoints.eviction == "value"
 
 
 @pytest.mark.parametrize("memory", [5_000, 50_000], ids=["tight", "roomy"])
@@ -233,8 +239,9 @@ def test_every_rule_together_restores_only_states_that_match_their_prefix(
         model=SMALL_STATES,
         hybrid=True,
         checkpoint_memory=memory,
-        checkpoint_placement=PLACEMENTS,
-        checkpoint_interval=32,
+        # ("interval" needs mid-chunk saves: without them it would be ignored, so refused)
+        checkpoint_placement=tuple(p for p in PLACEMENTS if mid_chunk or p != "interval"),
+        **({"checkpoint_interval": 32} if mid_chunk else {}),
         decode_checkpoint_interval=32,
         mid_chunk_saves=mid_chunk,
         max_prefill_tokens=48,

@@ -225,9 +225,10 @@ def test_a_drain_preempts_a_load_that_ended_without_a_row() -> None:
 
 
 def test_logs_before_schema_4_admit_a_load_with_a_row_and_every_prompt_block() -> None:
-    header = {k: v for k, v in Store().config.to_dict().items() if k != "load_admission"}
-    assert SchedulerConfig.from_log_header(header, 3).load_admission == "whole_prompt"
-    assert SchedulerConfig.from_log_header(header, 4).load_admission == "soft"
+    header = Store().config.to_dict()
+    header["legacy"] = {k: v for k, v in header["legacy"].items() if k != "load_admission"}
+    assert SchedulerConfig.from_log_header(header, 3).legacy.load_admission == "whole_prompt"
+    assert SchedulerConfig.from_log_header(header, 4).legacy.load_admission == "soft"
     h = Store(load_admission="whole_prompt")
     h.run(request(0, 100))
     decisions = h.answer({0: 6})

@@ -9,7 +9,6 @@ import tempfile
 import numpy as np
 import pytest
 
-from kvsched.config import CHECKPOINT_POLICIES
 from kvsched.engine import Engine, create_log
 from kvsched.events import types as ev
 from kvsched.gpu.sim import SimulatedExecutor
@@ -18,15 +17,28 @@ from kvsched.replay.verify import verify_log
 from kvsched.replay.workload import Turn, Workload, chat_workload
 from kvsched.statemachines import CkptState, SeqState
 
-from .helpers import VOCAB, Harness, admitted, config, matched, of_type, prefills, request, tokens
+from .helpers import (
+    VOCAB,
+    Harness,
+    admitted,
+    config,
+    matched,
+    of_type,
+    prefills,
+    preset,
+    request,
+    tokens,
+)
 
-LMDEPLOY = CHECKPOINT_POLICIES["lmdeploy"]  # the rules some tests here are about
+LMDEPLOY = preset("lmdeploy")  # the rules some tests here are about
 
 
 def hybrid(**overrides: object) -> Harness:
     """16-token blocks, 64 blocks, 8 rows, 64-token chunks, 8 checkpoint slots, lmdeploy's
     checkpoint rules (the mechanics tested here; kvsched's rules: test_checkpoint_rules.py)."""
     base: dict[str, object] = {"hybrid": True, "checkpoint_budget": 8, **LMDEPLOY}
+    if overrides.get("decode_checkpoint_interval"):  # (lmdeploy's rules place no "decode")
+        base["checkpoint_placement"] = (*LMDEPLOY["checkpoint_placement"], "decode")  # type: ignore[misc]
     base.update(overrides)
     return Harness(**base)
 
@@ -638,8 +650,7 @@ def test_a_hybrid_run_under_memory_pressure_replays_without_divergence(seed: int
         max_batch=5,
         max_prefill_tokens=32,
         hybrid=True,
-        checkpoint_budget=4,
-        decode_checkpoint_interval=16,
+        checkpoint_budget=4,  # (kvsched's rules: no "decode", so no decode interval)
     )
     work = _hybrid_work(seed)
     with tempfile.TemporaryDirectory() as tmp:

@@ -5,10 +5,11 @@ schema 4 recomputed the last k blocks and swapped them for the cached copies."""
 
 import numpy as np
 import pytest
-from tests.policy.helpers import Harness, matched, of_type, request, tokens
+from tests.policy.helpers import Harness, matched, of_type, preset, request, tokens
 
-from kvsched.config import CHECKPOINT_POLICIES, SchedulerConfig
+from kvsched.config import SchedulerConfig
 from kvsched.events import types as ev
+from kvsched.events.codec import SCHEMA_VERSION
 
 
 def _blocks_allocated_to(results, seq_id: int) -> list[int]:
@@ -116,8 +117,11 @@ def test_a_hybrid_mtp_hit_needs_one_cached_block_beyond_its_checkpoint_and_later
     k: int,
 ) -> None:
     h = Harness(
-        hybrid=True, checkpoint_budget=8, max_prefill_tokens=16, num_speculative_tokens=k,
-        **CHECKPOINT_POLICIES["lmdeploy"],
+        hybrid=True,
+        checkpoint_budget=8,
+        max_prefill_tokens=16,
+        num_speculative_tokens=k,
+        **preset("lmdeploy"),
     )
     prompt = tokens(64, seed=7)
     producer = _serve_producer(h, prompt)
@@ -141,8 +145,8 @@ def test_a_hybrid_mtp_hit_needs_one_cached_block_beyond_its_checkpoint_and_later
 
 def test_old_logs_recompute_k_blocks_and_swap_them_for_the_cached_copies() -> None:
     legacy = SchedulerConfig.from_log_header({"num_speculative_tokens": 2}, schema_version=3)
-    assert legacy.mtp_overlap == "k_blocks" and legacy.mtp_recompute_blocks == 2
-    assert SchedulerConfig.from_log_header({}, schema_version=4).mtp_overlap == "one_block"
+    assert legacy.legacy.mtp_overlap == "k_blocks" and legacy.mtp_recompute_blocks == 2
+    assert SchedulerConfig.from_log_header({}, schema_version=4).legacy.mtp_overlap == "one_block"
     h = Harness(num_speculative_tokens=2, mtp_overlap="k_blocks")
     prompt = tokens(64, seed=7)
     producer = _serve_producer(h, prompt)
@@ -155,4 +159,4 @@ def test_old_logs_recompute_k_blocks_and_swap_them_for_the_cached_copies() -> No
 
 def test_an_unknown_mtp_overlap_is_refused_by_name() -> None:
     with pytest.raises(ValueError, match="mtp_overlap"):
-        SchedulerConfig(mtp_overlap="two_blocks")
+        SchedulerConfig.from_log_header(dict(mtp_overlap="two_blocks"), SCHEMA_VERSION)

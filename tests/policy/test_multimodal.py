@@ -4,9 +4,9 @@ longer than the chunk budget is a chunk of its own. Logs before schema 4 did not
 
 import numpy as np
 import pytest
-from tests.policy.helpers import Harness, matched, of_type, prefills, request, tokens
+from tests.policy.helpers import Harness, matched, of_type, prefills, preset, request, tokens
 
-from kvsched.config import CHECKPOINT_POLICIES, SchedulerConfig
+from kvsched.config import SchedulerConfig
 from kvsched.events import types as ev
 
 
@@ -79,15 +79,14 @@ def test_an_mtp_hit_rewound_out_of_a_span_recomputes_from_the_span_start() -> No
     admit = h.step([request(1, prompt[:70], max_tokens=1, mm_spans=spans)])
     hit = matched(admit)[1]
     # 4 cached blocks usable (69 // 16), the last one recomputed: 48 is inside [40, 60)
-    assert hit.num_tokens == 32 and hit.overlap_block == h.state.pool.index[
-        h.state.seq(1).hashes[2]
-    ]
+    assert (
+        hit.num_tokens == 32 and hit.overlap_block == h.state.pool.index[h.state.seq(1).hashes[2]]
+    )
 
 
 def _looked_up(h: Harness, seq_id: int) -> ev.KVLookupStarted:
     return next(
-        d for r in h.results for d in of_type(r.decisions, ev.KVLookupStarted)
-        if d.seq_id == seq_id
+        d for r in h.results for d in of_type(r.decisions, ev.KVLookupStarted) if d.seq_id == seq_id
     )
 
 
@@ -123,7 +122,7 @@ def test_a_hybrid_state_is_never_saved_inside_a_multimodal_span() -> None:
 
 
 def test_a_prompt_tail_cut_never_splits_a_multimodal_span() -> None:
-    h = Harness(hybrid=True, checkpoint_budget=8, **CHECKPOINT_POLICIES["vllm-align"])
+    h = Harness(hybrid=True, checkpoint_budget=8, **preset("vllm-align"))
     spans = (_span(70, 90),)
     h.step([request(0, tokens(90, seed=10), max_tokens=1, mm_spans=spans)])
     h.run_until_idle()
@@ -132,8 +131,8 @@ def test_a_prompt_tail_cut_never_splits_a_multimodal_span() -> None:
 
 def test_old_logs_let_chunks_split_multimodal_spans() -> None:
     legacy = SchedulerConfig.from_log_header({}, schema_version=3)
-    assert not legacy.multimodal_safe
-    assert SchedulerConfig.from_log_header({}, schema_version=4).multimodal_safe
+    assert not legacy.legacy.multimodal_safe
+    assert SchedulerConfig.from_log_header({}, schema_version=4).legacy.multimodal_safe
     h = Harness(multimodal_safe=False)
     spans = (_span(50, 100),)
     h.step([request(0, tokens(150, seed=1), max_tokens=1, mm_spans=spans)])

@@ -159,7 +159,9 @@ def test_a_standard_turn_keeps_the_orders_own_order_and_allows_long_prefills():
     assert admitted(h.step()) == [3]
     assert admitted(h.step()) == [1]
     for order in ("fcfs", "priority"):  # never leave the standard turn: arrival order here
-        other = Harness(order=order, prefill_turns="short_only")
+        with pytest.raises(ValueError, match=r"turns\.policy is used only by order 'ttft'"):
+            Harness(order=order, prefill_turns="short_only")  # (it would be ignored)
+        other = Harness(order=order)
         _mixed_queue(other)
         first = other.step()
         assert admitted(first) == [1] and not _turns(first)
@@ -218,8 +220,15 @@ def test_a_short_turn_that_schedules_nothing_falls_back_to_the_long_chunk_in_the
     ],
 )
 def test_a_bad_prefill_turn_option_raises_a_value_error_naming_it(option: str, value: object):
-    with pytest.raises(ValueError, match=option):
+    with pytest.raises(ValueError, match=_NAMES.get(option, option)):
         Harness(order="ttft", **{option: value})
+
+
+_NAMES = {  # the names of the settings in the config (and its error messages)
+    "prefill_turns": "turns.policy",
+    "short_turns_per_long": "turns.short_per_long",
+    "long_order": "turns.long_order",
+}
 
 
 class _HitOf:

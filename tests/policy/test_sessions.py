@@ -21,9 +21,11 @@ def _abort_mid_decode(h: Harness, seq_id: int, session_id: int, steps: int = 12)
     # The step in flight's outcome (one more token) is folded before the abort, in its step.
     result = h.step([ev.RequestAborted(seq_id)])
     assert of_type(result.decisions, ev.SequenceAborted)
-    return np.append(before, h.state.sessions.history[session_id].tokens[-1:]) if (
-        session_id in h.state.sessions.history
-    ) else before
+    return (
+        np.append(before, h.state.sessions.history[session_id].tokens[-1:])
+        if (session_id in h.state.sessions.history)
+        else before
+    )
 
 
 def test_an_aborted_turn_stays_in_its_session_and_the_next_turn_continues_from_it() -> None:
@@ -74,9 +76,9 @@ def test_a_hybrid_sessions_aborted_turn_saves_its_state_and_the_next_turn_restor
 
 def test_old_logs_run_with_aborted_turns_dropped_and_sessions_reclaimed_by_id() -> None:
     legacy = SchedulerConfig.from_log_header({}, schema_version=3)
-    assert not legacy.keep_aborted_turns and legacy.session_reclaim == "session_id"
+    assert not legacy.legacy.keep_aborted_turns and legacy.legacy.session_reclaim == "session_id"
     now = SchedulerConfig.from_log_header({}, schema_version=4)
-    assert now.keep_aborted_turns and now.session_reclaim == "last_use"
+    assert now.legacy.keep_aborted_turns and now.legacy.session_reclaim == "last_use"
 
 
 def _two_idle_sessions(h: Harness) -> None:

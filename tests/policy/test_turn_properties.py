@@ -42,18 +42,21 @@ class TurnMachine(RuleBasedStateMachine):
         num_blocks=st.integers(24, 60),
     )
     def start(self, policy, quota, long_order, hybrid, chunk_blocks, max_batch, num_blocks):  # type: ignore[no-untyped-def]
-        self.config = SchedulerConfig(
-            model=ModelSpec(vocab_size=VOCAB, max_context=256),
-            block_size=BS,
-            num_blocks=num_blocks,
-            max_batch=max_batch,
-            max_prefill_tokens=BS * chunk_blocks,
-            order="ttft",
-            prefill_turns=policy,
-            short_turns_per_long=quota,
-            long_order=long_order,
-            hybrid=hybrid,
-            checkpoint_budget=4,
+        self.config = SchedulerConfig.from_dict(
+            dict(
+                model=ModelSpec(vocab_size=VOCAB, max_context=256),
+                block_size=BS,
+                num_blocks=num_blocks,
+                max_batch=max_batch,
+                max_prefill_tokens=BS * chunk_blocks,
+                order="ttft",
+                prefill_turns=policy,
+                # (the quota is an interleave setting: refused with another policy)
+                short_turns_per_long=quota if policy == "interleave" else 3,
+                long_order=long_order,
+                hybrid=hybrid,
+                checkpoint_budget=4,
+            )
         )
         self.engine = Engine(self.config, check_invariants=True)
         self.executor = SimulatedExecutor(VOCAB)
@@ -103,9 +106,7 @@ class TurnMachine(RuleBasedStateMachine):
         head = PREFIXES[prefix] if prefix >= 0 else np.zeros(0, np.int32)
         prompt = np.concatenate([head, np.full(suffix, 5 + self.next_id % 7, np.int32)])
         self.inputs.append(
-            ev.RequestArrived(
-                self.next_id, prompt, 3, arrival_time=self.clock, session_id=session
-            )
+            ev.RequestArrived(self.next_id, prompt, 3, arrival_time=self.clock, session_id=session)
         )
         self.next_id += 1
 
@@ -122,8 +123,8 @@ class TurnMachine(RuleBasedStateMachine):
     def the_turn_is_the_owners_and_the_count_stays_within_the_quota(self) -> None:
         turns = self.engine.state.turns
         assert turns.turn == self.turn
-        if self.config.prefill_turns == "interleave":
-            assert self.short_turns == turns.short_turns <= self.config.short_turns_per_long
+        if self.config.turns.policy == "interleave":
+            assert self.short_turns == turns.short_turns <= self.config.turns.short_per_long
 
     def teardown(self) -> None:
         for _ in range(600):
@@ -161,7 +162,7 @@ def test_a_gate_that_lets_a_long_prefill_run_on_a_short_turn_is_caught(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     def gate_ignoring_the_turn(self, budget, seq, chunk):  # type: ignore[no-untyped-def]
-        return chunk.final or budget.long_chunks < self.config.max_long_chunks_per_step
+        return chunk.final or budget.long_chunks < self.config.turns.max_long_chunks_per_step
 
     assert_machine_catches(
         monkeypatch, TurnMachine, Admission, "long_gate_open", gate_ignoring_the_turn, 300

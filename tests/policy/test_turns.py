@@ -92,16 +92,16 @@ def test_the_triggers_and_preallocation_are_checked_options() -> None:
         SchedulerConfig(decode_prealloc_tokens=-1)
     for flag in ("prefill_on_last_chunk", "prefill_on_waiting_tokens", "report_cached_tokens"):
         with pytest.raises(ValueError, match=flag):
-            SchedulerConfig(**{flag: 1})  # type: ignore[arg-type]
+            SchedulerConfig.from_log_header({flag: 1}, schema_version=4)
 
 
 def test_logs_before_schema_4_run_without_the_triggers_preallocation_or_cached_counts() -> None:
     legacy = SchedulerConfig.from_log_header({}, schema_version=3)
-    assert not legacy.prefill_on_last_chunk and not legacy.prefill_on_waiting_tokens
-    assert legacy.decode_prealloc_tokens == 0 and not legacy.report_cached_tokens
+    assert not legacy.legacy.prefill_on_last_chunk and not legacy.legacy.prefill_on_waiting_tokens
+    assert legacy.decode_prealloc_tokens == 0 and not legacy.legacy.report_cached_tokens
     now = SchedulerConfig.from_log_header({}, schema_version=4)
-    assert now.prefill_on_last_chunk and now.prefill_on_waiting_tokens
-    assert now.report_cached_tokens
+    assert now.legacy.prefill_on_last_chunk and now.legacy.prefill_on_waiting_tokens
+    assert now.legacy.report_cached_tokens
 
 
 def test_a_running_prefill_on_its_last_chunk_is_short_work_not_long() -> None:

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-from tests.policy.helpers import Harness, request, tokens
+from tests.policy.helpers import Harness, preset, request, tokens
 
-from kvsched.config import CHECKPOINT_POLICIES
 from kvsched.events import types as ev
 
 
 def test_the_readme_worked_admission_restores_a_partial_checkpoint_and_saves_the_prompt_end():
-    h = Harness(hybrid=True, checkpoint_budget=4, **CHECKPOINT_POLICIES["lmdeploy"])
+    h = Harness(hybrid=True, checkpoint_budget=4, **preset("lmdeploy"))
     prompt = tokens(50, seed=3)
     h.step([request(0, prompt[:40], max_tokens=1)])
     h.run_until_idle()
@@ -26,6 +25,9 @@ def test_the_readme_worked_admission_restores_a_partial_checkpoint_and_saves_the
     assert (matched.ckpt_id, matched.kv_hit_tokens) == (1, 32)
     assert allocated.blocks.tolist() == [3, 5]
     assert (reserved.ckpt_id, reserved.slot, reserved.num_tokens, reserved.frozen_block) == (
-        2, 10, 50, 6
+        2,
+        10,
+        50,
+        6,
     )
     assert (prefill.starts.tolist(), prefill.ends.tolist()) == ([40], [50])

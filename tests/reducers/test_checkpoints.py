@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from tests.policy.helpers import preset
 
-from kvsched.config import CHECKPOINT_POLICIES, ModelSpec, SchedulerConfig
+from kvsched.config import ModelSpec, SchedulerConfig
 from kvsched.engine import Engine
 from kvsched.events import types as ev
 from kvsched.gpu.sim import SimulatedExecutor
@@ -298,10 +299,10 @@ def hybrid_config(**overrides: object) -> SchedulerConfig:
         "max_prefill_tokens": 64,
         "hybrid": True,
         "checkpoint_budget": 4,
-        **CHECKPOINT_POLICIES["lmdeploy"],  # (the mechanics of saves tested here)
+        **preset("lmdeploy"),  # (the mechanics of saves tested here)
     }
     base.update(overrides)
-    return SchedulerConfig(**base)  # type: ignore[arg-type]
+    return SchedulerConfig.from_dict(base)
 
 
 def prompt(n: int, seed: int = 0) -> np.ndarray:

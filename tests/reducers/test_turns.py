@@ -22,7 +22,7 @@ def _state(**kw: object) -> EngineState:
         "max_prefill_tokens": 64,
         "order": "ttft",
     }
-    return EngineState(SchedulerConfig(**{**fields, **kw}))  # type: ignore[arg-type]
+    return EngineState(SchedulerConfig.from_dict({**fields, **kw}))
 
 
 def _run_prefill(state: EngineState, seq_id: int, n_tokens: int, end: int) -> None:
@@ -45,7 +45,9 @@ def test_a_fixed_policy_starts_in_its_turn_and_refuses_turns_it_never_takes():
     state = _state(prefill_turns="long_first")
     with pytest.raises(ReplayMismatch, match="short_only"):
         state.apply(ev.PrefillTurnChosen("short_only"))  # a machine edge, not this policy's
-    fcfs = _state(prefill_turns="short_only", order="fcfs")  # other orders: standard turns
+    with pytest.raises(ValueError, match="only by order 'ttft'"):  # (ignored: refused)
+        _state(prefill_turns="short_only", order="fcfs")
+    fcfs = _state(order="fcfs")  # other orders: standard turns
     assert fcfs.turns.turn == TurnState.STANDARD
 
 

@@ -57,7 +57,7 @@ class Node:
         buf = buffers if buffers is not None else self.executor
         self.worker: TransferEngine | None = None
         self.external: ExternalKV | None = None
-        if store is not None and cfg.external_kv:
+        if store is not None and cfg.external.enabled:
             self.worker = TransferEngine(
                 store, buf, buf if cfg.hybrid else None, job_timeout_s=job_timeout_s
             )

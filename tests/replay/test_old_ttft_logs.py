@@ -105,7 +105,7 @@ def test_ttft_logs_recorded_before_the_prefill_turns_verify_with_their_old_order
         old = verify_log(str(_with_schema(source, tmp_path / f"{kind}-3.kvlog", 3)))
         assert old.divergence is None, old.divergence.describe()
         assert old.steps == len(read_log(source).records) > 40
-        assert old.config.ttft_size == "context" and old.config.prefill_turns == "long_first"
+        assert old.config.legacy.ttft_size == "context" and old.config.turns.policy == "long_first"
         # Replayed under today's TTFT order, the same log diverges: the pin is what holds.
         now = verify_log(str(_with_schema(source, tmp_path / f"{kind}-4.kvlog", 4)))
         assert now.divergence is not None

@@ -29,14 +29,20 @@ class Crash(Exception):
 
 
 def _config(hybrid: bool) -> SchedulerConfig:
-    return SchedulerConfig(
-        num_blocks=160, max_batch=8, max_prefill_tokens=256, hybrid=hybrid, checkpoint_budget=6,
-        decode_checkpoint_interval=64 if hybrid else 0,
+    return SchedulerConfig.from_dict(
+        dict(
+            num_blocks=160,
+            max_batch=8,
+            max_prefill_tokens=256,
+            hybrid=hybrid,
+            checkpoint_budget=6,  # (kvsched's rules place no "decode": no decode interval)
+        )
     )
 
 
-WORKLOAD = chat_workload(sessions=6, turns=2, system_tokens=128, user_tokens=(16, 200),
-                         output_tokens=(4, 40), seed=3)
+WORKLOAD = chat_workload(
+    sessions=6, turns=2, system_tokens=128, user_tokens=(16, 200), output_tokens=(4, 40), seed=3
+)
 
 
 def _snapshot(engine: Engine) -> tuple[object, ...]:
@@ -97,8 +103,12 @@ def test_a_killed_engine_restarts_from_its_torn_log_and_finishes_like_an_uninter
         assert _snapshot(recovered.engine) == snapshots[kill_at - 1]
 
         config = recovered.engine.config
-        run(recovered.engine, SimulatedExecutor(config.model.vocab_size), WORKLOAD,
-            resume=recovered.resume)
+        run(
+            recovered.engine,
+            SimulatedExecutor(config.model.vocab_size),
+            WORKLOAD,
+            resume=recovered.resume,
+        )
         recovered.engine.log.close()  # type: ignore[union-attr]
         resumed = read_log(path)
         assert resumed.torn_tail is None
@@ -124,8 +134,12 @@ def test_a_recovered_run_produces_the_same_outputs_as_an_uninterrupted_one() -> 
         _crashed_run(path, False, kill_at=40)
         recovered = recover(path)
         config = recovered.engine.config
-        run(recovered.engine, SimulatedExecutor(config.model.vocab_size), WORKLOAD,
-            resume=recovered.resume)
+        run(
+            recovered.engine,
+            SimulatedExecutor(config.model.vocab_size),
+            WORKLOAD,
+            resume=recovered.resume,
+        )
         recovered.engine.log.close()  # type: ignore[union-attr]
         expected = _sampled(ref)
         assert len(expected) == len(WORKLOAD.turns)

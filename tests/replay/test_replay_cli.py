@@ -417,13 +417,14 @@ def test_checkpoint_options_set_the_replayed_config(
     log = tmp_path / "run.kvlog"
     code, _, _ = run_cli(
         capsys, "replay", str(small_trace(tmp_path)), "--hybrid", "--checkpoint-memory",
-        "1GiB", "--checkpoint-placement", "chunk_end,branch", "--checkpoint-eviction", "lru",
+        "1GiB", "--checkpoint-placement", "chunk_end,branch,interval", "--checkpoint-eviction",
+        "lru",
         "--checkpoint-interval", "1024", "--log", str(log), "--quiet",
     )
-    config = read_log(str(log)).header["config"]
-    assert code == 0 and config["checkpoint_memory"] == 1 << 30
-    assert config["checkpoint_placement"] == ["chunk_end", "branch"]
-    assert config["checkpoint_eviction"] == "lru" and config["checkpoint_interval"] == 1024
+    config = read_log(str(log)).header["config"]["checkpoints"]
+    assert code == 0 and config["memory"] == 1 << 30
+    assert config["placement"] == ["chunk_end", "branch", "interval"]
+    assert config["eviction"] == "lru" and config["interval"] == 1024
     assert run_cli(capsys, "verify", str(log), "--quiet")[0] == 0
 
 

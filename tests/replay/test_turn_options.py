@@ -23,9 +23,10 @@ def test_the_prefill_turn_options_set_the_replayed_config_and_the_run_verifies(
         "512", "--log", str(log), "--quiet",
     )
     config = read_log(str(log)).header["config"]
-    assert code == 0 and config["prefill_turns"] == "interleave"  # (--short-turns needs it)
-    assert config["short_turns_per_long"] == 2 and config["long_order"] == "fifo"
-    assert config["ttft_size"] == "after_match"
+    turns = config["turns"]
+    assert code == 0 and turns["policy"] == "interleave"  # (--short-turns needs it)
+    assert turns["short_per_long"] == 2 and turns["long_order"] == "fifo"
+    assert config["legacy"]["ttft_size"] == "after_match"
     assert run_cli(capsys, "verify", str(log), "--quiet")[0] == 0
 
 

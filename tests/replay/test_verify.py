@@ -10,6 +10,7 @@ import tracemalloc
 import zlib
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import attrs
 import msgspec
@@ -27,6 +28,7 @@ from kvsched.events import types as ev
 from kvsched.events.codec import StepRecord, decode_record, encode
 from kvsched.events.log import EventLog, read_log
 from kvsched.gpu.sim import SimulatedExecutor
+from kvsched.headers import FLAT_NAMES
 from kvsched.policy import Policy
 from kvsched.policy.scheduler import Chunk
 from kvsched.reducers.sequences import Seq
@@ -89,15 +91,17 @@ MAX_TOKENS = 24
 def workloads(draw: st.DrawFn) -> tuple[SchedulerConfig, dict[int, list[ev.Event]]]:
     vocab = 64
     bs = draw(st.sampled_from([4, 8]))
-    config = SchedulerConfig(
-        model=ModelSpec(vocab_size=vocab, max_context=256),
-        block_size=bs,
-        num_blocks=draw(st.integers(8, 28)),  # small: forces preemption
-        max_batch=draw(st.integers(1, 5)),
-        max_prefill_tokens=bs * draw(st.integers(1, 4)),
-        order=draw(st.sampled_from(["fcfs", "priority", "ttft"])),
-        turn_mode=draw(st.sampled_from(["mixed", "alternate"])),
-        enable_prefix_caching=draw(st.booleans()),
+    config = SchedulerConfig.from_dict(
+        dict(
+            model=ModelSpec(vocab_size=vocab, max_context=256),
+            block_size=bs,
+            num_blocks=draw(st.integers(8, 28)),  # small: forces preemption
+            max_batch=draw(st.integers(1, 5)),
+            max_prefill_tokens=bs * draw(st.integers(1, 4)),
+            order=draw(st.sampled_from(["fcfs", "priority", "ttft"])),
+            turn_mode=draw(st.sampled_from(["mixed", "alternate"])),
+            enable_prefix_caching=draw(st.booleans()),
+        )
     )
     token = st.integers(0, vocab - 1)
     prefix_tokens = st.lists(token, min_size=bs, max_size=3 * bs)
@@ -206,8 +210,18 @@ def _mtp_images_schedule(seed: int) -> dict[int, list[ev.Event]]:
     return schedule
 
 
+def _without(config: dict[str, Any], flat_names: tuple[str, ...]) -> dict[str, Any]:
+    """A header config without the settings of these flat names (wherever they sit)."""
+    out = {k: dict(v) if isinstance(v, dict) else v for k, v in config.items()}
+    for flat in flat_names:
+        sub, name = FLAT_NAMES.get(flat, ("", flat))
+        (out[sub] if sub else out).pop(name, None)
+    return out
+
+
 def _mtp_config(**overrides: object) -> SchedulerConfig:
-    return attrs.evolve(CONFIG, num_blocks=20, num_speculative_tokens=2, **overrides)
+    config = SchedulerConfig.from_dict({**CONFIG.to_dict(), "num_speculative_tokens": 2})
+    return attrs.evolve(config, num_blocks=20, **overrides)
 
 
 def test_a_run_with_mtp_overlaps_and_multimodal_spans_verifies_with_zero_divergences(
@@ -233,18 +247,12 @@ def test_an_mtp_log_with_images_from_before_schema_4_verifies_with_the_rules_it_
     recorded = str(tmp_path / "recorded.kvlog")
     # What kvsched before schema 4 ran: k blocks recomputed, spans split (and the rest of
     # what from_log_header pins for old logs).
-    old_rules = SchedulerConfig.from_log_header(
-        {k: v for k, v in _mtp_config().to_dict().items() if k not in _SCHEMA4_KEYS}, 3
-    )
-    assert old_rules.mtp_overlap == "k_blocks" and not old_rules.multimodal_safe
+    old_rules = SchedulerConfig.from_log_header(_without(_mtp_config().to_dict(), _SCHEMA4_KEYS), 3)
+    assert old_rules.legacy.mtp_overlap == "k_blocks" and not old_rules.legacy.multimodal_safe
     record_run(recorded, old_rules, _mtp_images_schedule(2))
     contents = read_log(recorded)
     # (the other pinned keys stay: read as schema 4, only these two rules can differ)
-    old_header = {
-        k: v
-        for k, v in contents.header["config"].items()
-        if k not in ("mtp_overlap", "multimodal_safe")
-    }
+    old_header = _without(contents.header["config"], ("mtp_overlap", "multimodal_safe"))
     for version, ok in ((3, True), (4, False)):
         path = str(tmp_path / f"schema{version}.kvlog")
         with EventLog.create(

@@ -116,16 +116,17 @@ def recorded_runs(
 ) -> tuple[SchedulerConfig, dict[int, list[ev.Event]], frozenset[int]]:
     bs = draw(st.sampled_from([4, 8]))
     hybrid = draw(st.booleans())
-    config = SchedulerConfig(
-        model=ModelSpec(vocab_size=VOCAB, max_context=128),
-        block_size=bs,
-        num_blocks=draw(st.integers(8, 24)),
-        max_batch=draw(st.integers(1, 4)),
-        max_prefill_tokens=bs * draw(st.integers(1, 3)),
-        enable_prefix_caching=draw(st.booleans()),
-        hybrid=hybrid,
-        checkpoint_budget=draw(st.integers(1, 4)) if hybrid else 256,
-        decode_checkpoint_interval=draw(st.sampled_from([0, 0, bs, 2 * bs])),
+    config = SchedulerConfig.from_dict(
+        dict(
+            model=ModelSpec(vocab_size=VOCAB, max_context=128),
+            block_size=bs,
+            num_blocks=draw(st.integers(8, 24)),
+            max_batch=draw(st.integers(1, 4)),
+            max_prefill_tokens=bs * draw(st.integers(1, 3)),
+            enable_prefix_caching=draw(st.booleans()),
+            hybrid=hybrid,
+            checkpoint_budget=draw(st.integers(1, 4)) if hybrid else 256,
+        )
     )
     token = st.integers(0, VOCAB - 1)
     prefixes = draw(st.lists(st.lists(token, min_size=bs, max_size=3 * bs), min_size=1, max_size=2))

@@ -57,7 +57,7 @@ def follow(engine: Engine, workload: Workload, every: int = 1, **kw: Any) -> Fol
 
 def demo_config(**overrides: Any) -> SchedulerConfig:
     base: dict[str, Any] = {"num_blocks": 160, "max_batch": 16}  # small: evictions happen
-    return SchedulerConfig(**{**base, **overrides})
+    return SchedulerConfig.from_dict({**base, **overrides})
 
 
 @pytest.mark.parametrize("hybrid", [False, True], ids=["attention", "hybrid"])

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from kvsched.bench.stats import Sampler, summarize
-from kvsched.config import CHECKPOINT_POLICIES, ModelSpec, SchedulerConfig
+from kvsched.config import CHECKPOINT_POLICIES, Checkpoints, ModelSpec, SchedulerConfig
 from kvsched.engine import Engine
 from kvsched.events import types as ev
 from kvsched.gpu.sim import SimulatedExecutor
@@ -43,10 +43,9 @@ def _config(
     per_seq = context // block_size + 2
     return SchedulerConfig(
         hybrid=hybrid,
-        checkpoint_budget=budget or batch + 2,
         # lmdeploy's rules by default: the producers' only states are their prompt ends, the
         # point the consumers hit, as in lmdeploy's aligned exact-hit workload
-        **CHECKPOINT_POLICIES[policy],
+        checkpoints=Checkpoints(budget=budget or batch + 2, **CHECKPOINT_POLICIES[policy]),
         model=ModelSpec(vocab_size=VOCAB, max_context=context + 64),
         block_size=block_size,
         num_blocks=batch * per_seq * 2 + 16,

@@ -12,6 +12,7 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
+from kvsched.config import ConfigError, PrefillTurns
 from kvsched.replay.setup import (
     SWEEP_KEYS,
     SetupError,
@@ -148,8 +149,32 @@ def check_config_options(args: argparse.Namespace, hybrid: bool, order: str, tur
         checkpoints.append(f"--sweep {sweep_key(args)}")
     if checkpoints and not hybrid:
         raise _no_effect(checkpoints[0], "--hybrid")
-    for option in _given(args, "prefill_turns", "short_turns", "long_order"):
-        if order != "ttft":
-            raise _no_effect(option, "--order ttft")
-    if args.short_turns is not None and turns != "interleave":
-        raise _no_effect("--short-turns", "--prefill-turns interleave")
+    given = {
+        field: getattr(args, dest)
+        for dest, field in (
+            ("prefill_turns", "policy"),
+            ("short_turns", "short_per_long"),
+            ("long_order", "long_order"),
+        )
+        if getattr(args, dest, None) is not None
+    }
+    try:  # the config's own refusal, told which options were given (a default given counts)
+        PrefillTurns(**{"policy": turns, **given}).refuse_ignored(order, given=set(given))
+    except ConfigError as exc:
+        raise SetupError(_as_options(str(exc))) from None
+
+
+# The config's names of the settings the turn options set, as the options (longest first).
+_OPTIONS = (
+    ("turns.policy 'interleave'", "--prefill-turns interleave"),
+    ("turns.short_per_long", "--short-turns"),
+    ("turns.long_order", "--long-order"),
+    ("turns.policy", "--prefill-turns"),
+    ("order 'ttft'", "--order ttft"),
+)
+
+
+def _as_options(message: str) -> str:
+    for name, option in _OPTIONS:
+        message = message.replace(name, option)
+    return message

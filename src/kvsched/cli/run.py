@@ -19,11 +19,16 @@ from kvsched.cli.checks import (
 from kvsched.cli.options import COUNT, DEFAULT, OVERWRITE, add_publish, int_in, positive_float
 from kvsched.cli.output import ReportError, finish, progress_bars, run_report, write_report_or_fail
 from kvsched.config import (
+    BLOCK_SIZE,
     CHECKPOINT_POLICIES,
+    DEMO_MAX_BATCH,
+    DEMO_NUM_BLOCKS,
     EVICTIONS,
     LONG_ORDERS,
     MAX_BATCH,
+    MAX_BATCH_ROWS,
     MAX_BLOCKS,
+    MAX_PREFILL_TOKENS,
     PLACEMENTS,
     PREFILL_TURNS,
     SchedulerConfig,
@@ -134,7 +139,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
             interval=args.checkpoint_interval,
         ),
     )
-    check_config_options(args, config.hybrid, config.order, config.prefill_turns)
+    check_config_options(args, config.hybrid, config.order, config.turns.policy)
     name = Path(args.trace).name
     if setup.sweep is not None or setup.policies:
         if args.publish:
@@ -205,13 +210,22 @@ def add_replay(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         help="KV blocks (default: unbounded, never evicts)",
     )
     r.add_argument(
-        "--block-size", type=int_in(1, 1 << 16), metavar="B", help="tokens per block (default 64)"
+        "--block-size",
+        type=int_in(1, 1 << 16),
+        metavar="B",
+        help=f"tokens per block (default {BLOCK_SIZE})",
     )
     r.add_argument(
-        "--max-batch", type=int_in(1, MAX_BATCH), metavar="N", help="running sequences (256)"
+        "--max-batch",
+        type=int_in(1, MAX_BATCH),
+        metavar="N",
+        help=f"running sequences (default {MAX_BATCH_ROWS})",
     )
     r.add_argument(
-        "--max-prefill-tokens", type=int_in(1, 1 << 24), metavar="N", help="default 8192"
+        "--max-prefill-tokens",
+        type=int_in(1, 1 << 24),
+        metavar="N",
+        help=f"default {MAX_PREFILL_TOKENS}",
     )
     r.add_argument("--order", choices=["fcfs", "priority", "ttft"], help="default fcfs")
     r.add_argument(
@@ -301,10 +315,16 @@ def add_demo(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         "--seed", type=int_in(0, (1 << 63) - 1), default=0, help="workload seed" + DEFAULT
     )
     demo.add_argument(
-        "--cache-blocks", type=int_in(2, MAX_BLOCKS), default=2048, help="KV blocks" + DEFAULT
+        "--cache-blocks",
+        type=int_in(2, MAX_BLOCKS),
+        default=DEMO_NUM_BLOCKS,
+        help="KV blocks" + DEFAULT,
     )
     demo.add_argument(
-        "--max-batch", type=int_in(1, MAX_BATCH), default=64, help="running sequences" + DEFAULT
+        "--max-batch",
+        type=int_in(1, MAX_BATCH),
+        default=DEMO_MAX_BATCH,
+        help="running sequences" + DEFAULT,
     )
     demo.add_argument("--check", action="store_true", help="check invariants after every step")
     demo.add_argument("--json", action="store_true", help="print the summary as JSON")

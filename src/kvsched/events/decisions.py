@@ -127,7 +127,7 @@ def _no_counts() -> np.ndarray:
 
 class SequenceFinished(Event, frozen=True, tag="finished"):
     """Sequences retired (reason "stop", "length" or "migrated"). With
-    ``config.report_cached_tokens``, per sequence the prompt tokens its first admission took
+    ``config.legacy.report_cached_tokens``, per sequence the prompt tokens its first admission took
     without computing them (as vLLM's ``num_cached_tokens``), by source: local prefix hits
     (KV blocks), a hybrid model's restored checkpoint, blocks loaded from the external store;
     empty arrays otherwise (and in logs before schema 4)."""

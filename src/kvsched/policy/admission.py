@@ -57,15 +57,15 @@ class Admission:
         self.checkpoints = checkpoints
         self.transfers = transfers
         self.order = order
-        aligned = config.external_save or config.aligned_checkpoints_only
+        aligned = config.external_save or config.checkpoints.aligned_only
         self._tail = config.hybrid and config.places("prompt_tail")
-        cut_tail = self._tail and not config.mid_chunk_saves
+        cut_tail = self._tail and not config.checkpoints.mid_chunk_saves
         self._split_tail = config.hybrid and (aligned or cut_tail)
         self._branch = config.hybrid and config.places("branch")
-        self._within = config.hybrid and config.mid_chunk_saves
+        self._within = config.hybrid and config.checkpoints.mid_chunk_saves
         self._interval = config.interval_tokens if config.places("interval") else 0
         self._soft = config.soft_loads
-        self._mm_safe = config.multimodal_safe
+        self._mm_safe = config.legacy.multimodal_safe
         # (derived settings read once: each admission reads them)
         self._external_load = config.external_load
         self._chunk_tokens = config.chunk_tokens
@@ -113,7 +113,7 @@ class Admission:
         no chunk of a long prefill."""
         if not budget.long_prefills and self.config.long_prefill(seq.n_tokens - chunk.start):
             return False
-        return chunk.final or budget.long_chunks < self.config.max_long_chunks_per_step
+        return chunk.final or budget.long_chunks < self.config.turns.max_long_chunks_per_step
 
     def add_prefill(
         self, state: EngineState, seq: Seq, chunk: Chunk, budget: StepBudget, emit: Emit

@@ -1,7 +1,7 @@
 """Hybrid models' state checkpoints: where to save, what to keep, publication after the step,
 rollback after a failed step, and eviction under memory pressure.
 
-Placement is a set of named rules (``config.checkpoint_placement``, ``config.PLACEMENTS``);
+Placement is a set of named rules (``config.checkpoints.placement``, ``config.PLACEMENTS``);
 each save point is chosen by exactly one of them and carries its name (``kind``). Prefill
 rules are applied by admission (chunk ends, the prompt end, branch points, intervals inside a
 chunk), decode rules by the scheduler, end-of-sequence rules when a sequence finishes (its
@@ -9,7 +9,7 @@ runtime slot is saved before the next forward).
 
 What to keep: a checkpoint needs a state slot and room in the capacity (a count, or bytes).
 When there is none, unpinned checkpoints are evicted in the order of the eviction strategy
-``config.checkpoint_eviction`` names (``policy/eviction.py``: "lru", "frozen_first", or
+``config.checkpoints.eviction`` names (``policy/eviction.py``: "lru", "frozen_first", or
 "value", greedy-dual-size-frequency). A new checkpoint worth less than the one it would evict
 is declined (only "value" has worths). Saves are best effort: a save that finds no room is
 skipped.
@@ -38,10 +38,10 @@ class Checkpoints:
         self.config = config
         self.bs = config.block_size
         self.growth = growth
-        self.by_value = config.checkpoint_eviction == "value"
-        self.eviction = CHECKPOINT_EVICTION[config.checkpoint_eviction](config)
-        self.min_gain = config.checkpoint_min_gain_blocks * config.block_size
-        self.mm_safe = config.multimodal_safe
+        self.by_value = config.checkpoints.eviction == "value"
+        self.eviction = CHECKPOINT_EVICTION[config.checkpoints.eviction](config)
+        self.min_gain = config.checkpoints.min_gain_blocks * config.block_size
+        self.mm_safe = config.legacy.multimodal_safe
 
     # ------------------------------------------------------------------- placement
 
@@ -57,7 +57,7 @@ class Checkpoints:
         """Save the state after ``step`` tokens (rule ``kind``), if that identity is new and
         a slot and room (and, for a non-aligned step, a frozen block) can be had."""
         aligned = step % self.bs == 0
-        if not aligned and (self.config.aligned_checkpoints_only or phase == "within"):
+        if not aligned and (self.config.checkpoints.aligned_only or phase == "within"):
             return  # (an executor that keeps states in whole blocks only: vLLM's align mode)
         if seq.num_hit_tokens and step - seq.num_hit_tokens < self.min_gain:
             return  # barely past the state it restored: a hit on it would save almost nothing
@@ -109,7 +109,7 @@ class Checkpoints:
         rules = [
             (kind, interval)
             for kind, interval in (
-                ("decode", config.decode_checkpoint_interval),
+                ("decode", config.checkpoints.decode_interval),
                 ("decode_blocks", self.bs),
                 ("decode_latest", self.bs),
             )

@@ -9,7 +9,7 @@ emits the evictions (``BlocksEvicted`` before the allocation that reuses the blo
 
 * blocks (``BLOCK_EVICTION``): ``lru``, the only order the pool's prefix closure admits as
   is (a child is released, so offered, before its parent);
-* checkpoints (``CHECKPOINT_EVICTION``, ``config.checkpoint_eviction``): ``lru``,
+* checkpoints (``CHECKPOINT_EVICTION``, ``config.checkpoints.eviction``): ``lru``,
   ``frozen_first`` (lmdeploy: frozen partial tails first, then LRU) and ``value``
   (greedy-dual-size-frequency, ``ValueEviction``).
 
@@ -144,8 +144,8 @@ class ValueEviction:
     sequence's end is saved) is worth only its floor."""
 
     def __init__(self, config: SchedulerConfig) -> None:
-        self.token_s = config.value_token_s
-        self.pair_s = config.value_pair_s
+        self.token_s = config.checkpoints.value_token_s
+        self.pair_s = config.checkpoints.value_pair_s
 
     def saved_seconds(self, tokens: int) -> float:
         """Prefill seconds a hit of ``tokens`` saves (linear work and attention pairs)."""

@@ -318,7 +318,7 @@ class Growth:
         ``hit`` blocks, which an admission attaches)."""
         pool = state.pool
         sessions = state.sessions
-        if self.config.session_reclaim == "last_use":
+        if self.config.legacy.session_reclaim == "last_use":
             order = sorted(sessions, key=lambda k: (sessions[k].last_used, k))
         else:
             order = sorted(sessions)

@@ -40,7 +40,7 @@ class Matcher:
             return NO_MATCH
         if state.hybrid:
             return self._find_checkpoint(state, seq)
-        if not self.config.multimodal_safe:
+        if not self.config.legacy.multimodal_safe:
             return self._find_prefix_before_schema4(state, seq)
         pool, bs = state.pool, self.bs
         depth = pool.find_prefix_len(seq.hashes, (seq.n_tokens - 1) // bs)
@@ -48,7 +48,7 @@ class Matcher:
             depth = pool.count_with_experts(pool.find_blocks(seq.hashes, depth))
         depth = self.safe_depth(seq, depth)
         hit = depth
-        if self.config.num_speculative_tokens and depth:
+        if self.config.speculation.tokens and depth:
             hit = self.safe_depth(seq, depth - self._recompute)
         blocks = pool.find_blocks(seq.hashes, depth)
         overlap = int(blocks[hit]) if hit < depth and self._holds_overlap else 0
@@ -70,7 +70,7 @@ class Matcher:
 
     def safe_depth(self, seq: Seq, depth: int) -> int:
         """``depth`` blocks, rewound out of multimodal spans (``multimodal_safe``)."""
-        if not seq.mm_spans or not self.config.multimodal_safe:
+        if not seq.mm_spans or not self.config.legacy.multimodal_safe:
             return depth
         return spans.safe_depth(seq.mm_spans, depth, self.bs)
 

@@ -52,7 +52,7 @@ class PrefillOrder:
     def __init__(self, config: SchedulerConfig, matcher: Matcher) -> None:
         self.config = config
         self.matcher = matcher
-        self._by_context = config.ttft_size == "context"
+        self._by_context = config.legacy.ttft_size == "context"
 
     def sizes(self, state: EngineState, waiting: list[Seq]) -> list[Sized]:
         """Each waiting request's prefill after its tentative prefix match (TTFT order)."""
@@ -98,7 +98,7 @@ class PrefillOrder:
         )
 
     def _long_lane(self, longs: list[Sized], clock: float) -> list[Sized]:
-        if self.config.long_order == "fifo":
+        if self.config.turns.long_order == "fifo":
             return sorted(longs, key=_arrival)
         return sorted(
             longs, key=lambda s: (s.chunks - self._age(s.seq, clock), s.chunks, *_arrival(s))

@@ -124,7 +124,7 @@ class Policy:
         rows = t.rows_of(outcome.seq_ids)  # (the outcome's samplers: the fold's lookup, kept)
         stop = t.is_eos(rows, outcome.tokens)
         length = t.outputs_done(rows) | (t.known_of(rows) >= self.config.model.max_context)
-        migrate = self.config.role == "prefill"  # the first token ends a prefill-role request
+        migrate = self.config.external.role == "prefill"  # (prefill role: its first token ends it)
         done = np.nonzero(stop | length | migrate)[0]
         if len(done):
             seqs = [t.seq(int(s)) for s in outcome.seq_ids[done]]
@@ -136,7 +136,7 @@ class Policy:
                 for seq in seqs:
                     self.checkpoints.save_sequence_end(state, seq, emit)
             ids = outcome.seq_ids[done].copy()
-            if self.config.report_cached_tokens:
+            if self.config.legacy.report_cached_tokens:
                 local, ckpt, external = np.asarray(
                     [s.cached_tokens for s in seqs], dtype=np.int64
                 ).reshape(-1, 3).T.copy()
@@ -161,10 +161,10 @@ class Policy:
             return False
         if load is not None and load.open:
             emit(ev.KVLoadCancelled(seq_id, reason))
-        keep = self.config.keep_aborted_turns and not close_session and seq.session_id >= 0
+        keep = self.config.legacy.keep_aborted_turns and not close_session and seq.session_id >= 0
         if seq.state == SeqState.RUNNING and keep and state.hybrid:
             self.checkpoints.save_sequence_end(state, seq, emit)
-        cached = seq.cached_tokens if self.config.report_cached_tokens else (0, 0, 0)
+        cached = seq.cached_tokens if self.config.legacy.report_cached_tokens else (0, 0, 0)
         # (a running sequence or a load that ended releases what it holds first)
         aborted = ev.SequenceAborted(seq_id, reason, keep, *cached)
         self.growth.end(state, [seq], aborted, emit, keep_for_session=keep)
@@ -269,7 +269,7 @@ class Policy:
         rows = table.schedulable_rows()
         decode_mask = table.awaiting_decode(rows)
         decode_rows, chunk_rows = rows[decode_mask], rows[~decode_mask]
-        alternate = self.config.turn_mode == "alternate"
+        alternate = self.config.turns.mode == "alternate"
         prefill_turn = not (alternate and len(decode_rows)) or self._is_prefill_turn(
             state, len(decode_rows), chunk_rows
         )
@@ -294,7 +294,7 @@ class Policy:
         (``prefill_on_last_chunk``) or the waiting tokens fill a prefill budget
         (``prefill_on_waiting_tokens``)."""
         config = self.config
-        if config.turn_mode == "mixed" or n_decode == 0:
+        if config.turns.mode == "mixed" or n_decode == 0:
             return True
         if not self.turns.has_work(state, chunk_rows):
             return False
@@ -304,11 +304,11 @@ class Policy:
         if decode_turns == 0:
             return False
         half_empty = state.seqs.num_running < 0.5 * config.max_batch
-        if half_empty or decode_turns >= config.prefill_interval:
+        if half_empty or decode_turns >= config.turns.prefill_interval:
             return True
-        if config.prefill_on_last_chunk and self._last_chunk_pending(state, chunk_rows):
+        if config.legacy.prefill_on_last_chunk and self._last_chunk_pending(state, chunk_rows):
             return True
-        return config.prefill_on_waiting_tokens and self._waiting_fill_budget(state)
+        return config.legacy.prefill_on_waiting_tokens and self._waiting_fill_budget(state)
 
     def _last_chunk_pending(self, state: EngineState, chunk_rows: np.ndarray) -> bool:
         """Whether a running sequence's next chunk ends its prompt."""

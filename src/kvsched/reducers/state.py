@@ -115,7 +115,7 @@ def idle_owners(config: SchedulerConfig) -> frozenset[str]:
         idle.add("turns")
     if not config.hybrid:
         idle.add("ckpts")
-    if not config.external_kv:
+    if not config.external.enabled:
         idle.add("transfers")
     if not config.soft_loads:
         idle.add("holdings")

@@ -49,7 +49,7 @@ def turn_name(turn: TurnState) -> str:
 class Turns:
     def __init__(self, config: SchedulerConfig, seqs: SequenceTable) -> None:
         self.policy = config.turn_policy
-        self.quota = config.short_turns_per_long
+        self.quota = config.turns.short_per_long
         self._config = config
         self._seqs = seqs
         self._counting = self.policy == "interleave"

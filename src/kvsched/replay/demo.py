@@ -11,7 +11,13 @@ from typing import Any
 
 import attrs
 
-from kvsched.config import ModelSpec, SchedulerConfig
+from kvsched.config import (
+    DEMO_MAX_BATCH,
+    DEMO_NUM_BLOCKS,
+    ExternalStore,
+    ModelSpec,
+    SchedulerConfig,
+)
 from kvsched.connectors import InProcessStore, StoreConnector, TransferEngine
 from kvsched.connectors.buffers import HostBlockBuffer, HostStateBuffer
 from kvsched.engine import Engine
@@ -101,8 +107,8 @@ def run_demo(
     sessions: int = 64,
     turns: int = 4,
     seed: int = 0,
-    cache_blocks: int = 2048,
-    max_batch: int = 64,
+    cache_blocks: int = DEMO_NUM_BLOCKS,
+    max_batch: int = DEMO_MAX_BATCH,
     executor: str = "sim",
     model: str | None = None,
     hybrid: bool = False,
@@ -128,7 +134,7 @@ def run_demo(
             num_blocks=cache_blocks,
             max_batch=max_batch,
             hybrid=hybrid or executor == "torch",  # the torch model is hybrid
-            external_kv=external,
+            external=ExternalStore(enabled=external),
         )
         event_log = open_log(log, config)
         sinks: list[Publisher] = []

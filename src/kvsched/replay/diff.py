@@ -13,6 +13,7 @@ from typing import Any
 
 import attrs
 
+from kvsched.config import SchedulerConfig
 from kvsched.events import types as ev
 from kvsched.events.codec import StepRecord, check_schema, decode_record, encode, to_builtins
 from kvsched.events.log import read_log
@@ -75,6 +76,18 @@ class DiffResult:
             "totals_a": self.totals_a,
             "totals_b": self.totals_b,
         }
+
+
+def _config_of(header: dict[str, Any]) -> dict[str, Any]:
+    """A header's config in today's shape (an old log's flat header read as it ran), so
+    that two logs compare setting by setting; the raw config when it does not read."""
+    raw = dict(header.get("config") or {})
+    try:
+        data = SchedulerConfig.from_log_header(raw, int(header["schema_version"])).to_dict()
+    except (KeyError, TypeError, ValueError):
+        return raw
+    data["legacy"].pop("header", None)  # (where the config came from, not a setting)
+    return data
 
 
 def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -163,8 +176,8 @@ def diff_logs(path_a: str, path_b: str) -> DiffResult:
     return DiffResult(
         compared,
         first,
-        dict(a.header.get("config", {})),
-        dict(b.header.get("config", {})),
+        _config_of(a.header),
+        _config_of(b.header),
         totals(recs_a),
         totals(recs_b),
     )

@@ -11,10 +11,11 @@ from typing import Any
 
 import attrs
 
-from kvsched.config import CHECKPOINT_POLICIES, PLACEMENTS, ModelSpec, SchedulerConfig
+from kvsched.config import BLOCK_SIZE, CHECKPOINT_POLICIES, PLACEMENTS, ModelSpec, SchedulerConfig
 from kvsched.engine import create_log
 from kvsched.events.log import EventLog
 from kvsched.gpu.sim import CostModel, SimulatedExecutor
+from kvsched.headers import FLAT_OF
 from kvsched.replay.driver import Executor
 from kvsched.replay.traces import Trace, TraceInfo, detect_format, log_config, read_trace
 from kvsched.replay.workload import speed_up
@@ -48,6 +49,7 @@ def parse_size(text: str) -> int:
     if not value >= 0 or value != value or value > 1 << 50:
         raise ValueError(f"not a size: {text!r}")
     return int(value)
+
 
 Sweep = tuple[str, list[int]]
 
@@ -203,8 +205,7 @@ def parse_policies(spec: str) -> tuple[str, ...]:
     unknown = [n for n in names if n not in CHECKPOINT_POLICIES]
     if unknown or not names or len(set(names)) != len(names):
         raise SetupError(
-            f"--policies {spec!r}: give distinct names of {', '.join(CHECKPOINT_POLICIES)}, "
-            "or all"
+            f"--policies {spec!r}: give distinct names of {', '.join(CHECKPOINT_POLICIES)}, or all"
         )
     return tuple(names)
 
@@ -225,7 +226,8 @@ def checkpoint_fields(
         if policy not in CHECKPOINT_POLICIES:
             known = ", ".join(CHECKPOINT_POLICIES)
             raise SetupError(f"--checkpoint-policy {policy!r}: not one of {known}")
-        fields.update(CHECKPOINT_POLICIES[policy])
+        preset = CHECKPOINT_POLICIES[policy]
+        fields.update({FLAT_OF["checkpoints", k]: v for k, v in preset.items()})
     if placement is not None:
         rules = tuple(r.strip() for r in placement.split(",") if r.strip())
         unknown = sorted(set(rules) - set(PLACEMENTS))
@@ -284,11 +286,11 @@ def trace_config(
     while context < longest:
         context *= 2
     model["max_context"] = context
-    block = block_size or int(base.get("block_size", 64))
+    block = block_size or int(base.get("block_size", BLOCK_SIZE))
     if cache_blocks is None:
         cache_blocks = unbounded_blocks(trace.info, trace.info.requests, block)
     fields = {
-        **{k: v for k, v in base.items() if k != "model"},
+        **{k: v for k, v in base.items() if k not in ("model", "legacy")},
         "model": ModelSpec(**model),
         "block_size": block,
         "num_blocks": cache_blocks,
@@ -300,6 +302,6 @@ def trace_config(
         fields["hybrid"] = True
     fields.update(checkpoints or {})
     try:
-        return SchedulerConfig(**fields)
+        return SchedulerConfig.from_dict(fields)
     except (TypeError, ValueError) as exc:
         raise SetupError(f"bad configuration: {exc}") from None

@@ -300,7 +300,7 @@ PREFILL_TURN_SPEC = MachineSpec(
         T(_TE.fall_back, _T.LONG_FIRST_IF_FINAL, _T.LONG_FIRST),
     ),
     description=(
-        "The engine's prefill turn (one per engine; `prefill_turns`, lmdeploy's "
+        "The engine's prefill turn (one per engine; `turns.policy`, lmdeploy's "
         "_PrefillTurnPolicy). STANDARD: no turn rule, the order policy's own order (fcfs and "
         "priority always take it; under ttft: short prefills by size, then long ones). "
         "SHORT_ONLY: short prefills by size; long ones (more than a chunk of tokens left "
@@ -311,7 +311,7 @@ PREFILL_TURN_SPEC = MachineSpec(
         "LONG_FIRST when only long work waits (`long_turn`) or when their turn scheduled "
         "nothing while long work waits (`fall_back`). `interleave` (lmdeploy's engine) "
         "starts in STANDARD, the state without long work; with long work it takes "
-        "`short_turn`s until `short_turns_per_long` of them ran since the last long chunk, "
+        "`short_turn`s until `turns.short_per_long` of them ran since the last long chunk, "
         "then a `long_turn`. A turn equal to the current state is not an event."
     ),
 )

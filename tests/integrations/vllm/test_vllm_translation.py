@@ -290,8 +290,8 @@ def test_a_hybrid_vllm_cache_is_split_into_kv_blocks_and_state_blocks_per_mamba_
     kv = _kv_cache(MambaSpec, FullAttentionSpec, MambaSpec, num_blocks=1001)
     config = cfg.scheduler_config(_vllm_config(max_num_batched_tokens=2048), kv, 544)
 
-    assert config.hybrid and config.aligned_checkpoints_only
-    states = 2 * (config.max_batch + config.checkpoint_budget)
+    assert config.hybrid and config.checkpoints.aligned_only
+    states = 2 * (config.max_batch + config.checkpoints.budget)
     assert config.num_blocks - 1 + states == 1000  # every vLLM id but the null block
     assert cfg.groups(kv) == (1, [0, 2])
 

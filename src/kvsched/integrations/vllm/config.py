@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from kvsched.config import ModelSpec, SchedulerConfig
+from kvsched.config import CHECKPOINT_BUDGET, Checkpoints, ModelSpec, SchedulerConfig
 
 LOG_ENV = "KVSCHED_VLLM_LOG"  # path of the event log to write (additional_config wins)
 OVERWRITE_ENV = "KVSCHED_VLLM_LOG_OVERWRITE"  # "1": an existing log may be replaced
@@ -132,17 +132,20 @@ def scheduler_config(vllm_config: Any, kv_cache_config: Any, block_size: int) ->
         enable_prefix_caching=bool(cache.enable_prefix_caching),
         dedup_cached_blocks=False,  # vLLM's workers only ever append to a block table
         hybrid=hybrid["hybrid"],
-        checkpoint_budget=hybrid["checkpoint_budget"],
         # States live in whole blocks (mamba.py) and are saved at the end of a step only: the
-        # rules vLLM's own align mode places (lmdeploy's, aligned), no mid-chunk saves.
-        checkpoint_placement=("chunk_end", "prompt_end"),
-        checkpoint_eviction="frozen_first",
-        aligned_checkpoints_only=hybrid["hybrid"],
-        mid_chunk_saves=False,
+        # rules vLLM's own align mode places (lmdeploy's, aligned), no mid-chunk saves; with
+        # no frozen partial blocks, lmdeploy's frozen-first eviction is plain LRU.
+        checkpoints=Checkpoints(
+            budget=hybrid["checkpoint_budget"],
+            placement=("chunk_end", "prompt_end"),
+            eviction="lru",
+            aligned_only=hybrid["hybrid"],
+            mid_chunk_saves=False,
+        ),
     )
 
 
-MAX_CHECKPOINTS = 256
+MAX_CHECKPOINTS = CHECKPOINT_BUDGET  # the library default (config.py)
 
 
 def _hybrid_sizes(kv_cache_config: Any, max_seqs: int) -> dict[str, Any]:

@@ -286,7 +286,7 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # (vLLM is untyped h
 
     def _check_cached(self, seq_ids: list[int], *counts: Any) -> None:
         """A retired sequence's cached-token counts are those vLLM was given at admission."""
-        if not self.config.report_cached_tokens:
+        if not self.config.legacy.report_cached_tokens:
             return
         for i, seq_id in enumerate(seq_ids):
             total = sum(int(c[i]) for c in counts)
