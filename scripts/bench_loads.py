@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import sys
 
-import attrs
 import numpy as np
 
 from kvsched.config import ModelSpec, SchedulerConfig
@@ -65,21 +64,27 @@ def run(config: SchedulerConfig, n: int, load_s: float) -> str:
     assert engine.state.stats.requests_finished == n
     ttft = float(np.mean(list(first_token.values())))
     return (
-        f"{config.load_admission:>12}: {steps} steps, makespan {clock:.3f} s, mean TTFT "
+        f"{config.legacy.load_admission:>12}: {steps} steps, makespan {clock:.3f} s, mean TTFT "
         f"{ttft:.3f} s, decode batch {decode_tokens / max(1, decode_steps):.2f}"
     )
 
 
 def main(argv: list[str]) -> None:
     n, load_ms, max_batch, num_blocks = (int(x) for x in (argv or ["64", "50", "8", "4096"]))
-    base = SchedulerConfig(
-        model=ModelSpec(vocab_size=32000, max_context=8192), block_size=16,
-        num_blocks=num_blocks, max_batch=max_batch, max_prefill_tokens=2048,
-        external_kv=True, role="decode",
-    )
+    base: dict[str, object] = {
+        "model": ModelSpec(vocab_size=32000, max_context=8192),
+        "block_size": 16,
+        "num_blocks": num_blocks,
+        "max_batch": max_batch,
+        "max_prefill_tokens": 2048,
+        "external": {"enabled": True, "role": "decode"},
+    }
     print(f"{n} requests, loads of {load_ms} ms, max_batch {max_batch}, {num_blocks} blocks")
+    # "whole_prompt" is the load admission before schema 4: only an old log's header sets it
+    # (a Legacy field), so both runs are built the way a header is read.
     for admission in ("whole_prompt", "soft"):
-        print(run(attrs.evolve(base, load_admission=admission), n, load_ms / 1000))
+        config = SchedulerConfig.from_log_header({**base, "load_admission": admission}, 4)
+        print(run(config, n, load_ms / 1000))
 
 
 if __name__ == "__main__":

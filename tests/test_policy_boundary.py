@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvsched.config import SchedulerConfig
+from kvsched.config import ExternalStore, SchedulerConfig
 from kvsched.reducers.state import EngineState
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "kvsched"
@@ -440,7 +440,13 @@ def _owner_columns() -> tuple[dict[str, str], dict[str, set[str]]]:
     """({class name: owner attribute of EngineState} for each owner class and its bases,
     {owner attribute: its raw columns}), read off a hybrid, external-KV engine's state."""
     state = EngineState(
-        SchedulerConfig(num_blocks=64, max_batch=4, block_size=16, hybrid=True, external_kv=True)
+        SchedulerConfig(
+            num_blocks=64,
+            max_batch=4,
+            block_size=16,
+            hybrid=True,
+            external=ExternalStore(enabled=True),
+        )
     )
     classes: dict[str, str] = {}
     columns: dict[str, set[str]] = {"state": set()}
