@@ -348,4 +348,24 @@ def test_an_eviction_that_lowers_the_aging_floor_is_caught(monkeypatch: pytest.M
             self.floor = e.priority
         return out
 
-    _run_broken(monkeypatch, CheckpointTable, "_on_dropped", dropped_lowering_the_floor, 600)
+    assert_machine_catches(
+        monkeypatch, ValueEvictionMachine, CheckpointTable, "_on_dropped",
+        dropped_lowering_the_floor, 300,
+    )  # fmt: skip
+
+
+class ValueEvictionMachine(EngineMachine):
+    """The whole-engine machine where the aging floor matters: hybrid, `value` eviction, few
+    states (so checkpoints are evicted, some below the floor)."""
+
+    @initialize(
+        **{
+            **ENGINE_CONFIGS,
+            "hybrid": st.just(True),
+            "policy": st.sampled_from(["kvsched", "every rule"]),
+            "budget": st.integers(1, 2),
+            "by_bytes": st.just(False),
+        }
+    )
+    def start(self, **kw):  # type: ignore[no-untyped-def]
+        super().start(**kw)
