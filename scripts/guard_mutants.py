@@ -137,7 +137,7 @@ MUTANTS = [
 # (CLI refusals and exits, trace limits, the log writer's cut-back, report columns, Engine.step's
 # input check, checkpoint loading, the floor invariant, the vLLM adapter's translation rules).
 CLI, CLI_ERRORS = "tests/test_cli.py", "tests/test_cli_errors.py"
-CHECKS, INIT, LOGS = "cli/checks.py", "cli/__init__.py", "cli/logs.py"
+CHECKS, INIT, FRAMING = "cli/checks.py", "cli/__init__.py", "events/framing.py"
 TRACES, LOG = "tests/replay/test_traces.py", "tests/events/test_log.py"
 WATCH, REPORT = "tests/stream/test_watch.py", "tests/replay/test_report.py"
 TRANSLATION = "tests/integrations/vllm/test_vllm_translation.py"
@@ -145,7 +145,7 @@ EXISTS = "if os.path.isfile(path) and not overwrite:"
 NONEMPTY = "if where.is_dir() and any(where.iterdir()) and not overwrite:"
 SWEPT = 'getattr(args, key.replace("-", "_"), None)'
 MEMORY = 'memory = key == "checkpoint-memory" or args.checkpoint_memory is not None'
-PREFIX_OK = "if check != zlib.crc32(prefix[:8]) or offset > size:"
+PREFIX_OK = "if check != _crc32(prefix[:8]) or offset > size:"
 EXCEPTS = """    except BrokenPipeError:
         return _stdout_closed()
     except OSError as exc:  # any other file a command could not read or write
@@ -211,8 +211,8 @@ ROUND_2 = [
     ),
     m(INIT, EXCEPTS, EXCEPTS_SWAPPED, CLI_ERRORS, "-k", "stdout or head"),
     m(INIT, CAUGHT, CAUGHT.replace(" LogWriteError,", ""), CLI_ERRORS, "-k", "logging"),
-    m(LOGS, "return max(frames - 1, 0)", "return max(frames, 0)", CLI, "-k", "total or count"),
-    m(LOGS, PREFIX_OK, PREFIX_OK.replace("> size", ">= size"), CLI, "-k", "total or count"),
+    m(FRAMING, "return max(frames - 1, 0)", "return max(frames, 0)", CLI, "-k", "total or count"),
+    m(FRAMING, PREFIX_OK, PREFIX_OK.replace("> size", ">= size"), CLI, "-k", "total or count"),
     m("stream/watch.py", TIMEOUT, "", WATCH, "-k", "timeout"),
     # replay/traces.py: the documented limits
     m("replay/traces.py", IDS, IDS.replace(">", ">="), TRACES, "-k", "limits"),

@@ -5,17 +5,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import struct
 import sys
-import zlib
 
 from tqdm import tqdm
 
 from kvsched.cli.checks import (
     fail,
 )
+from kvsched.events import framing
 from kvsched.events.codec import RecordDecodeError, SchemaVersionError
-from kvsched.events.framing import HEADER_OFFSET, PREFIX_SIZE
 from kvsched.events.log import CorruptLogError
 from kvsched.replay.diff import diff_logs, format_diff
 from kvsched.replay.verify import LogError, VerifyInterrupted, verify_log
@@ -71,27 +69,14 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return 0
 
 
-_PREFIX = struct.Struct("<III")
-
-
 def count_records(path: str) -> int | None:
-    """The number of records in the event log at ``path``, counted from the frames' length
-    prefixes alone (a progress total; None when the file cannot be read). Counting stops at
-    the first prefix whose own checksum fails (a torn tail, zeros, damage)."""
+    """The number of records in the event log at ``path`` (``framing.count_records``: from
+    the frames' length prefixes alone; a progress total), or None when it cannot be read."""
     try:
         with open(path, "rb") as f:
-            size, offset, frames = os.fstat(f.fileno()).st_size, HEADER_OFFSET, 0
-            while offset + PREFIX_SIZE <= size:
-                f.seek(offset)
-                prefix = f.read(PREFIX_SIZE)
-                length, _, check = _PREFIX.unpack(prefix)
-                offset += PREFIX_SIZE + length
-                if check != zlib.crc32(prefix[:8]) or offset > size:
-                    break
-                frames += 1
+            return framing.count_records(f, os.fstat(f.fileno()).st_size)
     except OSError:
         return None
-    return max(frames - 1, 0)  # the first frame is the header
 
 
 def add_diff_verify(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
