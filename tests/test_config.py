@@ -83,6 +83,23 @@ def test_a_setting_another_makes_ignored_is_refused_naming_both(
     assert setting in str(refused.value) and other in str(refused.value)
 
 
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"checkpoint_budget": 8},
+        {"checkpoint_eviction": "lru"},
+        {"checkpoint_placement": ("chunk_end",)},
+    ],
+    ids=lambda f: next(iter(f)),
+)
+def test_a_checkpoint_setting_on_an_attention_model_is_refused_naming_hybrid(
+    fields: dict[str, Any],
+) -> None:
+    with pytest.raises(ConfigError, match=r"checkpoints\.\w+ is used only with hybrid"):
+        SchedulerConfig.from_dict({"hybrid": False, **fields})
+    assert SchedulerConfig.from_dict({"hybrid": True, **fields}).hybrid
+
+
 def test_every_named_checkpoint_policy_builds_a_config_nothing_in_it_ignored() -> None:
     for name in CHECKPOINT_POLICIES:
         config = SchedulerConfig(hybrid=True).with_checkpoint_policy(name)

@@ -369,6 +369,10 @@ class SchedulerConfig:
         """Refuse settings another one makes ignored or contradicts (a config from an old
         log's header is exempt: it replays what that run did)."""
         self.checkpoints.refuse_ignored()
+        if not self.hybrid:
+            for field in attrs.fields(Checkpoints):
+                if _is_set(self.checkpoints, field.name):
+                    raise refuse(f"checkpoints.{field.name}", "hybrid", "is used only with")
         self.turns.refuse_ignored(self.order)
         if self.checkpoints.memory and self.checkpoints.budget != CHECKPOINT_BUDGET:
             raise refuse(

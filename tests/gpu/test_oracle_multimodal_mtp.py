@@ -108,7 +108,7 @@ def _config(hybrid: bool, **overrides: object) -> SchedulerConfig:
         "max_batch": 4,
         "max_prefill_tokens": 32,
         "hybrid": hybrid,
-        "checkpoint_budget": 16,
+        **({"checkpoint_budget": 16} if hybrid else {}),
     }
     base.update(overrides)
     return SchedulerConfig.from_dict(base)

@@ -55,7 +55,7 @@ class TurnMachine(RuleBasedStateMachine):
                 short_turns_per_long=quota if policy == "interleave" else 3,
                 long_order=long_order,
                 hybrid=hybrid,
-                checkpoint_budget=4,
+                **({"checkpoint_budget": 4} if hybrid else {}),
             )
         )
         self.engine = Engine(self.config, check_invariants=True)

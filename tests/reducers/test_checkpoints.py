@@ -315,7 +315,8 @@ def test_the_state_pool_has_a_null_slot_one_runtime_slot_per_row_and_the_budget(
     assert cfg.num_state_slots == 11 == engine.state.ckpts.num_slots
     assert engine.state.ckpts.first_ckpt_slot == 5
     assert SchedulerConfig(hybrid=False).num_state_slots == 1
-    assert Engine(hybrid_config(hybrid=False)).state.ckpts.num_slots == 1 + 4  # no budget
+    attention = SchedulerConfig(model=ModelSpec(vocab_size=1000), max_batch=4)
+    assert Engine(attention).state.ckpts.num_slots == 1 + 4  # no budget
 
 
 def test_a_reservation_fold_allocates_the_frozen_block_and_queues_the_copies():

@@ -23,8 +23,9 @@ VOCAB = policy_helpers.VOCAB
 
 def config(**overrides: object) -> SchedulerConfig:
     """The policy tests' small config (16-token blocks, 64 blocks, 8 rows, 64-token prefill
-    budget) with 8 checkpoint slots."""
-    return policy_helpers.config(**{"checkpoint_budget": 8, **overrides})
+    budget) with 8 checkpoint slots for a hybrid model."""
+    slots = {"checkpoint_budget": 8} if overrides.get("hybrid") else {}
+    return policy_helpers.config(**{**slots, **overrides})
 
 
 def prompt(n: int, seed: int = 0) -> np.ndarray:

@@ -35,7 +35,8 @@ def _config(hybrid: bool) -> SchedulerConfig:
             max_batch=8,
             max_prefill_tokens=256,
             hybrid=hybrid,
-            checkpoint_budget=6,  # (kvsched's rules place no "decode": no decode interval)
+            # (kvsched's rules place no "decode": no decode interval)
+            **({"checkpoint_budget": 6} if hybrid else {}),
         )
     )
 

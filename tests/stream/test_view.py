@@ -55,6 +55,11 @@ def follow(engine: Engine, workload: Workload, every: int = 1, **kw: Any) -> Fol
     return follower
 
 
+def slots(hybrid: bool) -> dict[str, Any]:
+    """24 checkpoint slots for a hybrid model (an attention model takes no checkpoint option)."""
+    return {"checkpoint_budget": 24} if hybrid else {}
+
+
 def demo_config(**overrides: Any) -> SchedulerConfig:
     base: dict[str, Any] = {"num_blocks": 160, "max_batch": 16}  # small: evictions happen
     return SchedulerConfig.from_dict({**base, **overrides})
@@ -62,7 +67,7 @@ def demo_config(**overrides: Any) -> SchedulerConfig:
 
 @pytest.mark.parametrize("hybrid", [False, True], ids=["attention", "hybrid"])
 def test_a_follower_of_the_demo_stream_rebuilds_the_cache_after_every_step(hybrid: bool):
-    config = demo_config(hybrid=hybrid, checkpoint_budget=24)
+    config = demo_config(hybrid=hybrid, **slots(hybrid))
     engine = Engine(config, check_invariants=True)
     follower = follow(engine, chat_workload(sessions=12, turns=3, seed=3))
     view = follower.view.counters
@@ -77,7 +82,7 @@ def test_a_follower_of_the_demo_stream_rebuilds_the_cache_after_every_step(hybri
 def test_a_follower_rebuilds_the_tables_of_mtp_sequences_holding_their_overlap_blocks(
     hybrid: bool,
 ):
-    config = demo_config(hybrid=hybrid, checkpoint_budget=24, num_speculative_tokens=2)
+    config = demo_config(hybrid=hybrid, num_speculative_tokens=2, **slots(hybrid))
     engine = Engine(config, check_invariants=True)
     overlaps = 0
 
@@ -85,14 +90,17 @@ def test_a_follower_rebuilds_the_tables_of_mtp_sequences_holding_their_overlap_b
         def __call__(self, result: StepResult) -> None:
             nonlocal overlaps
             overlaps += sum(
-                1 for d in result.decisions
-                if isinstance(d, ev.PrefixMatched) and d.overlap_block
+                1 for d in result.decisions if isinstance(d, ev.PrefixMatched) and d.overlap_block
             )
             super().__call__(result)
 
     follower = Counting(engine)
-    run(engine, SimulatedExecutor(config.model.vocab_size), chat_workload(sessions=12, turns=3,
-        seed=3), on_step=follower)
+    run(
+        engine,
+        SimulatedExecutor(config.model.vocab_size),
+        chat_workload(sessions=12, turns=3, seed=3),
+        on_step=follower,
+    )
     follower.compare()
     assert overlaps > 10 and follower.compared > 100  # private copies beside held blocks
 
@@ -116,7 +124,10 @@ def test_a_follower_of_the_external_demo_stream_rebuilds_the_second_engines_cach
 @pytest.mark.parametrize("prealloc", [0, 128], ids=["no-prealloc", "two-blocks-ahead"])
 def test_a_follower_rebuilds_the_cache_through_drains_aborts_and_preemptions(prealloc: int):
     config = demo_config(
-        num_blocks=40, max_batch=4, hybrid=True, checkpoint_budget=6,
+        num_blocks=40,
+        max_batch=4,
+        hybrid=True,
+        checkpoint_budget=6,
         decode_prealloc_tokens=prealloc,  # spare blocks taken, and given back under pressure
     )
     engine = Engine(config, check_invariants=True)
@@ -172,9 +183,7 @@ def _replay_trace(path: Path, limit: int, hybrid: bool, num_blocks: int) -> Foll
 
 
 @pytest.mark.parametrize("hybrid", [False, True], ids=["attention", "hybrid"])
-def test_a_follower_of_a_500_request_trace_replay_rebuilds_the_cache(
-    tmp_path: Path, hybrid: bool
-):
+def test_a_follower_of_a_500_request_trace_replay_rebuilds_the_cache(tmp_path: Path, hybrid: bool):
     path = tmp_path / "trace.jsonl"
     _synthetic_mooncake(path, 500)
     follower = _replay_trace(path, 500, hybrid, num_blocks=3000)

@@ -45,7 +45,11 @@ def _config(
         hybrid=hybrid,
         # lmdeploy's rules by default: the producers' only states are their prompt ends, the
         # point the consumers hit, as in lmdeploy's aligned exact-hit workload
-        checkpoints=Checkpoints(budget=budget or batch + 2, **CHECKPOINT_POLICIES[policy]),
+        checkpoints=(
+            Checkpoints(budget=budget or batch + 2, **CHECKPOINT_POLICIES[policy])
+            if hybrid
+            else Checkpoints()
+        ),
         model=ModelSpec(vocab_size=VOCAB, max_context=context + 64),
         block_size=block_size,
         num_blocks=batch * per_seq * 2 + 16,

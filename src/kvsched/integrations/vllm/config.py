@@ -139,9 +139,11 @@ def scheduler_config(vllm_config: Any, kv_cache_config: Any, block_size: int) ->
             budget=hybrid["checkpoint_budget"],
             placement=("chunk_end", "prompt_end"),
             eviction="lru",
-            aligned_only=hybrid["hybrid"],
+            aligned_only=True,
             mid_chunk_saves=False,
-        ),
+        )
+        if hybrid["hybrid"]
+        else Checkpoints(),
     )
 
 
