@@ -15,6 +15,12 @@ from kvsched.reducers.state import EngineState
 
 # StepPlan's array fields (made read-only once the plan is built)
 _ARRAYS = tuple(f.name for f in attrs.fields(StepPlan) if f.type in (np.ndarray, "np.ndarray"))
+# shared, read-only: most steps copy, zero and save nothing
+_NONE = np.zeros(0, dtype=np.int32)
+_NO_PAIRS = np.zeros((0, 2), dtype=np.int32)
+_NO_TRIPLES = np.zeros((0, 3), dtype=np.int32)
+for _empty in (_NONE, _NO_PAIRS, _NO_TRIPLES):
+    _empty.setflags(write=False)
 
 
 def plan_step(state: EngineState) -> StepPlan:
@@ -43,14 +49,22 @@ def plan_step(state: EngineState) -> StepPlan:
     width = int(nblocks.max()) if len(nblocks) else 0
     tables = table.table[rows, :width]  # entries past a row's blocks are kept zero
     restored = [(f, int(table.table[r, i])) for r, i, f in x.restore_blocks]
-    # mid-chunk saves: (batch row, tokens, slot) -> (plan row, tokens, slot)
-    index = {r: i for i, r in enumerate(rows.tolist())} if x.state_save_within else {}
-    within = [(index[row], tokens, slot) for row, tokens, slot in x.state_save_within]
+    pairs = []  # (from, to): block copies before and after the forward, state restores, saves
+    for p in (
+        x.copy_before + restored, x.copy_after, x.state_restore, x.state_save, x.state_save_before
+    ):
+        pairs.append(np.array(p, dtype=np.int32).reshape(-1, 2) if p else _NO_PAIRS)
+    copies, copies_after, restores, saves, saves_before = pairs
+    within = _NO_TRIPLES  # mid-chunk saves: (batch row, tokens, slot) -> (plan row, ...)
+    if x.state_save_within:
+        index = {r: i for i, r in enumerate(rows.tolist())}
+        triples = [(index[row], tokens, slot) for row, tokens, slot in x.state_save_within]
+        within = np.array(triples, dtype=np.int32)
     plan = StepPlan(
         step=state.step,
         clock=state.clock,
         block_size=bs,
-        seq_ids=table.row_seq[rows].copy(),
+        seq_ids=table.row_seq[rows],
         starts=starts,
         ends=ends,
         sample=ends == table.ntokens[rows],
@@ -59,23 +73,23 @@ def plan_step(state: EngineState) -> StepPlan:
         slot_mapping=slots,
         block_tables=tables,
         num_blocks=nblocks.astype(np.int32),
-        copy_blocks=np.array(x.copy_before + restored, dtype=np.int32).reshape(-1, 2),
-        zero_blocks=np.zeros(0, dtype=np.int32),
+        copy_blocks=copies,
+        zero_blocks=_NONE,
         state_slots=(
             CheckpointTable.runtime_slots(rows) if state.hybrid else np.zeros(len(rows), np.int32)
         ),
-        state_zero=np.array(x.state_zero, dtype=np.int32),
-        state_restore=np.array(x.state_restore, dtype=np.int32).reshape(-1, 2),
-        state_save=np.array(x.state_save, dtype=np.int32).reshape(-1, 2),
-        copy_blocks_after=np.array(x.copy_after, dtype=np.int32).reshape(-1, 2),
-        temperature=table.temperature[rows].copy(),
-        seeds=table.seed[rows].copy(),
+        state_zero=np.array(x.state_zero, dtype=np.int32) if x.state_zero else _NONE,
+        state_restore=restores,
+        state_save=saves,
+        copy_blocks_after=copies_after,
+        temperature=table.temperature[rows],
+        seeds=table.seed[rows],
         num_prefill_tokens=int(lens[~decode].sum()),
         num_decode_tokens=int(decode.sum()),
         num_hit_tokens=hit_tokens,
         num_query_tokens=query_tokens,
-        state_save_before=np.array(x.state_save_before, dtype=np.int32).reshape(-1, 2),
-        state_save_within=np.array(within, dtype=np.int32).reshape(-1, 3),
+        state_save_before=saves_before,
+        state_save_within=within,
     )
     for name in _ARRAYS:
         getattr(plan, name).setflags(write=False)
