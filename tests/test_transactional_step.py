@@ -780,6 +780,7 @@ def test_a_failure_after_folding_began_halts_the_engine_for_good(
 
     engine, size = run.engine, os.path.getsize(run.path)
     monkeypatch.setattr(engine.policy, method, fail)
+    monkeypatch.setattr(engine, "_reactions", engine.reactions())  # (they bind the policy's)
     with pytest.raises(Planted, match="planted failure"):
         engine.step([*run.outcome, request(5, 8)], run.clock)
     assert engine.state.step == 2, "StepStarted was folded before the failure"

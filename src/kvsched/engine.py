@@ -31,11 +31,16 @@ from kvsched.events.codec import SCHEMA_VERSION, StepRecord, encode
 from kvsched.events.log import EventLog
 from kvsched.plan import StepPlan, plan_digest
 from kvsched.policy import Policy
+from kvsched.policy.common import Emit
 from kvsched.reducers.inputs import InputError, MalformedInput, validate_inputs
 from kvsched.reducers.planner import plan_step
 from kvsched.reducers.state import EngineState
 
 __all__ = ["Engine", "EngineHalted", "InputError", "RecordSink", "StepResult", "create_log"]
+
+
+# How the policy answers a folded input: (state, input, emit).
+Reaction = Callable[[EngineState, Any, Emit], None]
 
 
 class EngineHalted(RuntimeError):
@@ -143,20 +148,30 @@ class Engine:
         try:
             decisions: list[ev.Event] = []
             self._decisions = decisions
-            step = self.state.step + 1
-            self._emit(ev.StepStarted(step, clock))
-            react, fold = self._reactions.get, self.state.apply
+            state, emit, answers = self.state, self._emit, self._reactions
+            step = state.step + 1
+            emit(ev.StepStarted(step, clock))
             for event in ordered:
-                react(type(event), fold)(event)
-            self.policy.schedule(self.state, self._emit)
-            plan = plan_step(self.state)
+                if isinstance(event, ev.RequestArrived):  # the policy checks it before its fold
+                    verdict = self.policy.validate(state, event)
+                    if isinstance(verdict, str):
+                        emit(ev.RequestRejected(event.seq_id, verdict or "rejected"))
+                        continue
+                    state.apply(event, verdict)
+                else:
+                    state.apply(event)
+                answer = answers.get(type(event))
+                if answer is not None:
+                    answer(state, event, emit)
+            self.policy.schedule(state, emit)
+            plan = plan_step(state)
             if self.log is not None or self.sinks:
                 digest = plan_digest(plan, self.config.identity)
                 self._record(StepRecord(step, clock, ordered, decisions, digest))
             if self.bus is not None:
                 self.bus.publish_many((*ordered, *decisions))
             if self.check:
-                self.state.check_invariants()
+                state.check_invariants()
         except BaseException as exc:
             self.halted = exc
             raise
@@ -172,14 +187,13 @@ class Engine:
             sink.publish(payload)
 
     # ------------------------------------------------------------------- reactions
-    # One per input type that the policy answers (``reactions``); any other input is only
-    # folded (``EngineState.apply``).
+    # Every input is folded (``EngineState.apply``; an arrival once the policy accepts it),
+    # then answered by its reaction, if its type has one (``reactions``).
 
-    def reactions(self) -> dict[type[ev.Event], Callable[[Any], None]]:
-        """Input type -> what the engine does with it: fold it and/or let the policy answer."""
+    def reactions(self) -> dict[type[ev.Event], Reaction]:
+        """Input type -> how the policy answers a folded input of that type."""
         return {
-            ev.RequestArrived: self._on_arrived,
-            ev.StepExecuted: self._on_executed,
+            ev.StepExecuted: self.policy.after_executed,
             ev.KVLoadFinished: self._on_load_ended,
             ev.KVLoadFailed: self._on_load_ended,
             ev.StepFailed: self._on_step_failed,
@@ -189,33 +203,22 @@ class Engine:
             ev.WakeRequested: self._on_wake,
         }
 
-    def _on_arrived(self, e: ev.RequestArrived) -> None:
-        verdict = self.policy.validate(self.state, e)
-        if isinstance(verdict, str):
-            self._emit(ev.RequestRejected(e.seq_id, verdict or "rejected"))
-            return
-        self.state.apply_arrival(e, verdict)
+    def _on_load_ended(
+        self, state: EngineState, e: ev.KVLoadFinished | ev.KVLoadFailed, emit: Emit
+    ) -> None:
+        self.policy.settle_load(state, e.seq_id, emit)
 
-    def _on_executed(self, e: ev.StepExecuted) -> None:
-        self.state.apply(e)
-        self.policy.after_executed(self.state, e, self._emit)
+    def _on_step_failed(self, state: EngineState, e: ev.StepFailed, emit: Emit) -> None:
+        self.policy.after_failed_step(state, e.reason, emit)
 
-    def _on_load_ended(self, e: ev.KVLoadFinished | ev.KVLoadFailed) -> None:
-        self.state.apply(e)
-        self.policy.settle_load(self.state, e.seq_id, self._emit)
+    def _on_abort(self, state: EngineState, e: ev.RequestAborted, emit: Emit) -> None:
+        self.policy.abort(state, e.seq_id, e.reason, emit)
 
-    def _on_step_failed(self, e: ev.StepFailed) -> None:
-        self.state.apply(e)
-        self.policy.after_failed_step(self.state, e.reason, self._emit)
+    def _on_session_ended(self, state: EngineState, e: ev.SessionEnded, emit: Emit) -> None:
+        self.policy.end_session(state, e.session_id, emit)
 
-    def _on_abort(self, e: ev.RequestAborted) -> None:
-        self.policy.abort(self.state, e.seq_id, e.reason, self._emit)
+    def _on_drain(self, state: EngineState, e: ev.DrainRequested, emit: Emit) -> None:
+        self.policy.drain(state, emit, e.level)
 
-    def _on_session_ended(self, e: ev.SessionEnded) -> None:
-        self.policy.end_session(self.state, e.session_id, self._emit)
-
-    def _on_drain(self, e: ev.DrainRequested) -> None:
-        self.policy.drain(self.state, self._emit, e.level)
-
-    def _on_wake(self, e: ev.WakeRequested) -> None:
-        self._emit(ev.Woken())
+    def _on_wake(self, state: EngineState, e: ev.WakeRequested, emit: Emit) -> None:
+        emit(ev.Woken())

@@ -30,7 +30,7 @@ def test_the_fold_takes_the_arrival_its_check_computed() -> None:
     h = Harness()
     e = request(5, 40)
     arrival = h.state.seqs.arrival(e)
-    h.state.apply_arrival(e, arrival)
+    h.state.apply(e, arrival)
     assert h.state.seqs.seqs[5].hashes is arrival.hashes
     other = Harness()
     other.state.apply(e)  # the same fold, hashing itself

@@ -31,6 +31,7 @@ from typing import Any, Protocol
 
 import msgspec
 import numpy as np
+from msgspec.structs import astuple
 
 from kvsched.config import SchedulerConfig
 from kvsched.events import types as ev
@@ -103,31 +104,82 @@ class UnknownTransfer(InputError):
 
 def apply_order(inputs: Sequence[ev.Event]) -> list[ev.Event]:
     """Outcomes, then transfer reports, then client requests; stable within each class."""
-    return [e for _, e in _ordered(list(enumerate(inputs)))]
-
-
-def _ordered(indexed: list[tuple[int, ev.Event]]) -> list[tuple[int, ev.Event]]:
-    return sorted(indexed, key=lambda p: (_RANK.get(type(p[1]), _CLIENT_RANK), p[0]))
+    return sorted(inputs, key=lambda e: _RANK.get(type(e), _CLIENT_RANK))
 
 
 def validate_inputs(state: Owners, inputs: Sequence[ev.Event]) -> list[ev.Event]:
+    """The inputs in the order they are applied (``apply_order``), once each is an input
+    whose fields are well-formed (rules 1 and 2, in the order given) and they agree with
+    the state (rules 3 and 4, in the order applied); else the ``InputError`` of the first
+    that fails."""
+    ranks: list[int] = []
     for i, event in enumerate(inputs):
-        if not isinstance(event, ev.INPUT_TYPES) or type(event) not in _FIELDS:
+        kind = type(event)
+        kinds = _EXACT.get(kind)
+        if kinds is None:
             raise NotAnInput(i, event, "not an input event (inputs: " + _INPUT_NAMES + ")")
-        reason = _check_fields(event)
+        ranks.append(_RANK.get(kind, _CLIENT_RANK))
+        # The common case, checked here: every field exactly of its declared type, in range.
+        for declared, value in zip(kinds, astuple(event), strict=True):
+            if type(value) is not declared or not (
+                -_I64 <= value < _I64 if declared is int
+                else math.isfinite(value) if declared is float
+                else value.isascii() if declared is str
+                else value.ndim == 1 and value.dtype.kind in "iu" if declared is np.ndarray
+                else declared is not tuple or not value  # (bool, bytes; spans: none)
+            ):
+                break
+        else:
+            if isinstance(event, ev.RequestArrived):
+                whole = not len(event.block_hashes) % ev.HASH_SIZE
+                if whole and abs(event.temperature) <= _F32_MAX:
+                    continue
+            elif not isinstance(event, ev.DrainRequested) or event.level in ev.SLEEP_LEVELS:
+                continue
+        reason = _field_error(event)
         if reason is not None:
             raise MalformedInput(i, event, reason)
-    ordered = _ordered(list(enumerate(inputs)))
-    _check_against_state(state, ordered, len(inputs))
-    return [e for _, e in ordered]
+    order = sorted(range(len(inputs)), key=ranks.__getitem__)
+    _check_against_state(state, inputs, order)
+    return [inputs[i] for i in order]
 
 
 # ----------------------------------------------------------------------- field types
 
 _INPUT_NAMES = ", ".join(t.__name__ for t in ev.INPUT_TYPES)
-_FIELDS: dict[type[ev.Event], tuple[tuple[str, Any], ...]] = {
-    kind: tuple((f.name, f.type) for f in msgspec.structs.fields(kind)) for kind in ev.INPUT_TYPES
+
+
+def _kind(typ: Any) -> Any:
+    """A field's declared type as checked: ``tuple`` for a tuple of spans."""
+    return tuple if getattr(typ, "__origin__", None) is tuple else typ
+
+
+# input type -> (name, type as checked) of each field, in declaration order
+_KINDS: dict[type[ev.Event], tuple[tuple[str, Any], ...]] = {
+    kind: tuple((f.name, _kind(f.type)) for f in msgspec.structs.fields(kind))
+    for kind in ev.INPUT_TYPES
 }
+# input type -> the types alone, in the order of ``msgspec.structs.astuple``
+_EXACT: dict[type[ev.Event], tuple[Any, ...]] = {
+    kind: tuple(k for _, k in fields) for kind, fields in _KINDS.items()
+}
+_F32_MAX = float(np.finfo(np.float32).max)
+
+
+def _field_error(event: ev.Event) -> str | None:
+    """Why a field of ``event`` is malformed (the first, field by field in declaration
+    order, then its type's own rules), or None."""
+    for name, kind in _KINDS[type(event)]:
+        reason = _check_value(name, kind, getattr(event, name))
+        if reason is not None:
+            return reason
+    if isinstance(event, ev.RequestArrived) and abs(event.temperature) > _F32_MAX:
+        return f"temperature={event.temperature} does not fit the sampling parameters (float32)"
+    if isinstance(event, ev.RequestArrived) and len(event.block_hashes) % ev.HASH_SIZE:
+        return f"block_hashes must be whole {ev.HASH_SIZE}-byte digests"
+    if isinstance(event, ev.DrainRequested) and event.level not in ev.SLEEP_LEVELS:
+        return f"level must be 1 (release the KV cache) or 2 (and the weights), got {event.level}"
+    return None
 
 
 def _check_value(name: str, kind: Any, value: object) -> str | None:
@@ -169,116 +221,75 @@ def _check_spans(name: str, value: object) -> str | None:
     return None
 
 
-_F32_MAX = float(np.finfo(np.float32).max)
-
-
-def _kind(typ: Any) -> Any:
-    """A field's declared type as checked: ``tuple`` for a tuple of spans."""
-    return tuple if getattr(typ, "__origin__", None) is tuple else typ
-
-
-_KINDS: dict[type[ev.Event], tuple[tuple[str, Any], ...]] = {
-    kind: tuple((name, _kind(typ)) for name, typ in fields) for kind, fields in _FIELDS.items()
-}
-
-
-def _check_fields(event: ev.Event) -> str | None:
-    for name, kind in _KINDS[type(event)]:
-        value = getattr(event, name)
-        if type(value) is kind:  # the common case, checked here: the declared type exactly
-            if kind is int:
-                ok = -_I64 <= value < _I64
-            elif kind is float:
-                ok = math.isfinite(value)
-            elif kind is str:
-                ok = value.isascii()
-            elif kind is np.ndarray:
-                ok = value.ndim == 1 and value.dtype.kind in "iu"
-            else:
-                ok = kind is not tuple or not value  # bool, bytes; an empty tuple of spans
-            if ok:
-                continue
-        reason = _check_value(name, kind, value)
-        if reason is not None:
-            return reason
-    if isinstance(event, ev.RequestArrived) and abs(event.temperature) > _F32_MAX:
-        return f"temperature={event.temperature} does not fit the sampling parameters (float32)"
-    if isinstance(event, ev.RequestArrived) and len(event.block_hashes) % ev.HASH_SIZE:
-        return f"block_hashes must be whole {ev.HASH_SIZE}-byte digests"
-    if isinstance(event, ev.DrainRequested) and event.level not in ev.SLEEP_LEVELS:
-        return f"level must be 1 (release the KV cache) or 2 (and the weights), got {event.level}"
-    return None
-
-
 # ----------------------------------------------------------------- against the state
 
 
-def _check_against_state(state: Owners, ordered: list[tuple[int, ev.Event]], count: int) -> None:
-    """Check the ordered inputs against the state as it would be when each is applied: one
-    outcome of the pending step, transfer reports of transfers in flight, each once."""
-    seqs = state.seqs
+def _check_against_state(state: Owners, inputs: Sequence[ev.Event], order: list[int]) -> None:
+    """Check the inputs, in the order they are applied, against the state as each finds it:
+    one outcome of the pending step, whose sampled ids are exactly the sequences that sample
+    (once each, one in-vocabulary token each), with a finite duration and, for MoE, one set
+    of expert ids per computed token; transfer reports of transfers in flight, each once."""
+    seqs, model = state.seqs, state.config.model
     answered = False  # the pending step's outcome has been given
     loads_done: set[int] = set()
     saves_done: set[int] = set()
-    for i, event in ordered:
-        if isinstance(event, (ev.StepExecuted, ev.StepFailed)):
+    for i in order:
+        e = inputs[i]
+        if type(e) not in _RANK:
+            break  # (client requests come last and are not checked against the state)
+        if isinstance(e, (ev.StepExecuted, ev.StepFailed)):
             if answered or not seqs.has_pending:
+                raise OutcomeMismatch(i, e, f"no step awaits an outcome (step {e.step} given)")
+            if e.step != seqs.pending_step:
                 raise OutcomeMismatch(
-                    i, event, f"no step awaits an outcome (step {event.step} given)"
-                )
-            if event.step != seqs.pending_step:
-                raise OutcomeMismatch(
-                    i, event, f"outcome of step {event.step}, but step {seqs.pending_step} ran"
+                    i, e, f"outcome of step {e.step}, but step {seqs.pending_step} ran"
                 )
             answered = True
-            reason = _sampled(state, event) if isinstance(event, ev.StepExecuted) else None
+            if isinstance(e, ev.StepFailed):
+                continue
+            expected, experts = seqs.sampling_seq_ids(), e.routed_experts
+            reason = None
+            if len(e.tokens) != len(e.seq_ids):
+                reason = f"{len(e.tokens)} tokens for {len(e.seq_ids)} sequences"
+            elif np.array_equal(e.seq_ids, expected):  # (the plan's order: the common case)
+                pass
+            elif len(np.unique(e.seq_ids)) != len(e.seq_ids):
+                reason = "a sequence id appears twice"
+            elif not np.array_equal(np.sort(e.seq_ids), np.sort(expected)):
+                extra = sorted(set(e.seq_ids.tolist()) ^ set(expected.tolist()))[:8]
+                reason = f"sampled ids differ from the sequences that sample (differ: {extra})"
+            vocab = model.vocab_size
+            if reason is None and len(e.tokens) and (e.tokens.min() < 0 or e.tokens.max() >= vocab):
+                reason = f"a sampled token is outside the vocabulary [0, {vocab})"
+            if reason is None and (not math.isfinite(e.duration_s) or e.duration_s < 0):
+                reason = f"duration_s must be finite and >= 0, got {e.duration_s}"
+            if reason is None and len(experts):
+                _, starts, ends = seqs.pending_arrays()
+                k = model.routed_experts_per_token
+                want = int((ends - starts).sum()) * k
+                if not k or len(experts) != want:
+                    reason = f"{len(experts)} routed-expert ids, expected {want} or none"
+                elif experts.min() < 0 or experts.max() > np.iinfo(np.int16).max:
+                    reason = "a routed-expert id is outside [0, 32767]"
             if reason is not None:
-                raise OutcomeMismatch(i, event, reason)
-        elif isinstance(event, (ev.KVLoadFinished, ev.KVLoadFailed)):
-            load = state.transfers.load_of(event.seq_id)
-            if load is None or not load.in_flight or event.seq_id in loads_done:
-                raise UnknownTransfer(i, event, f"sequence {event.seq_id} has no load in flight")
-            if isinstance(event, ev.KVLoadFailed) and event.num_good_blocks < 0:
-                raise MalformedInput(i, event, "num_good_blocks must be >= 0")
-            loads_done.add(event.seq_id)
-        elif isinstance(event, ev.KVSaveFinished):
-            if event.save_id not in state.transfers.leases or event.save_id in saves_done:
-                raise UnknownTransfer(i, event, f"save {event.save_id} is not in flight")
-            saves_done.add(event.save_id)
-        elif isinstance(event, ev.KVLookupAnswered) and event.num_blocks < 0:
-            raise MalformedInput(i, event, "num_blocks must be >= 0")
+                raise OutcomeMismatch(i, e, reason)
+        elif isinstance(e, (ev.KVLoadFinished, ev.KVLoadFailed)):
+            load = state.transfers.load_of(e.seq_id)
+            if load is None or not load.in_flight or e.seq_id in loads_done:
+                raise UnknownTransfer(i, e, f"sequence {e.seq_id} has no load in flight")
+            if isinstance(e, ev.KVLoadFailed) and e.num_good_blocks < 0:
+                raise MalformedInput(i, e, "num_good_blocks must be >= 0")
+            loads_done.add(e.seq_id)
+        elif isinstance(e, ev.KVSaveFinished):
+            if e.save_id not in state.transfers.leases or e.save_id in saves_done:
+                raise UnknownTransfer(i, e, f"save {e.save_id} is not in flight")
+            saves_done.add(e.save_id)
+        elif isinstance(e, ev.KVLookupAnswered) and e.num_blocks < 0:
+            raise MalformedInput(i, e, "num_blocks must be >= 0")
     if seqs.has_pending and not answered:
         raise OutcomeMismatch(
-            count,
+            len(inputs),
             None,
             f"the outcome of step {seqs.pending_step} (StepExecuted or StepFailed) is missing: "
             "every step that scheduled work needs one",
         )
-
-
-def _sampled(state: Owners, e: ev.StepExecuted) -> str | None:
-    """Why the sampled ids, tokens, duration or expert ids do not answer the pending step."""
-    seqs, model = state.seqs, state.config.model
-    expected = seqs.sampling_seq_ids()
-    if len(e.tokens) != len(e.seq_ids):
-        return f"{len(e.tokens)} tokens for {len(e.seq_ids)} sequences"
-    if not np.array_equal(e.seq_ids, expected):  # (the plan's order: the common case)
-        if len(np.unique(e.seq_ids)) != len(e.seq_ids):
-            return "a sequence id appears twice"
-        if not np.array_equal(np.sort(e.seq_ids), np.sort(expected)):
-            extra = sorted(set(e.seq_ids.tolist()) ^ set(expected.tolist()))[:8]
-            return f"sampled ids differ from the sequences that sample (differ: {extra})"
-    if len(e.tokens) and (e.tokens.min() < 0 or e.tokens.max() >= model.vocab_size):
-        return f"a sampled token is outside the vocabulary [0, {model.vocab_size})"
-    if not math.isfinite(e.duration_s) or e.duration_s < 0:
-        return f"duration_s must be finite and >= 0, got {e.duration_s}"
-    k = model.routed_experts_per_token
-    experts = e.routed_experts
-    if len(experts):
-        _, starts, ends = seqs.pending_arrays()
-        want = int((ends - starts).sum()) * k
-        if not k or len(experts) != want:
-            return f"{len(experts)} routed-expert ids, expected {want} or none"
-        if experts.min() < 0 or experts.max() > np.iinfo(np.int16).max:
-            return "a routed-expert id is outside [0, 32767]"
-    return None

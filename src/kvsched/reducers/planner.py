@@ -6,32 +6,26 @@ parameters) and the step's extras (``StepWork``); returns read-only arrays.
 
 from __future__ import annotations
 
+import attrs
 import numpy as np
 
 from kvsched.plan import StepPlan
 from kvsched.reducers.checkpoints import CheckpointTable
 from kvsched.reducers.state import EngineState
 
-
-def _frozen(arr: np.ndarray) -> np.ndarray:
-    arr.setflags(write=False)
-    return arr
-
-
-_EMPTY2 = _frozen(np.zeros((0, 2), dtype=np.int32))
-_EMPTY3 = _frozen(np.zeros((0, 3), dtype=np.int32))
-_EMPTY1 = _frozen(np.zeros(0, dtype=np.int32))
-
-
-def _pairs(pairs: list[tuple[int, int]]) -> np.ndarray:
-    if not pairs:
-        return _EMPTY2  # (read-only, shared: most steps copy nothing)
-    return _frozen(np.asarray(pairs, dtype=np.int32).reshape(len(pairs), 2))
+# StepPlan's array fields (made read-only once the plan is built)
+_ARRAYS = tuple(f.name for f in attrs.fields(StepPlan) if f.type in (np.ndarray, "np.ndarray"))
+# shared, read-only: most steps copy, zero and save nothing
+_NONE = np.zeros(0, dtype=np.int32)
+_NO_PAIRS = np.zeros((0, 2), dtype=np.int32)
+_NO_TRIPLES = np.zeros((0, 3), dtype=np.int32)
+for _empty in (_NONE, _NO_PAIRS, _NO_TRIPLES):
+    _empty.setflags(write=False)
 
 
 def plan_step(state: EngineState) -> StepPlan:
     """Fold the step's scheduled work (``SequenceTable.pending_arrays``) and copies
-    (``StepWork.extras``) into a frozen plan."""
+    (``StepWork.extras``) into a plan whose arrays are read-only."""
     table, bs, x = state.seqs, state.block_size, state.work.extras
     hit_tokens, query_tokens = state.work.step_hits()
     rows, starts, ends = table.pending_arrays()
@@ -54,45 +48,49 @@ def plan_step(state: EngineState) -> StepPlan:
     nblocks = -(-ends // bs)
     width = int(nblocks.max()) if len(nblocks) else 0
     tables = table.table[rows, :width]  # entries past a row's blocks are kept zero
-    return StepPlan(
+    restored = [(f, int(table.table[r, i])) for r, i, f in x.restore_blocks]
+    pairs = []  # (from, to): block copies before and after the forward, state restores, saves
+    for p in (
+        x.copy_before + restored, x.copy_after, x.state_restore, x.state_save, x.state_save_before
+    ):
+        pairs.append(np.array(p, dtype=np.int32).reshape(-1, 2) if p else _NO_PAIRS)
+    copies, copies_after, restores, saves, saves_before = pairs
+    within = _NO_TRIPLES  # mid-chunk saves: (batch row, tokens, slot) -> (plan row, ...)
+    if x.state_save_within:
+        index = {r: i for i, r in enumerate(rows.tolist())}
+        triples = [(index[row], tokens, slot) for row, tokens, slot in x.state_save_within]
+        within = np.array(triples, dtype=np.int32)
+    plan = StepPlan(
         step=state.step,
         clock=state.clock,
         block_size=bs,
-        seq_ids=_frozen(table.row_seq[rows].copy()),
-        starts=_frozen(starts),
-        ends=_frozen(ends),
-        sample=_frozen(ends == table.ntokens[rows]),
-        input_ids=_frozen(input_ids),
-        positions=_frozen(positions),
-        slot_mapping=_frozen(slots),
-        block_tables=_frozen(tables),
-        num_blocks=_frozen(nblocks.astype(np.int32)),
-        copy_blocks=_pairs(
-            x.copy_before + [(f, int(table.table[r, i])) for r, i, f in x.restore_blocks]
-        ),
-        zero_blocks=_EMPTY1,
-        state_slots=_frozen(
+        seq_ids=table.row_seq[rows],
+        starts=starts,
+        ends=ends,
+        sample=ends == table.ntokens[rows],
+        input_ids=input_ids,
+        positions=positions,
+        slot_mapping=slots,
+        block_tables=tables,
+        num_blocks=nblocks.astype(np.int32),
+        copy_blocks=copies,
+        zero_blocks=_NONE,
+        state_slots=(
             CheckpointTable.runtime_slots(rows) if state.hybrid else np.zeros(len(rows), np.int32)
         ),
-        state_zero=_frozen(np.asarray(x.state_zero, dtype=np.int32)) if x.state_zero else _EMPTY1,
-        state_restore=_pairs(x.state_restore),
-        state_save=_pairs(x.state_save),
-        copy_blocks_after=_pairs(x.copy_after),
-        temperature=_frozen(table.temperature[rows].copy()),
-        seeds=_frozen(table.seed[rows].copy()),
+        state_zero=np.array(x.state_zero, dtype=np.int32) if x.state_zero else _NONE,
+        state_restore=restores,
+        state_save=saves,
+        copy_blocks_after=copies_after,
+        temperature=table.temperature[rows],
+        seeds=table.seed[rows],
         num_prefill_tokens=int(lens[~decode].sum()),
         num_decode_tokens=int(decode.sum()),
         num_hit_tokens=hit_tokens,
         num_query_tokens=query_tokens,
-        state_save_before=_pairs(x.state_save_before),
-        state_save_within=_within(x.state_save_within, rows),
+        state_save_before=saves_before,
+        state_save_within=within,
     )
-
-
-def _within(saves: list[tuple[int, int, int]], rows: np.ndarray) -> np.ndarray:
-    """(batch row, tokens, slot) -> (plan row, tokens, slot)."""
-    if not saves:
-        return _EMPTY3
-    index = {int(r): i for i, r in enumerate(rows.tolist())}
-    out = [(index[row], tokens, slot) for row, tokens, slot in saves]
-    return _frozen(np.asarray(out, dtype=np.int32).reshape(len(out), 3))
+    for name in _ARRAYS:
+        getattr(plan, name).setflags(write=False)
+    return plan

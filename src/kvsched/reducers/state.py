@@ -146,9 +146,9 @@ class EngineState:
         self.work = StepWork(self.seqs, self.ckpts, self.stats, config.hybrid)
         self.turns = Turns(config, self.seqs)
         self._routes = self._build_routes()
-        seqs_fold = self.seqs.arrival_fold
-        self._arrival_route: tuple[tuple[Callable[..., RefChange | None], bool], ...] = tuple(
-            (h, h == seqs_fold) for h in self._routes[ev.RequestArrived]
+        # the routed handler that takes an arrival (``apply``'s second argument)
+        self._arrival_fold: Callable[..., RefChange | None] = next(
+            h for h in self._routes[ev.RequestArrived] if h == self.seqs.arrival_fold
         )
 
     def _build_routes(self) -> dict[type[ev.Event], tuple[Handler, ...]]:
@@ -169,27 +169,20 @@ class EngineState:
 
     # ------------------------------------------------------------------------- fold
 
-    def apply(self, event: ev.Event) -> None:
-        """Fold one event into every owner it concerns (ReplayMismatch if it cannot be)."""
+    def apply(self, event: ev.Event, arrival: Arrival | None = None) -> None:
+        """Fold one event into every owner it concerns (ReplayMismatch if it cannot be).
+        An arrival's fold takes its tokens and digests when the caller computed them
+        (``SequenceTable.arrival``, for the policy's check): the prompt is hashed once."""
         handlers = self._routes.get(type(event))
         if handlers is None:
             if isinstance(event, STATELESS_INPUTS):
                 return
             raise ReplayMismatch(f"no reducer for {type(event).__name__} (in this configuration)")
-        pool = self.pool
+        pool, arrival_fold = self.pool, self._arrival_fold
         for handler in handlers:
-            change = handler(event)
+            change = arrival_fold(event, arrival) if handler is arrival_fold else handler(event)
             if change is not None:
                 pool.apply(change)
-
-    def apply_arrival(self, e: ev.RequestArrived, arrival: Arrival) -> None:
-        """``apply(e)`` with the arrival's tokens and digests already computed
-        (``SequenceTable.arrival``):
-        the prompt is hashed once for the policy's check and the fold."""
-        for handler, takes_arrival in self._arrival_route:
-            change = handler(e, arrival) if takes_arrival else handler(e)
-            if change is not None:
-                self.pool.apply(change)
 
     # ------------------------------------------------------------------------ queries
 

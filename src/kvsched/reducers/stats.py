@@ -10,6 +10,22 @@ import attrs
 from kvsched.events import types as ev
 from kvsched.reducers.errors import RefChange
 
+# What an event counts: one, its sequences, or the tokens it schedules (ends - starts).
+_ONE, _SEQUENCES, _TOKENS = "one", "sequences", "tokens"
+
+# event type -> (the counter it adds to, what it adds)
+COUNTS: dict[type[ev.Event], tuple[str, str]] = {
+    ev.StepStarted: ("steps", _ONE),
+    ev.RequestArrived: ("requests_arrived", _ONE),
+    ev.RequestRejected: ("requests_rejected", _ONE),
+    ev.StepExecuted: ("generated_tokens", _SEQUENCES),
+    ev.PrefillScheduled: ("prefill_tokens", _TOKENS),
+    ev.DecodeScheduled: ("decode_tokens", _SEQUENCES),
+    ev.SequencePreempted: ("preemptions", _ONE),
+    ev.SequenceFinished: ("requests_finished", _SEQUENCES),
+    ev.SequenceAborted: ("requests_aborted", _ONE),
+}
+
 
 @attrs.define(slots=True)
 class Stats:
@@ -30,31 +46,22 @@ class Stats:
     external_hit_tokens: int = 0  # prompt tokens admitted to be loaded from the store
 
     def folds(self) -> dict[type[ev.Event], Callable[[Any], RefChange | None]]:
-        return {
-            ev.StepStarted: self._on_step_started,
-            ev.RequestArrived: self._on_arrived,
-            ev.RequestRejected: self._on_rejected,
-            ev.StepExecuted: self._on_executed,
-            ev.PrefixMatched: self._on_matched,
-            ev.PrefillScheduled: self._on_prefill,
-            ev.DecodeScheduled: self._on_decode,
-            ev.SequencePreempted: self._on_preempted,
-            ev.SequenceFinished: self._on_finished,
-            ev.SequenceAborted: self._on_aborted,
-            ev.KVLoadAdmitted: self._on_load_admitted,
-        }
+        folds: dict[type[ev.Event], Callable[[Any], RefChange | None]]
+        folds = dict.fromkeys(COUNTS, self._count)
+        folds[ev.PrefixMatched] = self._on_matched
+        folds[ev.KVLoadAdmitted] = self._on_load_admitted
+        return folds
 
-    def _on_step_started(self, e: ev.StepStarted) -> None:
-        self.steps += 1
-
-    def _on_arrived(self, e: ev.RequestArrived) -> None:
-        self.requests_arrived += 1
-
-    def _on_rejected(self, e: ev.RequestRejected) -> None:
-        self.requests_rejected += 1
-
-    def _on_executed(self, e: ev.StepExecuted) -> None:
-        self.generated_tokens += len(e.seq_ids)
+    def _count(self, e: Any) -> None:
+        """Add what ``e`` counts to its type's counter (``COUNTS``)."""
+        counter, measure = COUNTS[type(e)]
+        if measure is _ONE:
+            n = 1
+        elif measure is _SEQUENCES:
+            n = len(e.seq_ids)
+        else:  # _TOKENS
+            n = int((e.ends - e.starts).sum())
+        setattr(self, counter, getattr(self, counter) + n)
 
     def _on_matched(self, e: ev.PrefixMatched) -> None:
         if e.num_query_tokens:  # re-admissions after preemption are not counted
@@ -64,21 +71,6 @@ class Stats:
                 self.ckpt_hit_tokens += e.num_tokens
             if e.kv_hit_tokens > e.num_tokens:
                 self.kv_only_hit_tokens += e.kv_hit_tokens - e.num_tokens
-
-    def _on_prefill(self, e: ev.PrefillScheduled) -> None:
-        self.prefill_tokens += int((e.ends - e.starts).sum())
-
-    def _on_decode(self, e: ev.DecodeScheduled) -> None:
-        self.decode_tokens += len(e.seq_ids)
-
-    def _on_preempted(self, e: ev.SequencePreempted) -> None:
-        self.preemptions += 1
-
-    def _on_finished(self, e: ev.SequenceFinished) -> None:
-        self.requests_finished += len(e.seq_ids)
-
-    def _on_aborted(self, e: ev.SequenceAborted) -> None:
-        self.requests_aborted += 1
 
     def _on_load_admitted(self, e: ev.KVLoadAdmitted) -> None:
         self.external_hit_tokens += (e.num_blocks - e.first_block) * self.block_size

@@ -55,8 +55,10 @@ class StepWork:
 
     def step_hits(self) -> tuple[int, int]:
         """(hit tokens, query tokens) of the current step's first admissions."""
-        x, s = self.extras, self._stats
-        return s.hit_tokens - x.hit_tokens_before, s.query_tokens - x.query_tokens_before
+        return (
+            self._stats.hit_tokens - self.extras.hit_tokens_before,
+            self._stats.query_tokens - self.extras.query_tokens_before,
+        )
 
     def folds(self) -> Folds:
         out: Folds = {ev.StepStarted: self._on_step_started}

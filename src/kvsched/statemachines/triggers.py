@@ -22,9 +22,15 @@ from enum import IntEnum
 from typing import Any, NoReturn, TypeVar, cast
 
 import numpy as np
+import numpy.typing as npt
 
 from kvsched.events import types as ev
-from kvsched.statemachines.declare import NO_FACTS, CompiledMachine, MachineDefinitionError
+from kvsched.statemachines.declare import (
+    ILLEGAL,
+    NO_FACTS,
+    CompiledMachine,
+    MachineDefinitionError,
+)
 from kvsched.statemachines.machines import (
     ALL_MACHINES,
     CHECKPOINT,
@@ -148,6 +154,17 @@ _DIRECT: dict[tuple[type[ev.Event], CompiledMachine, int], Any] = {
 }
 
 
+# (event type, machine) -> for an event type that fires a single trigger on the machine: the
+# destination of its unguarded edge from each source state, ILLEGAL where it has none
+# (``fire_many``'s common case: one array read per entity).
+_ROWS: dict[tuple[type[ev.Event], CompiledMachine], npt.NDArray[np.int64]] = {
+    (kind, machine): machine.table[int(triggers[0])]
+    for kind, per_machine in EVENT_TRIGGERS.items()
+    for machine, triggers in per_machine.items()
+    if not isinstance(triggers, Choice)
+}
+
+
 def triggers_of(kind: type[ev.Event], machine: CompiledMachine) -> tuple[IntEnum, ...]:
     return EVENT_TRIGGERS.get(kind, {}).get(machine, ())
 
@@ -197,8 +214,15 @@ def fire(
 def fire_many(
     machine: CompiledMachine, event: ev.Event, entity_ids: np.ndarray, states: np.ndarray
 ) -> np.ndarray:
-    """Vectorised ``fire`` for an event type with one unguarded trigger (one table read per
-    entity)."""
+    """Vectorised ``fire`` for an event type with one unguarded trigger: the destination of
+    each entity's state (equal 1-D arrays of ids and of the machine's states). A state the
+    trigger does not leave by an unguarded edge, or one outside the machine, takes
+    ``CompiledMachine.next_states``, which raises naming the first such entity."""
+    row = _ROWS.get((type(event), machine))
+    if row is not None and len(states) and states.min() >= 0 and states.max() < len(row):
+        dests: np.ndarray = row[states]
+        if dests.min() != ILLEGAL:
+            return dests
     return machine.next_states(entity_ids, states, int(trigger_for(machine, event)))
 
 
