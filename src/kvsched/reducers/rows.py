@@ -146,13 +146,11 @@ class RowTable:
 
     def ids_at(self, rows: np.ndarray) -> np.ndarray:
         """The ids of the sequences holding ``rows``."""
-        ids: np.ndarray = self.row_seq[rows]
-        return ids
+        return self.row_seq[rows]  # type: ignore[no-any-return]
 
     def still_held(self, rows: np.ndarray) -> np.ndarray:
         """Those of ``rows`` that still hold a sequence (none preempted or ended meanwhile)."""
-        held: np.ndarray = rows[self.row_seq[rows] >= 0]
-        return held
+        return rows[self.row_seq[rows] >= 0]  # type: ignore[no-any-return]
 
     def computed_at(self, row: int) -> int:
         """Tokens of the row whose KV is written."""
@@ -180,8 +178,7 @@ class RowTable:
 
     def known_of(self, rows: np.ndarray) -> np.ndarray:
         """Tokens each row knows (prompt and sampled outputs)."""
-        out: np.ndarray = self.ntokens[rows]
-        return out
+        return self.ntokens[rows]  # type: ignore[no-any-return]
 
     def tokens_left(self, rows: np.ndarray) -> np.ndarray:
         """Tokens each row knows but has not computed."""
@@ -195,23 +192,23 @@ class RowTable:
 
     def outputs_done(self, rows: np.ndarray) -> np.ndarray:
         """Whether each row has sampled its ``max_tokens`` outputs."""
-        done: np.ndarray = self.ntokens[rows] - self.n_prompt[rows] >= self.max_tokens[rows]
-        return done
+        return (  # type: ignore[no-any-return]
+            self.ntokens[rows] - self.n_prompt[rows] >= self.max_tokens[rows]
+        )
 
     def is_eos(self, rows: np.ndarray, tokens: np.ndarray) -> np.ndarray:
         """Whether each row's ``tokens`` entry is its end-of-sequence token."""
-        eos: np.ndarray = tokens == self.eos[rows]
-        return eos
+        return tokens == self.eos[rows]  # type: ignore[no-any-return]
 
     def awaiting_decode(self, rows: np.ndarray) -> np.ndarray:
         """Whether each row has computed all but its newest token (its next work decodes)."""
-        mask: np.ndarray = self.computed[rows] == self.ntokens[rows] - 1
-        return mask
+        return self.computed[rows] == self.ntokens[rows] - 1  # type: ignore[no-any-return]
 
     def rows_needing_blocks(self, rows: np.ndarray) -> np.ndarray:
         """Those of ``rows`` whose next token's position lies past their block table."""
-        needing: np.ndarray = rows[self.computed[rows] // self.block_size >= self.nblocks[rows]]
-        return needing
+        return (  # type: ignore[no-any-return]
+            rows[self.computed[rows] // self.block_size >= self.nblocks[rows]]
+        )
 
     def rows_to_cache(
         self, rows: np.ndarray | None = None
