@@ -292,12 +292,17 @@ class RowTable:
         self.temperature[row] = seq.temperature
 
     def flush(self, row: int) -> Seq:
-        """Copy the row's unflushed sampled tokens into its sequence; returns the sequence."""
+        """Copy the row's unflushed sampled tokens into its sequence, growing its token array
+        into a copy when it is full (a prompt's is the event's, read-only); returns the
+        sequence."""
         seq = self.objs[row]
         assert seq is not None
         n0, n1, bs = seq.n_tokens, int(self.ntokens[row]), self.block_size
         if n1 > n0:
-            seq.ensure_tokens(n1)
+            if len(seq.tokens) < n1:
+                grown = np.empty(max(n1, 16, 2 * len(seq.tokens)), dtype=np.int32)
+                grown[:n0] = seq.tokens[:n0]
+                seq.tokens = grown
             if n1 - n0 == bs and n0 % bs == 0:  # exactly one whole block: the tail in order
                 seq.tokens[n0:n1] = self.tail[row]
             else:
