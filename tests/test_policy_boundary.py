@@ -72,7 +72,7 @@ PASS_THROUGH = frozenset(
 # the same question always gets the same answer, and no fold or other query reads the memo).
 # An entry is "method": reason.
 WRITING_QUERIES: dict[str, str] = {
-    "arrival": "memoises each (adapter, salt) namespace root it computes (root_for)",
+    "arrival": "memoises each (adapter, salt) namespace root it computes",
     "rows_of": "keeps its last few answers, keyed by the id array and the rows' version",
 }
 

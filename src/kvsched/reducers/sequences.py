@@ -107,14 +107,6 @@ class SequenceTable(BlockTables):
 
     # ------------------------------------------------------------------------- queries
 
-    def root_for(self, adapter: str, salt: str) -> bytes:
-        key = (adapter, salt)
-        root = self._roots.get(key)
-        if root is None:
-            root = namespace_root(self.model, self.block_size, adapter, salt, self.identity)
-            self._roots[key] = root
-        return root
-
     def identity_at(self, seq: Seq, step: int) -> tuple[bytes, bytes]:
         """(identity, anchor) of the state after ``step`` tokens of ``seq`` (a pure query:
         tokens sampled since the last flush are read from the row's tail, not copied)."""
@@ -131,13 +123,22 @@ class SequenceTable(BlockTables):
         """An arrival's tokens (a session's history first), its multimodal spans in those
         tokens' positions, and the digests of its full blocks (a pure query: the engine
         computes it once for the policy's check, ``Arrival.top``, and hands it to the fold).
-        ``top`` is the prompt's largest token id (read as unsigned: a negative id is larger
-        than any vocabulary) when the hashing pass read every prompt token, else None."""
+        The digests known already are kept: the caller's (``e.block_hashes``), else the
+        history's (its namespace unchanged; new spans lie past it, so they cannot change
+        those blocks); one kernel call computes the rest (``chain_and_max``). ``top`` is the
+        prompt's largest token id (read as unsigned: a negative id is larger than any
+        vocabulary) when that call read every prompt token, else None. Each namespace root
+        is computed once (``namespace_root``, kept by (adapter, salt))."""
         # The prompt is kept as a read-only view, not copied (an event is an immutable value:
         # its arrays must not change once given to the engine); decoding grows it into a copy.
         prompt = np.asarray(e.prompt, dtype=np.int32).view()
         prompt.flags.writeable = False
-        root = self.root_for(e.adapter, e.cache_salt)
+        bs = self.block_size
+        root = self._roots.get((e.adapter, e.cache_salt))
+        if root is None:
+            root = namespace_root(self.model, bs, e.adapter, e.cache_salt, self.identity)
+            self._roots[(e.adapter, e.cache_salt)] = root
+        known = HashChain(e.block_hashes) if e.block_hashes else None
         history = self._history.get(e.session_id) if e.session_id >= 0 else None
         if history is None:
             tokens, offset, spans = prompt, 0, e.mm_spans
@@ -150,11 +151,16 @@ class SequenceTable(BlockTables):
                     ev.MultimodalSpan(s.start + offset, s.end + offset, s.content_hash)
                     for s in e.mm_spans
                 )
-            if history.root != root:
-                history = None  # (another namespace: none of its digests apply)
-        bs = self.block_size
-        hashes, first, top = _chain(self.identity, bs, e, root, tokens, spans, history)
-        return Arrival(tokens, spans, root, hashes, top if first <= offset else None)
+            if known is None and history.root == root:  # (another namespace: none apply)
+                known = history.hashes.prefix(offset // bs)
+        keep = len(known) if known is not None else 0
+        parent = known.last(root) if known is not None else root
+        extras = span_extras(spans, bs, keep, len(tokens) // bs) if spans else None
+        rest, top = chain_and_max(
+            self.identity, root, parent, tokens[keep * bs :] if keep else tokens, bs, keep, extras
+        )
+        hashes = known.extended(rest) if known is not None else HashChain(rest)
+        return Arrival(tokens, spans, root, hashes, top if keep * bs <= offset else None)
 
     def arrival_fold(self, e: ev.RequestArrived, arrival: Arrival | None = None) -> None:
         """The fold of ``RequestArrived``: with its ``arrival`` when the caller computed it
@@ -437,24 +443,3 @@ class SequenceTable(BlockTables):
             self.pending_step, tuple(self.failed), self.num_finished, self.step,
         )
 
-
-def _chain(
-    identity: str, bs: int, e: ev.RequestArrived, root: bytes, tokens: np.ndarray,
-    spans: tuple[ev.MultimodalSpan, ...], history: History | None,
-) -> tuple[HashChain, int, int | None]:
-    """The digests of a new sequence's full blocks: the caller's (``e.block_hashes``), else
-    the history's (its namespace is unchanged, and new spans lie past it, so they cannot
-    change those blocks), then one kernel call for the rest; with the first token that
-    call read and the largest token id it saw (``chain_and_max``)."""
-    known: HashChain | None = None  # (the common case: every block is computed here)
-    if e.block_hashes:
-        known = HashChain(e.block_hashes)
-    elif history is not None:
-        known = history.hashes.prefix(len(history.tokens) // bs)
-    keep = len(known) if known is not None else 0
-    parent = known.last(root) if known is not None else root
-    extras = span_extras(spans, bs, keep, len(tokens) // bs) if spans else None
-    rest, top = chain_and_max(
-        identity, root, parent, tokens[keep * bs :] if keep else tokens, bs, keep, extras
-    )
-    return (known.extended(rest) if known is not None else HashChain(rest)), keep * bs, top
