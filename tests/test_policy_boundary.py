@@ -554,7 +554,7 @@ PLANTED_READS = {
     "    return list(ckpts.awaiting)\n",
     "a tuple binding": "def f(self, state, rows):\n    t, bs = state.seqs, 16\n"
     "    return t.ntokens[rows] // bs\n",
-    "a private field": "def f(self, state):\n    return state.seqs._pending\n",
+    "a private field": "def f(self, state):\n    return state.seqs._pending_rows\n",
     "a dict of records": "def f(self, state, i):\n    return state.seqs.seqs.get(i)\n",
 }
 

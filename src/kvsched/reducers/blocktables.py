@@ -60,12 +60,6 @@ class BlockTables(RowTable):
         """The sequences the latest failed step computed (a copy)."""
         return list(self.failed)
 
-    def _rows(self, seq_ids: np.ndarray) -> np.ndarray:
-        try:
-            return self.rows_of(seq_ids)
-        except KeyError as exc:
-            raise ReplayMismatch(f"work scheduled for {exc.args[0]}") from exc
-
     # ------------------------------------------------------------------------- queries
 
     def block_table(self, seq: Seq) -> np.ndarray:
@@ -166,7 +160,7 @@ class BlockTables(RowTable):
                 raise ReplayMismatch(f"allocation of {len(e.blocks)} blocks counted otherwise")
             grown = [(e.seq_ids.item(0), e.blocks)]
         elif len(e.seq_ids) == len(e.blocks):  # one block each (decode growth): vectorised
-            rows = self._rows(e.seq_ids)
+            rows = self.rows_of(e.seq_ids)
             n = self.nblocks[rows]
             if np.any(n >= self.table.shape[1]):
                 raise ReplayMismatch("a sequence cannot take one more block")
@@ -230,7 +224,7 @@ class BlockTables(RowTable):
         """Each sequence's next computed blocks enter the index (a duplicate's table entry is
         swapped for the canonical block). That the hashes are the sequence's own is an
         invariant (``invariants._check_seq``), not re-checked on this hot path."""
-        rows = self._rows(e.seq_ids)
+        rows = self.rows_of(e.seq_ids)
         starts = e.starts.astype(np.int64)
         ends = starts + e.counts
         if not np.array_equal(self.registered[rows], starts) or np.any(

@@ -26,6 +26,7 @@ from kvsched.reducers.seq import FREE_ROW, Seq
 from kvsched.statemachines import SEQUENCE, fire
 
 _MEMO = 3  # rows_of answers kept
+_NO_ROWS = np.zeros(0, dtype=np.int64)
 
 
 class RowTable:
@@ -63,9 +64,11 @@ class RowTable:
         # The latest answers of rows_of (a cache: (version, id array, rows), newest last).
         self._rows_memo: list[tuple[int, np.ndarray, np.ndarray]] = []
         self.step = 0
-        # Work of the current step awaiting the executor's outcome (row order = plan order).
+        # Work of the current step awaiting the executor's outcome: the rows, first and end
+        # positions of each piece, in the order it was scheduled (the plan's order).
         self.pending_step = 0
-        self._pending: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+        self.has_pending = False  # (a step may have work and no rows: a checkpoint's save)
+        self._pending_rows = self._pending_starts = self._pending_ends = _NO_ROWS
 
     # ------------------------------------------------------------------------- queries
 
@@ -81,32 +84,31 @@ class RowTable:
         """Rows whose sequence can compute (not waiting for a KV load)."""
         return np.nonzero((self.row_seq != FREE_ROW) & ~self.loading)[0]
 
-    def rows_of(self, seq_ids: np.ndarray) -> np.ndarray:
-        """Rows of running sequences, vectorised (raises KeyError if one is not running).
+    def rows_of(self, seq_ids: np.ndarray, guess: np.ndarray | None = None) -> np.ndarray:
+        """Rows of running sequences, vectorised (ReplayMismatch if one is not running);
+        ``guess``: the rows a caller expects them in (checked, and then no lookup is needed).
         The latest few answers are kept: an event's id array is looked up by several owners
         (and an outcome's by the stop rule, after the folds of the blocks it filled)."""
         for version, ids, rows in self._rows_memo:
             if ids is seq_ids and version == self._version:
                 return rows
-        if self._row_index is None or self._row_index[0] != self._version:
-            order = np.argsort(self.row_seq, kind="stable")
-            self._row_index = (self._version, order, self.row_seq[order])
-        _, order, sorted_ids = self._row_index
-        pos = np.minimum(np.searchsorted(sorted_ids, seq_ids), len(order) - 1)
-        rows = order[pos]
-        if len(seq_ids) and not np.array_equal(self.row_seq[rows], seq_ids):
-            missing = seq_ids[self.row_seq[rows] != seq_ids]
-            raise KeyError(f"sequences not running: {missing[:8].tolist()}")
-        self.remember_rows(seq_ids, rows)
-        return rows
-
-    def remember_rows(self, seq_ids: np.ndarray, rows: np.ndarray) -> None:
-        """Keep an answer of ``rows_of`` (or one a fold found another way: the next
-        ``rows_of(seq_ids)`` of the same array and rows answers it without a lookup)."""
+        if guess is not None and np.array_equal(self.row_seq[guess], seq_ids):
+            rows = guess
+        else:
+            if self._row_index is None or self._row_index[0] != self._version:
+                order = np.argsort(self.row_seq, kind="stable")
+                self._row_index = (self._version, order, self.row_seq[order])
+            _, order, sorted_ids = self._row_index
+            pos = np.minimum(np.searchsorted(sorted_ids, seq_ids), len(order) - 1)
+            rows = order[pos]
+            if len(seq_ids) and not np.array_equal(self.row_seq[rows], seq_ids):
+                missing = seq_ids[self.row_seq[rows] != seq_ids]
+                raise ReplayMismatch(f"sequences not running: {missing[:8].tolist()}")
         memo = self._rows_memo
         if len(memo) == _MEMO:
             del memo[0]
         memo.append((self._version, seq_ids, rows))
+        return rows
 
     def num_tokens(self, seq: Seq) -> int:
         """Tokens the sequence knows (its row's count, sampled tokens not yet flushed too)."""
@@ -240,25 +242,13 @@ class RowTable:
 
     def pending_arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(rows, starts, ends) of the work scheduled in the current step, in plan order."""
-        if not self._pending:
-            empty = np.zeros(0, dtype=np.int64)
-            return empty, empty, empty
-        if len(self._pending) == 1:
-            return self._pending[0]
-        rows = np.concatenate([p[0] for p in self._pending])
-        starts = np.concatenate([p[1] for p in self._pending])
-        ends = np.concatenate([p[2] for p in self._pending])
-        return rows, starts, ends
-
-    @property
-    def has_pending(self) -> bool:
-        return bool(self._pending)
+        return self._pending_rows, self._pending_starts, self._pending_ends
 
     def sampling_seq_ids(self) -> np.ndarray:
         """Sequences whose pending work ends at their newest token (they sample one)."""
-        rows, _, ends = self.pending_arrays()
-        sampling: np.ndarray = self.row_seq[rows[ends == self.ntokens[rows]]]
-        return sampling
+        return self.row_seq[  # type: ignore[no-any-return]
+            self._pending_rows[self._pending_ends == self.ntokens[self._pending_rows]]
+        ]
 
     # ------------------------------------------------------------------------ commands
 
@@ -325,12 +315,3 @@ class RowTable:
         self.saved[row] = 0
         self.free_rows.append(row)
         seq.row = FREE_ROW
-
-    def add_pending(self, rows: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> None:
-        self.pending_step = self.step
-        self._pending.append((rows, starts, ends))
-
-    def take_pending(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        arrays = self.pending_arrays()
-        self._pending = []
-        return arrays

@@ -93,8 +93,8 @@ class SequenceTable(BlockTables):
             ev.BlocksFreed: self._on_freed,
             ev.BlocksCached: self._on_cached,
             ev.SessionBlocksHeld: self._on_session_held,
-            ev.PrefillScheduled: self._on_prefill,
-            ev.DecodeScheduled: self._on_decode,
+            ev.PrefillScheduled: self._on_scheduled,
+            ev.DecodeScheduled: self._on_scheduled,
             ev.SequencePreempted: self._on_preempted,
             ev.SequenceFinished: self._on_finished,
             ev.SequenceAborted: self._on_aborted,
@@ -189,7 +189,11 @@ class SequenceTable(BlockTables):
         self.waiting[seq.seq_id] = seq
 
     def _on_executed(self, e: ev.StepExecuted) -> None:
-        rows, starts, ends = self.take_pending()
+        """The step's pending work is computed; each sampled token is appended (vectorised,
+        into its row's tail buffer), and the blocks the tokens filled are flushed and hashed."""
+        rows, starts, ends = self.pending_arrays()
+        self._pending_rows = self._pending_starts = self._pending_ends = _NO_ROWS
+        self.has_pending = False
         if len(e.routed_experts) and len(rows):
             self._record_experts(rows, starts, ends, e.routed_experts)
         sampling = rows[ends == self.ntokens[rows]]
@@ -200,14 +204,22 @@ class SequenceTable(BlockTables):
                 assert seq is not None
                 seq.num_failures = 0
                 self.failures[row] = 0
-        if len(e.seq_ids):
-            # The outcome names the samplers, usually in plan order (then no lookup is needed,
-            # and the answer is remembered for the next ``rows_of(e.seq_ids)``).
-            if np.array_equal(self.row_seq[sampling], e.seq_ids):
-                self.remember_rows(e.seq_ids, sampling)
-            else:
-                sampling = self.rows_of(e.seq_ids)
-            self._append_sampled(sampling, e.tokens)
+        if not len(e.seq_ids):
+            return
+        # The outcome names the samplers, usually in plan order (then no lookup is needed;
+        # the answer is kept for the next ``rows_of(e.seq_ids)``).
+        sampled, bs = self.rows_of(e.seq_ids, sampling), self.block_size
+        self.tail[sampled, self.ntokens[sampled] % bs] = e.tokens
+        self.ntokens[sampled] += 1
+        self.last_token[sampled] = e.tokens
+        for row in sampled[self.ntokens[sampled] % bs == 0].tolist():
+            seq = self.flush(row)
+            start = seq.n_tokens - bs
+            parent = seq.hashes.last(seq.root)
+            # A block the prompt's last span reaches into keeps that span's content hash.
+            extra = tail_extra(seq.mm_spans, start, seq.n_tokens) if seq.mm_spans else b""
+            block = seq.tokens[start : seq.n_tokens]
+            seq.hashes.append(block_hash(self.identity, seq.root, parent, block, extra))
 
     def _record_experts(
         self, rows: np.ndarray, starts: np.ndarray, ends: np.ndarray, flat: np.ndarray
@@ -220,26 +232,12 @@ class SequenceTable(BlockTables):
             seq.record_experts(start, ids[offset : offset + end - start])
             offset += end - start
 
-    def _append_sampled(self, rows: np.ndarray, tokens: np.ndarray) -> None:
-        """Append each row's sampled token (vectorised, into the row's tail buffer); flush and
-        hash the blocks that the tokens filled."""
-        bs = self.block_size
-        self.tail[rows, self.ntokens[rows] % bs] = tokens
-        self.ntokens[rows] += 1
-        self.last_token[rows] = tokens
-        for row in rows[self.ntokens[rows] % bs == 0].tolist():
-            seq = self.flush(row)
-            start = seq.n_tokens - bs
-            parent = seq.hashes.last(seq.root)
-            # A block the prompt's last span reaches into keeps that span's content hash.
-            extra = tail_extra(seq.mm_spans, start, seq.n_tokens) if seq.mm_spans else b""
-            block = seq.tokens[start : seq.n_tokens]
-            seq.hashes.append(block_hash(self.identity, seq.root, parent, block, extra))
-
     def _on_step_failed(self, e: ev.StepFailed) -> None:
         """The forward raised: none of its effects happened (no KV or state written, no
         token sampled); the sequences it computed count one failure each."""
-        rows, _, _ = self.take_pending()
+        rows = self._pending_rows
+        self._pending_rows = self._pending_starts = self._pending_ends = _NO_ROWS
+        self.has_pending = False
         for row in rows.tolist():
             seq = self.objs[row]
             assert seq is not None
@@ -302,30 +300,31 @@ class SequenceTable(BlockTables):
 
     # ------------------------------------------------------------- scheduling folds
 
-    def _on_prefill(self, e: ev.PrefillScheduled) -> None:
-        rows = self._rows(e.seq_ids)
-        self._fire_rows(e, rows)
-        if not np.array_equal(e.starts, self.computed[rows]) or np.any(e.ends <= e.starts):
-            raise ReplayMismatch("a prefill does not start at its computed tokens")
-        if np.any(e.ends > self.ntokens[rows]) or np.any(
-            e.ends > self.nblocks[rows] * self.block_size
-        ):
-            raise ReplayMismatch("a prefill runs past its tokens or its blocks")
-        self.add_pending(rows, e.starts, e.ends)
-
-    def _on_decode(self, e: ev.DecodeScheduled) -> None:
-        rows = self._rows(e.seq_ids)
-        self._fire_rows(e, rows)
-        starts = self.computed[rows]
-        if np.any(starts != self.ntokens[rows] - 1) or np.any(
-            starts >= self.nblocks[rows] * self.block_size
-        ):
-            raise ReplayMismatch("a decode of a sequence that is not decoding or has no block")
-        self.add_pending(rows, starts, starts + 1)
-
-    def _fire_rows(self, e: ev.Event, rows: np.ndarray) -> None:
-        states = fire_many(SEQUENCE, e, self.row_seq[rows], self.row_state[rows])
-        self.row_state[rows] = states
+    def _on_scheduled(self, e: ev.PrefillScheduled | ev.DecodeScheduled) -> None:
+        """Each sequence's prefill chunk, or its decode (of its newest token), joins the
+        step's pending work (after any scheduled before it, in plan order). The work starts at
+        the row's computed tokens and ends within its known tokens and its blocks."""
+        rows = self.rows_of(e.seq_ids)
+        self.row_state[rows] = fire_many(SEQUENCE, e, self.row_seq[rows], self.row_state[rows])
+        if isinstance(e, ev.DecodeScheduled):
+            starts = self.computed[rows]
+            ends = starts + 1
+            if np.any(ends != self.ntokens[rows]):
+                raise ReplayMismatch("a decode of a sequence that is not decoding")
+        else:
+            starts, ends = e.starts, e.ends
+            if not np.array_equal(starts, self.computed[rows]) or np.any(ends <= starts):
+                raise ReplayMismatch("a prefill does not start at its computed tokens")
+            if np.any(ends > self.ntokens[rows]):
+                raise ReplayMismatch("a prefill runs past its tokens")
+        if np.any(ends > self.nblocks[rows] * self.block_size):
+            raise ReplayMismatch("work scheduled past its blocks")
+        if self.has_pending:
+            rows = np.concatenate((self._pending_rows, rows))
+            starts = np.concatenate((self._pending_starts, starts))
+            ends = np.concatenate((self._pending_ends, ends))
+        self._pending_rows, self._pending_starts, self._pending_ends = rows, starts, ends
+        self.has_pending, self.pending_step = True, self.step
 
     # -------------------------------------------------------------------- endings
 
@@ -395,7 +394,7 @@ class SequenceTable(BlockTables):
         if e.phase == "before":
             if e.num_tokens != self.computed[seq.row]:
                 raise ReplayMismatch(f"checkpoint {e.ckpt_id}: not the final state")
-            self.add_pending(_NO_ROWS, _NO_ROWS, _NO_ROWS)  # the step has work: the save
+            self.has_pending, self.pending_step = True, self.step  # the step's work: the save
 
     def _on_ckpt_pinned(self, e: ev.CheckpointPinned) -> None:
         seq = self.seq(e.seq_id)
@@ -437,9 +436,8 @@ class SequenceTable(BlockTables):
                 self.temperature, self.table, self.tail,
             )
         )
-        pending = tuple((r.tobytes(), s.tobytes(), e.tobytes()) for r, s, e in self._pending)
+        pending = (self.has_pending, *(a.tobytes() for a in self.pending_arrays()))
         return (
             seqs, arrays, tuple(self.free_rows), tuple(self.waiting), pending,
             self.pending_step, tuple(self.failed), self.num_finished, self.step,
         )
-
