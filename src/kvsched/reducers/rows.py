@@ -301,14 +301,23 @@ class RowTable:
         return seq
 
     def deactivate(self, seq: Seq) -> None:
-        """Free the sequence's row (its blocks must have been released already)."""
+        """Free the row of a sequence that leaves it. Its release (``BlocksFreed`` and
+        ``CheckpointUnpinned``, which ``Growth.end`` emits before every end) must come
+        first: its block count is zero then, and so is every table entry (``set_nblocks``).
+        A load without a row has none (``LoadHoldings`` checks its blocks)."""
         row = seq.row
+        if row == FREE_ROW:
+            return
+        if self.nblocks[row] or seq.overlap_block:
+            raise ReplayMismatch(
+                f"sequence {seq.seq_id} left running with blocks held (its BlocksFreed and "
+                "CheckpointUnpinned must come before its end: Growth.end)"
+            )
         self.flush(row)
         self.row_seq[row] = FREE_ROW
         self.row_state[row] = 0
         self._version += 1
         self.objs[row] = None
-        self.set_nblocks(row, 0)
         self.computed[row] = 0
         self.registered[row] = 0
         self.loading[row] = False

@@ -34,7 +34,7 @@ from kvsched.reducers.blocktables import BlockTables
 from kvsched.reducers.errors import RefChange, ReplayMismatch
 from kvsched.reducers.holdings import LoadHoldings
 from kvsched.reducers.seq import FREE_ROW, History, Seq
-from kvsched.statemachines import SEQUENCE, SeqState, fire, fire_many
+from kvsched.statemachines import SEQUENCE, fire, fire_many
 
 __all__ = ["FREE_ROW", "Arrival", "History", "Seq", "SequenceTable"]
 
@@ -96,8 +96,8 @@ class SequenceTable(BlockTables):
             ev.PrefillScheduled: self._on_scheduled,
             ev.DecodeScheduled: self._on_scheduled,
             ev.SequencePreempted: self._on_preempted,
-            ev.SequenceFinished: self._on_finished,
-            ev.SequenceAborted: self._on_aborted,
+            ev.SequenceFinished: self._on_ended,
+            ev.SequenceAborted: self._on_ended,
             ev.Drained: self._on_drained,
             ev.CheckpointReserved: self._on_ckpt_reserved,
             ev.CheckpointPinned: self._on_ckpt_pinned,
@@ -328,58 +328,41 @@ class SequenceTable(BlockTables):
 
     # -------------------------------------------------------------------- endings
 
-    def _release_row(self, seq: Seq) -> None:
-        """Free the row of a sequence that leaves it. Its release (``BlocksFreed`` and
-        ``CheckpointUnpinned``, which ``Growth.end`` emits before every end) must come
-        first; a load without a row has none (``LoadHoldings`` checks its blocks)."""
-        row = seq.row
-        if row == FREE_ROW:
-            return
-        if self.nblocks[row] or seq.overlap_block:
-            raise ReplayMismatch(
-                f"sequence {seq.seq_id} left running with blocks held (its BlocksFreed and "
-                "CheckpointUnpinned must come before its end: Growth.end)"
-            )
-        self.deactivate(seq)
-
     def _on_preempted(self, e: ev.SequencePreempted) -> None:
         seq = self.seq(e.seq_id)
         seq.state = fire(SEQUENCE, e, seq.seq_id, seq.state)
-        self._release_row(seq)
+        self.deactivate(seq)
         self.waiting[seq.seq_id] = seq
         seq.num_preemptions += 1
         seq.preempted_at = self.step
 
-    def _on_finished(self, e: ev.SequenceFinished) -> None:
-        counts = (e.cached_local, e.cached_checkpoint, e.cached_external)
-        reported = any(len(c) for c in counts)
-        if reported and any(len(c) != len(e.seq_ids) for c in counts):
-            raise ReplayMismatch("cached-token counts for another number of sequences")
-        for i, (seq_id, reason) in enumerate(zip(e.seq_ids.tolist(), e.reasons, strict=True)):
+    def _on_ended(self, e: ev.SequenceFinished | ev.SequenceAborted) -> None:
+        """Each sequence ends, for its reason: the cached-token counts the event reports (if
+        any) must be its own; it leaves its row (``deactivate``) and the table (its history
+        stays in the event log)."""
+        counts: list[tuple[int, ...]] | None = None
+        if isinstance(e, ev.SequenceAborted):
+            ended = [(e.seq_id, e.reason)]
+            reported = (e.cached_local, e.cached_checkpoint, e.cached_external)
+            if any(reported):
+                counts = [reported]
+        else:
+            ended = list(zip(e.seq_ids.tolist(), e.reasons, strict=True))
+            arrays = (e.cached_local, e.cached_checkpoint, e.cached_external)
+            if any(len(c) for c in arrays):
+                if any(len(c) != len(e.seq_ids) for c in arrays):
+                    raise ReplayMismatch("cached-token counts for another number of sequences")
+                counts = list(zip(*(c.tolist() for c in arrays), strict=True))
+        for i, (seq_id, reason) in enumerate(ended):
             seq = self.seq(seq_id)
-            if reported and seq.cached_tokens != tuple(int(c[i]) for c in counts):
+            if counts is not None and seq.cached_tokens != counts[i]:
                 raise ReplayMismatch(f"sequence {seq_id}: cached-token counts not its own")
-            seq.state = fire(SEQUENCE, e, seq.seq_id, seq.state)
+            seq.state = fire(SEQUENCE, e, seq_id, seq.state)
             seq.finish_reason = reason
-            self._release_row(seq)
-            self._retire(seq)
-
-    def _on_aborted(self, e: ev.SequenceAborted) -> None:
-        seq = self.seq(e.seq_id)
-        counts = (e.cached_local, e.cached_checkpoint, e.cached_external)
-        if any(counts) and counts != seq.cached_tokens:
-            raise ReplayMismatch(f"sequence {e.seq_id}: cached-token counts not its own")
-        if seq.state != SeqState.WAITING:  # running, or a load whose transfer ended
-            self._release_row(seq)
-        seq.state = fire(SEQUENCE, e, seq.seq_id, seq.state)
-        seq.finish_reason = e.reason
-        self._retire(seq)
-
-    def _retire(self, seq: Seq) -> None:
-        """A terminal sequence leaves the table (its history stays in the event log)."""
-        self.waiting.pop(seq.seq_id, None)
-        del self.seqs[seq.seq_id]
-        self.num_finished += 1
+            self.deactivate(seq)
+            self.waiting.pop(seq_id, None)
+            del self.seqs[seq_id]
+            self.num_finished += 1
 
     def _on_drained(self, e: ev.Drained) -> None:
         if self.num_running:
