@@ -216,7 +216,7 @@ def test_an_engine_configured_for_blake2b_hashes_blocks_as_logs_before_schema_4_
     h = Harness(identity="blake2b")
     prompt = tokens(40, seed=44)
     h.step([request(0, prompt, max_tokens=1)])
-    root = h.state.seqs.root_for("", "")
+    root = namespace_root(h.state.config.model, BS, "", "", "blake2b")
     first = blake2b(root, digest_size=16)
     first.update(prompt[:BS].astype("<i4").tobytes())
     assert h.state.seq(0).hashes[0] == first.digest()
@@ -232,7 +232,7 @@ def test_block_digests_given_with_a_request_are_used_and_the_chain_continues_fro
     h.step([request(0, prompt, max_tokens=1, block_hashes=given_hashes)])
     seq = h.state.seq(0)
     assert seq.hashes[0] == given_hashes[:16] and seq.hashes[1] == given_hashes[16:]
-    root = h.state.seqs.root_for("", "")
+    root = namespace_root(h.state.config.model, BS)
     rest = chain_hashes(root, prompt[2 * BS : 3 * BS], BS, 2, parent=given_hashes[16:])
     assert seq.hashes[2] == rest[0]
     # The same prompt with the same caller digests hits its blocks; without them it does not.

@@ -72,7 +72,7 @@ PASS_THROUGH = frozenset(
 # the same question always gets the same answer, and no fold or other query reads the memo).
 # An entry is "method": reason.
 WRITING_QUERIES: dict[str, str] = {
-    "arrival": "memoises each (adapter, salt) namespace root it computes (root_for)",
+    "arrival": "memoises each (adapter, salt) namespace root it computes",
     "rows_of": "keeps its last few answers, keyed by the id array and the rows' version",
 }
 
@@ -554,7 +554,7 @@ PLANTED_READS = {
     "    return list(ckpts.awaiting)\n",
     "a tuple binding": "def f(self, state, rows):\n    t, bs = state.seqs, 16\n"
     "    return t.ntokens[rows] // bs\n",
-    "a private field": "def f(self, state):\n    return state.seqs._pending\n",
+    "a private field": "def f(self, state):\n    return state.seqs._pending_rows\n",
     "a dict of records": "def f(self, state, i):\n    return state.seqs.seqs.get(i)\n",
 }
 

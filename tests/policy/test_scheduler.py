@@ -727,8 +727,10 @@ def test_a_session_turn_with_another_adapter_does_not_reuse_the_history_identity
     history = h.state.sessions.history[7].tokens.copy()
     h.step([request(1, tokens(10, seed=12), max_tokens=1, session_id=7, adapter="lora-x")])
     seq = h.state.seq(1)
-    plain = h.state.seqs.root_for("lora-x", "")
-    from kvsched.identity import chain_hashes
+    from kvsched.identity import chain_hashes, namespace_root
+
+    config = h.state.config
+    plain = namespace_root(config.model, config.block_size, "lora-x", "", config.identity)
 
     assert seq.hashes == chain_hashes(plain, seq.token_view(), 16)
     assert len(history) == 42
@@ -736,7 +738,7 @@ def test_a_session_turn_with_another_adapter_does_not_reuse_the_history_identity
 
 def test_a_session_keeps_the_multimodal_identity_of_its_history() -> None:
     from kvsched.events.types import MultimodalSpan
-    from kvsched.identity import chain_hashes, span_extras
+    from kvsched.identity import chain_hashes, namespace_root, span_extras
 
     h = Harness()
     image = MultimodalSpan(30, 40, b"cat-image-digest")  # reaches into the partial block
@@ -745,7 +747,8 @@ def test_a_session_keeps_the_multimodal_identity_of_its_history() -> None:
     h.run_until_idle()
     h.step([request(1, tokens(30, seed=14), max_tokens=1, session_id=3)])
     seq = h.state.seq(1)
-    root = h.state.seqs.root_for("", "")
+    config = h.state.config
+    root = namespace_root(config.model, config.block_size, "", "", config.identity)
     all_tokens = seq.token_view()
     extras = span_extras((image,), 16, 0, len(all_tokens) // 16)
     assert seq.hashes == chain_hashes(root, all_tokens, 16, 0, extras)

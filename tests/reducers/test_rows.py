@@ -62,6 +62,21 @@ def test_a_finished_sequence_gives_its_row_back():
     assert t.num_running == 0 and sorted(t.free_rows) == [0, 1]
 
 
+def test_a_flush_grows_the_token_buffer_keeping_every_token_already_there():
+    h = Harness()
+    h.step([request(1, 40, max_tokens=8)])
+    for _ in range(4):
+        h.step()
+    t = h.state.seqs
+    seq = h.state.seq(1)
+    prompt = seq.token_view().copy()
+    assert len(seq.tokens) == 40 and int(t.ntokens[seq.row]) > 40  # sampled, not flushed
+    t.flush(seq.row)
+    assert len(seq.tokens) >= 80 and seq.tokens.flags.writeable  # grown into a copy
+    assert seq.token_view()[:40].tolist() == prompt.tolist()
+    assert seq.n_tokens == int(t.ntokens[seq.row])
+
+
 def test_a_rows_blocks_are_its_block_table_up_to_its_block_count():
     h = Harness()
     h.step([request(1, 40)])

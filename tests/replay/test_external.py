@@ -17,7 +17,7 @@ from tests.replay.external_helpers import Node, config, prompt
 from kvsched.connectors import InProcessStore
 from kvsched.connectors.keys import block_key
 from kvsched.events import types as ev
-from kvsched.identity import chain_hashes
+from kvsched.identity import chain_hashes, namespace_root
 from kvsched.replay.external import ExternalKV
 from kvsched.replay.recovery import recover
 from kvsched.replay.verify import verify_log
@@ -93,7 +93,8 @@ def test_the_event_log_of_an_engine_with_external_kv_verifies_without_the_store(
 
 def _keys(hybrid: bool) -> list[str]:
     """The store keys of P's blocks in the test namespace."""
-    root = Node(None, config(hybrid=hybrid)).engine.state.seqs.root_for("", "")
+    c = config(hybrid=hybrid)
+    root = namespace_root(c.model, c.block_size, "", "", c.identity)
     return [block_key(root, h) for h in chain_hashes(root, P, 16)]
 
 

@@ -60,12 +60,6 @@ class BlockTables(RowTable):
         """The sequences the latest failed step computed (a copy)."""
         return list(self.failed)
 
-    def _rows(self, seq_ids: np.ndarray) -> np.ndarray:
-        try:
-            return self.rows_of(seq_ids)
-        except KeyError as exc:
-            raise ReplayMismatch(f"work scheduled for {exc.args[0]}") from exc
-
     # ------------------------------------------------------------------------- queries
 
     def block_table(self, seq: Seq) -> np.ndarray:
@@ -85,10 +79,11 @@ class BlockTables(RowTable):
 
     def held_blocks(self, seq: Seq) -> np.ndarray:
         """Every block the sequence holds a reference on, in chain order (a cached MTP overlap
-        block just before its private copy; none of a pinned checkpoint's path)."""
+        block just before its private copy; none of a pinned checkpoint's path): a copy, or
+        for a load without a row a read-only view."""
         if seq.row == FREE_ROW:
             return self._holdings.blocks_of(seq.seq_id)  # (a load without a row)
-        held = self.blocks_of(seq.row)[seq.n_pinned :]
+        held = self.table[seq.row, seq.n_pinned : self.nblocks[seq.row]].copy()
         if not seq.overlap_block:
             return held
         return np.insert(held, seq.overlap_at - seq.n_pinned, seq.overlap_block)
@@ -96,14 +91,17 @@ class BlockTables(RowTable):
     # ------------------------------------------------------------------ block folds
 
     def _on_matched(self, e: ev.PrefixMatched) -> RefChange | None:
+        """The admitted sequence's cached prefix: its blocks (the last one's digest must be
+        the sequence's own there) start its block table, or its holding without a row."""
         seq = self.seq(e.seq_id)
         row, k = seq.row, len(e.blocks)
+        if k and self._pool.hash_of[e.blocks.item(-1)] != seq.hashes[k - 1]:
+            raise ReplayMismatch(f"sequence {seq.seq_id}: matched blocks of another prefix")
         if row == FREE_ROW:
             self._match_rowless(seq, e)
             return None
         if self.nblocks[row]:
             raise ReplayMismatch(f"sequence {e.seq_id}: prefix match outside admission")
-        self._check_prefix(seq, e.blocks)
         change = None
         if e.ckpt_id >= 0:
             if seq.pinned_ckpt != e.ckpt_id:
@@ -131,17 +129,11 @@ class BlockTables(RowTable):
                 seq.cached_local = e.num_tokens
         return change
 
-    def _check_prefix(self, seq: Seq, blocks: np.ndarray) -> None:
-        k = len(blocks)
-        if k and self._pool.hash_of[blocks.item(-1)] != seq.hashes[k - 1]:
-            raise ReplayMismatch(f"sequence {seq.seq_id}: matched blocks of another prefix")
-
     def _match_rowless(self, seq: Seq, e: ev.PrefixMatched) -> None:
         """A load without a row matched its local prefix (``LoadHoldings`` takes the blocks):
         its statistics."""
         if not self._holdings.is_rowless(seq.seq_id):
             raise ReplayMismatch(f"sequence {e.seq_id}: prefix match outside admission")
-        self._check_prefix(seq, e.blocks)
         seq.num_hit_tokens = e.num_tokens
         seq.kv_hit_tokens = max(e.kv_hit_tokens, 0)
         if e.num_query_tokens:  # the first admission (re-admissions query nothing)
@@ -161,63 +153,63 @@ class BlockTables(RowTable):
     # ------------------------------------------------------------------ block folds
 
     def _on_allocated(self, e: ev.BlocksAllocated) -> None:
+        """Each sequence's new blocks extend its block table (a load without a row's: its
+        holding, ``LoadHoldings``)."""
         if len(e.seq_ids) == 1:  # one sequence (an admission): no row lookup table
             if e.counts.item(0) != len(e.blocks):
                 raise ReplayMismatch(f"allocation of {len(e.blocks)} blocks counted otherwise")
-            self._grow_table(e.seq_ids.item(0), e.blocks)
-            return
-        if len(e.seq_ids) == len(e.blocks):  # one block each (decode growth): vectorised
-            rows = self._rows(e.seq_ids)
+            grown = [(e.seq_ids.item(0), e.blocks)]
+        elif len(e.seq_ids) == len(e.blocks):  # one block each (decode growth): vectorised
+            rows = self.rows_of(e.seq_ids)
             n = self.nblocks[rows]
             if np.any(n >= self.table.shape[1]):
                 raise ReplayMismatch("a sequence cannot take one more block")
             self.table[rows, n] = e.blocks
             self.nblocks[rows] = n + 1
             return
-        bounds = np.concatenate(([0], np.cumsum(e.counts))).tolist()
-        for i, seq_id in enumerate(e.seq_ids.tolist()):
-            self._grow_table(seq_id, e.blocks[bounds[i] : bounds[i + 1]])
-
-    def _grow_table(self, seq_id: int, blocks: np.ndarray) -> None:
-        seq = self.seq(seq_id)
-        row, k = seq.row, len(blocks)
-        if row == FREE_ROW:  # a load without a row: LoadHoldings takes them
-            if not self._holdings.is_rowless(seq_id):
+        else:
+            bounds = np.concatenate(([0], np.cumsum(e.counts))).tolist()
+            ids = e.seq_ids.tolist()
+            grown = [(s, e.blocks[bounds[i] : bounds[i + 1]]) for i, s in enumerate(ids)]
+        for seq_id, blocks in grown:
+            seq = self.seq(seq_id)
+            row, k = seq.row, len(blocks)
+            if row == FREE_ROW:  # a load without a row: LoadHoldings takes them
+                if not self._holdings.is_rowless(seq_id):
+                    raise ReplayMismatch(f"sequence {seq_id} cannot take {k} more blocks")
+                continue
+            n = int(self.nblocks[row])
+            if n + k > self.table.shape[1]:
                 raise ReplayMismatch(f"sequence {seq_id} cannot take {k} more blocks")
-            return
-        n = int(self.nblocks[row])
-        if n + k > self.table.shape[1]:
-            raise ReplayMismatch(f"sequence {seq_id} cannot take {k} more blocks")
-        self.table[row, n : n + k] = blocks
-        self.nblocks[row] = n + k
+            self.table[row, n : n + k] = blocks
+            self.nblocks[row] = n + k
 
     def _on_freed(self, e: ev.BlocksFreed) -> RefChange | None:
+        """Each sequence drops blocks at the tail of its block table (the entries are zeroed:
+        ``set_nblocks``); a load without a row's are its holding's (``LoadHoldings`` drops
+        them). Sessions' holds (negative ids) are theirs."""
         bounds = np.concatenate(([0], np.cumsum(e.counts)))
         released = []
         for i, holder in enumerate(e.seq_ids.tolist()):
-            if holder >= 0:  # (sessions' holds are negative ids)
-                blocks = e.blocks[bounds[i] : bounds[i + 1]]
-                if self._drop_tail(self.seq(holder), blocks):
-                    released.append(blocks)
+            if holder < 0:
+                continue
+            seq, freed = self.seq(holder), e.blocks[bounds[i] : bounds[i + 1]]
+            row, blocks = seq.row, freed
+            if row == FREE_ROW:
+                if not self._holdings.is_rowless(holder) and len(freed):
+                    raise ReplayMismatch(f"sequence {holder} does not hold {freed} at its tail")
+                continue
+            if seq.overlap_block and seq.overlap_block in freed.tolist():
+                blocks = self._drop_overlap(seq, freed)
+            n, k = int(self.nblocks[row]), len(blocks)
+            if k > n or not np.array_equal(self.table[row, n - k : n], blocks):
+                raise ReplayMismatch(f"sequence {holder} does not hold {blocks} at its tail")
+            self.table[row, n - k : n] = 0
+            self.nblocks[row] = n - k
+            self.registered[row] = min(int(self.registered[row]), n - k)
+            self.computed[row] = min(int(self.computed[row]), (n - k) * self.block_size)
+            released.append(freed)
         return RefChange(release=tuple(released)) if released else None
-
-    def _drop_tail(self, seq: Seq, blocks: np.ndarray) -> bool:
-        """Drop blocks at the tail of the row's block table; False for a load without a row
-        (``LoadHoldings`` drops them)."""
-        row = seq.row
-        if row == FREE_ROW:
-            if not self._holdings.is_rowless(seq.seq_id) and len(blocks):
-                raise ReplayMismatch(f"sequence {seq.seq_id} does not hold {blocks} at its tail")
-            return False
-        if seq.overlap_block and seq.overlap_block in blocks.tolist():
-            blocks = self._drop_overlap(seq, blocks)
-        n, k = int(self.nblocks[row]), len(blocks)
-        if k > n or not np.array_equal(self.table[row, n - k : n], blocks):
-            raise ReplayMismatch(f"sequence {seq.seq_id} does not hold {blocks} at its tail")
-        self.set_nblocks(row, n - k)
-        self.registered[row] = min(int(self.registered[row]), n - k)
-        self.computed[row] = min(int(self.computed[row]), (n - k) * self.block_size)
-        return True
 
     def _drop_overlap(self, seq: Seq, blocks: np.ndarray) -> np.ndarray:
         """A release that includes the sequence's MTP overlap block, just before its private
@@ -232,7 +224,7 @@ class BlockTables(RowTable):
         """Each sequence's next computed blocks enter the index (a duplicate's table entry is
         swapped for the canonical block). That the hashes are the sequence's own is an
         invariant (``invariants._check_seq``), not re-checked on this hot path."""
-        rows = self._rows(e.seq_ids)
+        rows = self.rows_of(e.seq_ids)
         starts = e.starts.astype(np.int64)
         ends = starts + e.counts
         if not np.array_equal(self.registered[rows], starts) or np.any(

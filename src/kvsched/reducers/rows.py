@@ -26,6 +26,7 @@ from kvsched.reducers.seq import FREE_ROW, Seq
 from kvsched.statemachines import SEQUENCE, fire
 
 _MEMO = 3  # rows_of answers kept
+_NO_ROWS = np.zeros(0, dtype=np.int64)
 
 
 class RowTable:
@@ -63,9 +64,11 @@ class RowTable:
         # The latest answers of rows_of (a cache: (version, id array, rows), newest last).
         self._rows_memo: list[tuple[int, np.ndarray, np.ndarray]] = []
         self.step = 0
-        # Work of the current step awaiting the executor's outcome (row order = plan order).
+        # Work of the current step awaiting the executor's outcome: the rows, first and end
+        # positions of each piece, in the order it was scheduled (the plan's order).
         self.pending_step = 0
-        self._pending: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+        self.has_pending = False  # (a step may have work and no rows: a checkpoint's save)
+        self._pending_rows = self._pending_starts = self._pending_ends = _NO_ROWS
 
     # ------------------------------------------------------------------------- queries
 
@@ -81,32 +84,31 @@ class RowTable:
         """Rows whose sequence can compute (not waiting for a KV load)."""
         return np.nonzero((self.row_seq != FREE_ROW) & ~self.loading)[0]
 
-    def rows_of(self, seq_ids: np.ndarray) -> np.ndarray:
-        """Rows of running sequences, vectorised (raises KeyError if one is not running).
+    def rows_of(self, seq_ids: np.ndarray, guess: np.ndarray | None = None) -> np.ndarray:
+        """Rows of running sequences, vectorised (ReplayMismatch if one is not running);
+        ``guess``: the rows a caller expects them in (checked, and then no lookup is needed).
         The latest few answers are kept: an event's id array is looked up by several owners
         (and an outcome's by the stop rule, after the folds of the blocks it filled)."""
         for version, ids, rows in self._rows_memo:
             if ids is seq_ids and version == self._version:
                 return rows
-        if self._row_index is None or self._row_index[0] != self._version:
-            order = np.argsort(self.row_seq, kind="stable")
-            self._row_index = (self._version, order, self.row_seq[order])
-        _, order, sorted_ids = self._row_index
-        pos = np.minimum(np.searchsorted(sorted_ids, seq_ids), len(order) - 1)
-        rows = order[pos]
-        if len(seq_ids) and not np.array_equal(self.row_seq[rows], seq_ids):
-            missing = seq_ids[self.row_seq[rows] != seq_ids]
-            raise KeyError(f"sequences not running: {missing[:8].tolist()}")
-        self.remember_rows(seq_ids, rows)
-        return rows
-
-    def remember_rows(self, seq_ids: np.ndarray, rows: np.ndarray) -> None:
-        """Keep an answer of ``rows_of`` (or one a fold found another way: the next
-        ``rows_of(seq_ids)`` of the same array and rows answers it without a lookup)."""
+        if guess is not None and np.array_equal(self.row_seq[guess], seq_ids):
+            rows = guess
+        else:
+            if self._row_index is None or self._row_index[0] != self._version:
+                order = np.argsort(self.row_seq, kind="stable")
+                self._row_index = (self._version, order, self.row_seq[order])
+            _, order, sorted_ids = self._row_index
+            pos = np.minimum(np.searchsorted(sorted_ids, seq_ids), len(order) - 1)
+            rows = order[pos]
+            if len(seq_ids) and not np.array_equal(self.row_seq[rows], seq_ids):
+                missing = seq_ids[self.row_seq[rows] != seq_ids]
+                raise ReplayMismatch(f"sequences not running: {missing[:8].tolist()}")
         memo = self._rows_memo
         if len(memo) == _MEMO:
             del memo[0]
         memo.append((self._version, seq_ids, rows))
+        return rows
 
     def num_tokens(self, seq: Seq) -> int:
         """Tokens the sequence knows (its row's count, sampled tokens not yet flushed too)."""
@@ -146,13 +148,11 @@ class RowTable:
 
     def ids_at(self, rows: np.ndarray) -> np.ndarray:
         """The ids of the sequences holding ``rows``."""
-        ids: np.ndarray = self.row_seq[rows]
-        return ids
+        return self.row_seq[rows]  # type: ignore[no-any-return]
 
     def still_held(self, rows: np.ndarray) -> np.ndarray:
         """Those of ``rows`` that still hold a sequence (none preempted or ended meanwhile)."""
-        held: np.ndarray = rows[self.row_seq[rows] >= 0]
-        return held
+        return rows[self.row_seq[rows] >= 0]  # type: ignore[no-any-return]
 
     def computed_at(self, row: int) -> int:
         """Tokens of the row whose KV is written."""
@@ -180,8 +180,7 @@ class RowTable:
 
     def known_of(self, rows: np.ndarray) -> np.ndarray:
         """Tokens each row knows (prompt and sampled outputs)."""
-        out: np.ndarray = self.ntokens[rows]
-        return out
+        return self.ntokens[rows]  # type: ignore[no-any-return]
 
     def tokens_left(self, rows: np.ndarray) -> np.ndarray:
         """Tokens each row knows but has not computed."""
@@ -195,23 +194,23 @@ class RowTable:
 
     def outputs_done(self, rows: np.ndarray) -> np.ndarray:
         """Whether each row has sampled its ``max_tokens`` outputs."""
-        done: np.ndarray = self.ntokens[rows] - self.n_prompt[rows] >= self.max_tokens[rows]
-        return done
+        return (  # type: ignore[no-any-return]
+            self.ntokens[rows] - self.n_prompt[rows] >= self.max_tokens[rows]
+        )
 
     def is_eos(self, rows: np.ndarray, tokens: np.ndarray) -> np.ndarray:
         """Whether each row's ``tokens`` entry is its end-of-sequence token."""
-        eos: np.ndarray = tokens == self.eos[rows]
-        return eos
+        return tokens == self.eos[rows]  # type: ignore[no-any-return]
 
     def awaiting_decode(self, rows: np.ndarray) -> np.ndarray:
         """Whether each row has computed all but its newest token (its next work decodes)."""
-        mask: np.ndarray = self.computed[rows] == self.ntokens[rows] - 1
-        return mask
+        return self.computed[rows] == self.ntokens[rows] - 1  # type: ignore[no-any-return]
 
     def rows_needing_blocks(self, rows: np.ndarray) -> np.ndarray:
         """Those of ``rows`` whose next token's position lies past their block table."""
-        needing: np.ndarray = rows[self.computed[rows] // self.block_size >= self.nblocks[rows]]
-        return needing
+        return (  # type: ignore[no-any-return]
+            rows[self.computed[rows] // self.block_size >= self.nblocks[rows]]
+        )
 
     def rows_to_cache(
         self, rows: np.ndarray | None = None
@@ -243,25 +242,13 @@ class RowTable:
 
     def pending_arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(rows, starts, ends) of the work scheduled in the current step, in plan order."""
-        if not self._pending:
-            empty = np.zeros(0, dtype=np.int64)
-            return empty, empty, empty
-        if len(self._pending) == 1:
-            return self._pending[0]
-        rows = np.concatenate([p[0] for p in self._pending])
-        starts = np.concatenate([p[1] for p in self._pending])
-        ends = np.concatenate([p[2] for p in self._pending])
-        return rows, starts, ends
-
-    @property
-    def has_pending(self) -> bool:
-        return bool(self._pending)
+        return self._pending_rows, self._pending_starts, self._pending_ends
 
     def sampling_seq_ids(self) -> np.ndarray:
         """Sequences whose pending work ends at their newest token (they sample one)."""
-        rows, _, ends = self.pending_arrays()
-        sampling: np.ndarray = self.row_seq[rows[ends == self.ntokens[rows]]]
-        return sampling
+        return self.row_seq[  # type: ignore[no-any-return]
+            self._pending_rows[self._pending_ends == self.ntokens[self._pending_rows]]
+        ]
 
     # ------------------------------------------------------------------------ commands
 
@@ -295,12 +282,17 @@ class RowTable:
         self.temperature[row] = seq.temperature
 
     def flush(self, row: int) -> Seq:
-        """Copy the row's unflushed sampled tokens into its sequence; returns the sequence."""
+        """Copy the row's unflushed sampled tokens into its sequence, growing its token array
+        into a copy when it is full (a prompt's is the event's, read-only); returns the
+        sequence."""
         seq = self.objs[row]
         assert seq is not None
         n0, n1, bs = seq.n_tokens, int(self.ntokens[row]), self.block_size
         if n1 > n0:
-            seq.ensure_tokens(n1)
+            if len(seq.tokens) < n1:
+                grown = np.empty(max(n1, 16, 2 * len(seq.tokens)), dtype=np.int32)
+                grown[:n0] = seq.tokens[:n0]
+                seq.tokens = grown
             if n1 - n0 == bs and n0 % bs == 0:  # exactly one whole block: the tail in order
                 seq.tokens[n0:n1] = self.tail[row]
             else:
@@ -309,26 +301,26 @@ class RowTable:
         return seq
 
     def deactivate(self, seq: Seq) -> None:
-        """Free the sequence's row (its blocks must have been released already)."""
+        """Free the row of a sequence that leaves it. Its release (``BlocksFreed`` and
+        ``CheckpointUnpinned``, which ``Growth.end`` emits before every end) must come
+        first: its block count is zero then, and so is every table entry (``set_nblocks``).
+        A load without a row has none (``LoadHoldings`` checks its blocks)."""
         row = seq.row
+        if row == FREE_ROW:
+            return
+        if self.nblocks[row] or seq.overlap_block:
+            raise ReplayMismatch(
+                f"sequence {seq.seq_id} left running with blocks held (its BlocksFreed and "
+                "CheckpointUnpinned must come before its end: Growth.end)"
+            )
         self.flush(row)
         self.row_seq[row] = FREE_ROW
         self.row_state[row] = 0
         self._version += 1
         self.objs[row] = None
-        self.set_nblocks(row, 0)
         self.computed[row] = 0
         self.registered[row] = 0
         self.loading[row] = False
         self.saved[row] = 0
         self.free_rows.append(row)
         seq.row = FREE_ROW
-
-    def add_pending(self, rows: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> None:
-        self.pending_step = self.step
-        self._pending.append((rows, starts, ends))
-
-    def take_pending(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        arrays = self.pending_arrays()
-        self._pending = []
-        return arrays

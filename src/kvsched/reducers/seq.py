@@ -67,12 +67,6 @@ class Seq:
         """(local, checkpoint, external) prompt tokens its first admission did not compute."""
         return (self.cached_local, self.cached_checkpoint, self.cached_external)
 
-    def ensure_tokens(self, n: int) -> None:
-        if len(self.tokens) < n:
-            grown = np.empty(max(n, 16, 2 * len(self.tokens)), dtype=np.int32)
-            grown[: self.n_tokens] = self.tokens[: self.n_tokens]
-            self.tokens = grown
-
     def record_experts(self, start: int, ids: np.ndarray) -> None:
         """Expert ids of tokens [start, start + len(ids)); kept only while contiguous."""
         if start > self.n_experts:

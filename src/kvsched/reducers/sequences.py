@@ -34,7 +34,7 @@ from kvsched.reducers.blocktables import BlockTables
 from kvsched.reducers.errors import RefChange, ReplayMismatch
 from kvsched.reducers.holdings import LoadHoldings
 from kvsched.reducers.seq import FREE_ROW, History, Seq
-from kvsched.statemachines import SEQUENCE, SeqState, fire, fire_many
+from kvsched.statemachines import SEQUENCE, fire, fire_many
 
 __all__ = ["FREE_ROW", "Arrival", "History", "Seq", "SequenceTable"]
 
@@ -93,11 +93,11 @@ class SequenceTable(BlockTables):
             ev.BlocksFreed: self._on_freed,
             ev.BlocksCached: self._on_cached,
             ev.SessionBlocksHeld: self._on_session_held,
-            ev.PrefillScheduled: self._on_prefill,
-            ev.DecodeScheduled: self._on_decode,
+            ev.PrefillScheduled: self._on_scheduled,
+            ev.DecodeScheduled: self._on_scheduled,
             ev.SequencePreempted: self._on_preempted,
-            ev.SequenceFinished: self._on_finished,
-            ev.SequenceAborted: self._on_aborted,
+            ev.SequenceFinished: self._on_ended,
+            ev.SequenceAborted: self._on_ended,
             ev.Drained: self._on_drained,
             ev.CheckpointReserved: self._on_ckpt_reserved,
             ev.CheckpointPinned: self._on_ckpt_pinned,
@@ -106,14 +106,6 @@ class SequenceTable(BlockTables):
         }
 
     # ------------------------------------------------------------------------- queries
-
-    def root_for(self, adapter: str, salt: str) -> bytes:
-        key = (adapter, salt)
-        root = self._roots.get(key)
-        if root is None:
-            root = namespace_root(self.model, self.block_size, adapter, salt, self.identity)
-            self._roots[key] = root
-        return root
 
     def identity_at(self, seq: Seq, step: int) -> tuple[bytes, bytes]:
         """(identity, anchor) of the state after ``step`` tokens of ``seq`` (a pure query:
@@ -131,13 +123,22 @@ class SequenceTable(BlockTables):
         """An arrival's tokens (a session's history first), its multimodal spans in those
         tokens' positions, and the digests of its full blocks (a pure query: the engine
         computes it once for the policy's check, ``Arrival.top``, and hands it to the fold).
-        ``top`` is the prompt's largest token id (read as unsigned: a negative id is larger
-        than any vocabulary) when the hashing pass read every prompt token, else None."""
+        The digests known already are kept: the caller's (``e.block_hashes``), else the
+        history's (its namespace unchanged; new spans lie past it, so they cannot change
+        those blocks); one kernel call computes the rest (``chain_and_max``). ``top`` is the
+        prompt's largest token id (read as unsigned: a negative id is larger than any
+        vocabulary) when that call read every prompt token, else None. Each namespace root
+        is computed once (``namespace_root``, kept by (adapter, salt))."""
         # The prompt is kept as a read-only view, not copied (an event is an immutable value:
         # its arrays must not change once given to the engine); decoding grows it into a copy.
         prompt = np.asarray(e.prompt, dtype=np.int32).view()
         prompt.flags.writeable = False
-        root = self.root_for(e.adapter, e.cache_salt)
+        bs = self.block_size
+        root = self._roots.get((e.adapter, e.cache_salt))
+        if root is None:
+            root = namespace_root(self.model, bs, e.adapter, e.cache_salt, self.identity)
+            self._roots[(e.adapter, e.cache_salt)] = root
+        known = HashChain(e.block_hashes) if e.block_hashes else None
         history = self._history.get(e.session_id) if e.session_id >= 0 else None
         if history is None:
             tokens, offset, spans = prompt, 0, e.mm_spans
@@ -150,11 +151,16 @@ class SequenceTable(BlockTables):
                     ev.MultimodalSpan(s.start + offset, s.end + offset, s.content_hash)
                     for s in e.mm_spans
                 )
-            if history.root != root:
-                history = None  # (another namespace: none of its digests apply)
-        bs = self.block_size
-        hashes, first, top = _chain(self.identity, bs, e, root, tokens, spans, history)
-        return Arrival(tokens, spans, root, hashes, top if first <= offset else None)
+            if known is None and history.root == root:  # (another namespace: none apply)
+                known = history.hashes.prefix(offset // bs)
+        keep = len(known) if known is not None else 0
+        parent = known.last(root) if known is not None else root
+        extras = span_extras(spans, bs, keep, len(tokens) // bs) if spans else None
+        rest, top = chain_and_max(
+            self.identity, root, parent, tokens[keep * bs :] if keep else tokens, bs, keep, extras
+        )
+        hashes = known.extended(rest) if known is not None else HashChain(rest)
+        return Arrival(tokens, spans, root, hashes, top if keep * bs <= offset else None)
 
     def arrival_fold(self, e: ev.RequestArrived, arrival: Arrival | None = None) -> None:
         """The fold of ``RequestArrived``: with its ``arrival`` when the caller computed it
@@ -183,7 +189,11 @@ class SequenceTable(BlockTables):
         self.waiting[seq.seq_id] = seq
 
     def _on_executed(self, e: ev.StepExecuted) -> None:
-        rows, starts, ends = self.take_pending()
+        """The step's pending work is computed; each sampled token is appended (vectorised,
+        into its row's tail buffer), and the blocks the tokens filled are flushed and hashed."""
+        rows, starts, ends = self.pending_arrays()
+        self._pending_rows = self._pending_starts = self._pending_ends = _NO_ROWS
+        self.has_pending = False
         if len(e.routed_experts) and len(rows):
             self._record_experts(rows, starts, ends, e.routed_experts)
         sampling = rows[ends == self.ntokens[rows]]
@@ -194,14 +204,22 @@ class SequenceTable(BlockTables):
                 assert seq is not None
                 seq.num_failures = 0
                 self.failures[row] = 0
-        if len(e.seq_ids):
-            # The outcome names the samplers, usually in plan order (then no lookup is needed,
-            # and the answer is remembered for the next ``rows_of(e.seq_ids)``).
-            if np.array_equal(self.row_seq[sampling], e.seq_ids):
-                self.remember_rows(e.seq_ids, sampling)
-            else:
-                sampling = self.rows_of(e.seq_ids)
-            self._append_sampled(sampling, e.tokens)
+        if not len(e.seq_ids):
+            return
+        # The outcome names the samplers, usually in plan order (then no lookup is needed;
+        # the answer is kept for the next ``rows_of(e.seq_ids)``).
+        sampled, bs = self.rows_of(e.seq_ids, sampling), self.block_size
+        self.tail[sampled, self.ntokens[sampled] % bs] = e.tokens
+        self.ntokens[sampled] += 1
+        self.last_token[sampled] = e.tokens
+        for row in sampled[self.ntokens[sampled] % bs == 0].tolist():
+            seq = self.flush(row)
+            start = seq.n_tokens - bs
+            parent = seq.hashes.last(seq.root)
+            # A block the prompt's last span reaches into keeps that span's content hash.
+            extra = tail_extra(seq.mm_spans, start, seq.n_tokens) if seq.mm_spans else b""
+            block = seq.tokens[start : seq.n_tokens]
+            seq.hashes.append(block_hash(self.identity, seq.root, parent, block, extra))
 
     def _record_experts(
         self, rows: np.ndarray, starts: np.ndarray, ends: np.ndarray, flat: np.ndarray
@@ -214,26 +232,12 @@ class SequenceTable(BlockTables):
             seq.record_experts(start, ids[offset : offset + end - start])
             offset += end - start
 
-    def _append_sampled(self, rows: np.ndarray, tokens: np.ndarray) -> None:
-        """Append each row's sampled token (vectorised, into the row's tail buffer); flush and
-        hash the blocks that the tokens filled."""
-        bs = self.block_size
-        self.tail[rows, self.ntokens[rows] % bs] = tokens
-        self.ntokens[rows] += 1
-        self.last_token[rows] = tokens
-        for row in rows[self.ntokens[rows] % bs == 0].tolist():
-            seq = self.flush(row)
-            start = seq.n_tokens - bs
-            parent = seq.hashes.last(seq.root)
-            # A block the prompt's last span reaches into keeps that span's content hash.
-            extra = tail_extra(seq.mm_spans, start, seq.n_tokens) if seq.mm_spans else b""
-            block = seq.tokens[start : seq.n_tokens]
-            seq.hashes.append(block_hash(self.identity, seq.root, parent, block, extra))
-
     def _on_step_failed(self, e: ev.StepFailed) -> None:
         """The forward raised: none of its effects happened (no KV or state written, no
         token sampled); the sequences it computed count one failure each."""
-        rows, _, _ = self.take_pending()
+        rows = self._pending_rows
+        self._pending_rows = self._pending_starts = self._pending_ends = _NO_ROWS
+        self.has_pending = False
         for row in rows.tolist():
             seq = self.objs[row]
             assert seq is not None
@@ -296,85 +300,69 @@ class SequenceTable(BlockTables):
 
     # ------------------------------------------------------------- scheduling folds
 
-    def _on_prefill(self, e: ev.PrefillScheduled) -> None:
-        rows = self._rows(e.seq_ids)
-        self._fire_rows(e, rows)
-        if not np.array_equal(e.starts, self.computed[rows]) or np.any(e.ends <= e.starts):
-            raise ReplayMismatch("a prefill does not start at its computed tokens")
-        if np.any(e.ends > self.ntokens[rows]) or np.any(
-            e.ends > self.nblocks[rows] * self.block_size
-        ):
-            raise ReplayMismatch("a prefill runs past its tokens or its blocks")
-        self.add_pending(rows, e.starts, e.ends)
-
-    def _on_decode(self, e: ev.DecodeScheduled) -> None:
-        rows = self._rows(e.seq_ids)
-        self._fire_rows(e, rows)
-        starts = self.computed[rows]
-        if np.any(starts != self.ntokens[rows] - 1) or np.any(
-            starts >= self.nblocks[rows] * self.block_size
-        ):
-            raise ReplayMismatch("a decode of a sequence that is not decoding or has no block")
-        self.add_pending(rows, starts, starts + 1)
-
-    def _fire_rows(self, e: ev.Event, rows: np.ndarray) -> None:
-        states = fire_many(SEQUENCE, e, self.row_seq[rows], self.row_state[rows])
-        self.row_state[rows] = states
+    def _on_scheduled(self, e: ev.PrefillScheduled | ev.DecodeScheduled) -> None:
+        """Each sequence's prefill chunk, or its decode (of its newest token), joins the
+        step's pending work (after any scheduled before it, in plan order). The work starts at
+        the row's computed tokens and ends within its known tokens and its blocks."""
+        rows = self.rows_of(e.seq_ids)
+        self.row_state[rows] = fire_many(SEQUENCE, e, self.row_seq[rows], self.row_state[rows])
+        if isinstance(e, ev.DecodeScheduled):
+            starts = self.computed[rows]
+            ends = starts + 1
+            if np.any(ends != self.ntokens[rows]):
+                raise ReplayMismatch("a decode of a sequence that is not decoding")
+        else:
+            starts, ends = e.starts, e.ends
+            if not np.array_equal(starts, self.computed[rows]) or np.any(ends <= starts):
+                raise ReplayMismatch("a prefill does not start at its computed tokens")
+            if np.any(ends > self.ntokens[rows]):
+                raise ReplayMismatch("a prefill runs past its tokens")
+        if np.any(ends > self.nblocks[rows] * self.block_size):
+            raise ReplayMismatch("work scheduled past its blocks")
+        if self.has_pending:
+            rows = np.concatenate((self._pending_rows, rows))
+            starts = np.concatenate((self._pending_starts, starts))
+            ends = np.concatenate((self._pending_ends, ends))
+        self._pending_rows, self._pending_starts, self._pending_ends = rows, starts, ends
+        self.has_pending, self.pending_step = True, self.step
 
     # -------------------------------------------------------------------- endings
-
-    def _release_row(self, seq: Seq) -> None:
-        """Free the row of a sequence that leaves it. Its release (``BlocksFreed`` and
-        ``CheckpointUnpinned``, which ``Growth.end`` emits before every end) must come
-        first; a load without a row has none (``LoadHoldings`` checks its blocks)."""
-        row = seq.row
-        if row == FREE_ROW:
-            return
-        if self.nblocks[row] or seq.overlap_block:
-            raise ReplayMismatch(
-                f"sequence {seq.seq_id} left running with blocks held (its BlocksFreed and "
-                "CheckpointUnpinned must come before its end: Growth.end)"
-            )
-        self.deactivate(seq)
 
     def _on_preempted(self, e: ev.SequencePreempted) -> None:
         seq = self.seq(e.seq_id)
         seq.state = fire(SEQUENCE, e, seq.seq_id, seq.state)
-        self._release_row(seq)
+        self.deactivate(seq)
         self.waiting[seq.seq_id] = seq
         seq.num_preemptions += 1
         seq.preempted_at = self.step
 
-    def _on_finished(self, e: ev.SequenceFinished) -> None:
-        counts = (e.cached_local, e.cached_checkpoint, e.cached_external)
-        reported = any(len(c) for c in counts)
-        if reported and any(len(c) != len(e.seq_ids) for c in counts):
-            raise ReplayMismatch("cached-token counts for another number of sequences")
-        for i, (seq_id, reason) in enumerate(zip(e.seq_ids.tolist(), e.reasons, strict=True)):
+    def _on_ended(self, e: ev.SequenceFinished | ev.SequenceAborted) -> None:
+        """Each sequence ends, for its reason: the cached-token counts the event reports (if
+        any) must be its own; it leaves its row (``deactivate``) and the table (its history
+        stays in the event log)."""
+        counts: list[tuple[int, ...]] | None = None
+        if isinstance(e, ev.SequenceAborted):
+            ended = [(e.seq_id, e.reason)]
+            reported = (e.cached_local, e.cached_checkpoint, e.cached_external)
+            if any(reported):
+                counts = [reported]
+        else:
+            ended = list(zip(e.seq_ids.tolist(), e.reasons, strict=True))
+            arrays = (e.cached_local, e.cached_checkpoint, e.cached_external)
+            if any(len(c) for c in arrays):
+                if any(len(c) != len(e.seq_ids) for c in arrays):
+                    raise ReplayMismatch("cached-token counts for another number of sequences")
+                counts = list(zip(*(c.tolist() for c in arrays), strict=True))
+        for i, (seq_id, reason) in enumerate(ended):
             seq = self.seq(seq_id)
-            if reported and seq.cached_tokens != tuple(int(c[i]) for c in counts):
+            if counts is not None and seq.cached_tokens != counts[i]:
                 raise ReplayMismatch(f"sequence {seq_id}: cached-token counts not its own")
-            seq.state = fire(SEQUENCE, e, seq.seq_id, seq.state)
+            seq.state = fire(SEQUENCE, e, seq_id, seq.state)
             seq.finish_reason = reason
-            self._release_row(seq)
-            self._retire(seq)
-
-    def _on_aborted(self, e: ev.SequenceAborted) -> None:
-        seq = self.seq(e.seq_id)
-        counts = (e.cached_local, e.cached_checkpoint, e.cached_external)
-        if any(counts) and counts != seq.cached_tokens:
-            raise ReplayMismatch(f"sequence {e.seq_id}: cached-token counts not its own")
-        if seq.state != SeqState.WAITING:  # running, or a load whose transfer ended
-            self._release_row(seq)
-        seq.state = fire(SEQUENCE, e, seq.seq_id, seq.state)
-        seq.finish_reason = e.reason
-        self._retire(seq)
-
-    def _retire(self, seq: Seq) -> None:
-        """A terminal sequence leaves the table (its history stays in the event log)."""
-        self.waiting.pop(seq.seq_id, None)
-        del self.seqs[seq.seq_id]
-        self.num_finished += 1
+            self.deactivate(seq)
+            self.waiting.pop(seq_id, None)
+            del self.seqs[seq_id]
+            self.num_finished += 1
 
     def _on_drained(self, e: ev.Drained) -> None:
         if self.num_running:
@@ -389,7 +377,7 @@ class SequenceTable(BlockTables):
         if e.phase == "before":
             if e.num_tokens != self.computed[seq.row]:
                 raise ReplayMismatch(f"checkpoint {e.ckpt_id}: not the final state")
-            self.add_pending(_NO_ROWS, _NO_ROWS, _NO_ROWS)  # the step has work: the save
+            self.has_pending, self.pending_step = True, self.step  # the step's work: the save
 
     def _on_ckpt_pinned(self, e: ev.CheckpointPinned) -> None:
         seq = self.seq(e.seq_id)
@@ -431,30 +419,8 @@ class SequenceTable(BlockTables):
                 self.temperature, self.table, self.tail,
             )
         )
-        pending = tuple((r.tobytes(), s.tobytes(), e.tobytes()) for r, s, e in self._pending)
+        pending = (self.has_pending, *(a.tobytes() for a in self.pending_arrays()))
         return (
             seqs, arrays, tuple(self.free_rows), tuple(self.waiting), pending,
             self.pending_step, tuple(self.failed), self.num_finished, self.step,
         )
-
-
-def _chain(
-    identity: str, bs: int, e: ev.RequestArrived, root: bytes, tokens: np.ndarray,
-    spans: tuple[ev.MultimodalSpan, ...], history: History | None,
-) -> tuple[HashChain, int, int | None]:
-    """The digests of a new sequence's full blocks: the caller's (``e.block_hashes``), else
-    the history's (its namespace is unchanged, and new spans lie past it, so they cannot
-    change those blocks), then one kernel call for the rest; with the first token that
-    call read and the largest token id it saw (``chain_and_max``)."""
-    known: HashChain | None = None  # (the common case: every block is computed here)
-    if e.block_hashes:
-        known = HashChain(e.block_hashes)
-    elif history is not None:
-        known = history.hashes.prefix(len(history.tokens) // bs)
-    keep = len(known) if known is not None else 0
-    parent = known.last(root) if known is not None else root
-    extras = span_extras(spans, bs, keep, len(tokens) // bs) if spans else None
-    rest, top = chain_and_max(
-        identity, root, parent, tokens[keep * bs :] if keep else tokens, bs, keep, extras
-    )
-    return (known.extended(rest) if known is not None else HashChain(rest)), keep * bs, top

@@ -58,8 +58,8 @@ class SessionTable:
             ev.RequestArrived: self._on_arrived,
             ev.SessionBlocksHeld: self._on_held,
             ev.BlocksFreed: self._on_freed,
-            ev.SequenceFinished: self._on_finished,
-            ev.SequenceAborted: self._on_aborted,
+            ev.SequenceFinished: self._on_ended,
+            ev.SequenceAborted: self._on_ended,
             ev.SessionClosed: self._on_closed,
             ev.Drained: self._on_drained,
         }
@@ -137,13 +137,6 @@ class SessionTable:
                 released.append(blocks)
         return RefChange(release=tuple(released)) if released else None
 
-    def _end_turn(self, seq_id: int) -> None:
-        session_id = self._of_seq.pop(seq_id, None)
-        if session_id is not None:
-            session = self.sessions[session_id]
-            session.active_seq = -1
-            session.last_used = self.step
-
     def _keep_history(self, seq_id: int) -> None:
         """The session continues from this turn: its tokens (outputs included, read without
         flushing the row) and digests."""
@@ -155,16 +148,21 @@ class SessionTable:
         tokens = seqs.tokens_upto(seq, seqs.num_tokens(seq)).copy()
         self.history[seq.session_id] = History(tokens, seq.hashes, seq.root, seq.mm_spans)
 
-    def _on_finished(self, e: ev.SequenceFinished) -> None:
-        for seq_id in e.seq_ids.tolist():
-            if seq_id in self._of_seq:  # (a turn of a session)
+    def _on_ended(self, e: ev.SequenceFinished | ev.SequenceAborted) -> None:
+        """Each ending sequence's turn ends; a finished turn of a session, or an aborted one
+        with ``keep_history``, becomes the session's history."""
+        if isinstance(e, ev.SequenceAborted):
+            ended = [(e.seq_id, e.keep_history)]
+        else:
+            ended = [(seq_id, seq_id in self._of_seq) for seq_id in e.seq_ids.tolist()]
+        for seq_id, keep in ended:
+            if keep:
                 self._keep_history(seq_id)
-            self._end_turn(seq_id)
-
-    def _on_aborted(self, e: ev.SequenceAborted) -> None:
-        if e.keep_history:
-            self._keep_history(e.seq_id)
-        self._end_turn(e.seq_id)
+            session_id = self._of_seq.pop(seq_id, None)
+            if session_id is not None:
+                session = self.sessions[session_id]
+                session.active_seq = -1
+                session.last_used = self.step
 
     def _on_closed(self, e: ev.SessionClosed) -> None:
         session = self._session(e.session_id)
