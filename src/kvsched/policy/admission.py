@@ -266,7 +266,8 @@ class Admission:
         (and, hybrid, a state slot), if its whole prefill fits beside every incomplete load's
         soft reservation. Else (before schema 4): a row and every block of its prompt."""
         soft = self._soft
-        hit = state.pool.find_blocks(seq.hashes, first)
+        hit = state.pool.cached_prefix(seq.hashes, first)
+        assert len(hit) == first, "the local part of a planned load is cached"
         if soft and state.hybrid and not self.checkpoints.room_for_load(state, emit):
             return "stop"
         if not self.make_fit(state, self.transfers.load_need(state, seq, first), hit, -1, emit):
