@@ -190,7 +190,7 @@ class Admission:
                     # Nothing else can progress: preempt victims (maybe this one itself).
                     self.growth.preempt_until(state, need, emit, spare=seq)
                 continue
-            self.growth.allocate_one(state, seq.seq_id, need, emit)
+            self.growth.allocate(state, [seq.seq_id], [need], emit)
             self.add_prefill(state, seq, chunk, budget, emit)
 
     # ------------------------------------------------------------------- admission
@@ -238,7 +238,7 @@ class Admission:
         self.attach_prefix(state, seq, match, emit)
         if seq.session_id in state.sessions:
             self.growth.free_session_hold(state, seq.session_id, emit)
-        self.growth.allocate_one(state, seq.seq_id, need, emit)
+        self.growth.allocate(state, [seq.seq_id], [need], emit)
         self.add_prefill(state, seq, chunk, budget, emit)
         return "admitted"
 
@@ -280,7 +280,7 @@ class Admission:
         if seq.session_id in state.sessions:
             self.growth.free_session_hold(state, seq.session_id, emit)
         taken = end if soft else cdiv(seq.n_tokens, self.bs)  # (whole prompt: before schema 4)
-        self.growth.allocate_one(state, seq.seq_id, taken - first, emit)
+        self.growth.allocate(state, [seq.seq_id], [taken - first], emit)
         emit(self.transfers.load_started(state, seq, first, end))
         return "admitted"
 
@@ -317,7 +317,7 @@ class Admission:
             return "stop"
         slot = state.ckpts.load_slot_of(seq.seq_id)
         emit(ev.KVLoadSettled(seq.seq_id, kept, state.seqs.peek_free_row(), slot))
-        self.growth.allocate_one(state, seq.seq_id, need, emit)
+        self.growth.allocate(state, [seq.seq_id], [need], emit)
         # (cached after the allocation: a loaded block deduplicated onto a cached copy that
         # no one holds takes that copy off the available blocks)
         self.growth.cache_computed(state, emit, np.asarray([seq.row]))
