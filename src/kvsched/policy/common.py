@@ -48,7 +48,7 @@ class Chunk(NamedTuple):
 
 @attrs.define(slots=True)
 class StepBudget:
-    """What this step has committed so far."""
+    """What this step has committed so far (``Admission.add_prefill`` counts each chunk)."""
 
     busy: bool = False  # decode work is scheduled this step
     long_prefills: bool = True  # the turn lets long prefills run (policy/turns.py)
@@ -58,11 +58,3 @@ class StepBudget:
     seq_ids: list[int] = attrs.field(factory=list)
     starts: list[int] = attrs.field(factory=list)
     ends: list[int] = attrs.field(factory=list)
-
-    def add(self, seq_id: int, start: int, end: int, final: bool) -> None:
-        self.seq_ids.append(seq_id)
-        self.starts.append(start)
-        self.ends.append(end)
-        self.tokens += end - start
-        self.prefills += 1
-        self.long_chunks += 0 if final else 1
