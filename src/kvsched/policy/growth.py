@@ -142,7 +142,9 @@ class Growth:
             path = self._keep_overlaps(t, grown, firsts, lasts, blocks, replaced)
         if not swap:
             self._detach_after_private(t, grown, firsts, lasts, replaced, pool)
-        marks, experts = self._cached_experts(state, grown, firsts, lasts, path)
+        marks, experts = _NO_MARKS, _EMPTY16
+        if self.config.model.routed_experts_per_token:
+            marks, experts = self._cached_experts(state, grown, firsts, lasts, path)
         emit(
             ev.BlocksCached(
                 seq_ids, (lasts - firsts).astype(I32), firsts.astype(I32), blocks,
@@ -231,8 +233,6 @@ class Growth:
         blocks: np.ndarray,
     ) -> tuple[np.ndarray, np.ndarray]:
         """MoE: which entries bring routed-expert ids into the cache, and the ids."""
-        if not self.config.model.routed_experts_per_token:
-            return _NO_MARKS, _EMPTY16
         t, j = state.seqs, 0
         marks: list[bool] = []
         experts: list[np.ndarray] = []
