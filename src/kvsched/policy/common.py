@@ -1,5 +1,5 @@
 """Shared vocabulary of the policy's parts: the emit hook, a tentative match, a chunk, the
-step's prefill budget, and small array helpers."""
+step's prefill budget, and a small arithmetic helper."""
 
 from __future__ import annotations
 
@@ -13,10 +13,6 @@ from kvsched.events import types as ev
 
 Emit = Callable[[ev.Event], None]
 I32, I64 = np.int32, np.int64
-
-
-def arr(values: list[int], dtype: type = I64) -> np.ndarray:
-    return np.asarray(values, dtype=dtype)
 
 
 def cdiv(a: int, b: int) -> int:
