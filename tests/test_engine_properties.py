@@ -25,6 +25,7 @@ from kvsched.events.codec import SCHEMA_VERSION
 from kvsched.gpu.fingerprint import FingerprintExecutor
 from kvsched.plan import StepPlan
 from kvsched.reducers.blocks import BlockPool
+from kvsched.reducers.errors import RefChange
 from kvsched.replay.driver import execute_step
 from kvsched.statemachines import CkptState
 
@@ -306,12 +307,13 @@ def _run_broken(
 
 
 def test_a_missing_reference_decrement_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
-    original = BlockPool.release
+    original = BlockPool.apply
 
-    def release_forgetting_the_last(self: BlockPool, blocks: np.ndarray) -> None:
-        original(self, blocks[:-1] if len(blocks) > 1 else blocks)
+    def apply_forgetting_the_last(self: BlockPool, change: RefChange) -> None:
+        release = tuple(blocks[:-1] if len(blocks) > 1 else blocks for blocks in change.release)
+        original(self, change._replace(release=release))
 
-    _run_broken(monkeypatch, BlockPool, "release", release_forgetting_the_last)
+    _run_broken(monkeypatch, BlockPool, "apply", apply_forgetting_the_last)
 
 
 def test_a_checkpoint_evicted_while_pinned_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,11 +1,16 @@
-"""Admission (``policy/admission.py``) with soft loads: what fits, and who may pass whom."""
+"""Admission (``policy/admission.py``): the step budget a chunk counts in; with soft loads,
+what fits, and who may pass whom."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 
+from kvsched.config import SchedulerConfig
 from kvsched.events import types as ev
 from kvsched.policy.admission import Admission
+from kvsched.policy.common import Chunk, StepBudget
 
 from .helpers import config, of_type
 from .test_external_loads import Store, loads_admitted, request
@@ -80,3 +85,14 @@ def test_under_fcfs_nothing_waiting_is_admitted_past_a_ready_load_that_does_not_
 
 def admitted_ids(decisions: list[ev.Event]) -> list[int]:
     return [d.seq_id for d in of_type(decisions, ev.SequenceAdmitted)]
+
+
+def test_a_chunk_counts_its_tokens_a_prefill_and_a_chunk_that_does_not_end_a_prompt():
+    budget = StepBudget()
+    admission = Admission(SchedulerConfig(), None, None, None, None, None)  # type: ignore[arg-type]
+    state = SimpleNamespace(hybrid=False)  # (an attention model: no state to save)
+    for seq_id, chunk in ((1, Chunk(0, 64, False)), (2, Chunk(16, 40, True))):
+        seq = SimpleNamespace(seq_id=seq_id)
+        admission.add_prefill(state, seq, chunk, budget, lambda e: None)  # type: ignore[arg-type]
+    assert (budget.tokens, budget.prefills, budget.long_chunks) == (88, 2, 1)
+    assert (budget.seq_ids, budget.starts, budget.ends) == ([1, 2], [0, 16], [64, 40])

@@ -1,11 +1,11 @@
 """The eviction strategies (``policy/eviction.py``): what each orders first, the allocation
-plan that evicts for room, and the registries configuration names."""
+that evicts for room (``Growth.take_blocks``), and the registries configuration names."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
-from tests.reducers.test_blocks import allocate, cache_chain, chain
+from tests.reducers.test_blocks import allocate, cache_chain, chain, release, take
 from tests.reducers.test_checkpoints import make_table, pin, published, unpin
 
 from kvsched.config import EVICTIONS
@@ -17,7 +17,6 @@ from kvsched.policy.eviction import (
     LruBlocks,
     LruCheckpoints,
     ValueEviction,
-    plan_allocation,
 )
 from kvsched.reducers.blocks import BlockPool
 
@@ -32,48 +31,47 @@ def test_every_configured_checkpoint_eviction_names_a_registered_strategy() -> N
         assert CHECKPOINT_EVICTION[key](cfg).ranked(make_table(max_batch=1, budget=2)) == []
 
 
-def test_an_allocation_plan_evicts_least_recently_released_blocks_leaf_first_and_changes_nothing():
+def test_an_allocation_evicts_least_recently_released_blocks_leaf_first_by_events_alone():
     pool = BlockPool(6)
     cached = cache_chain(pool, chain([1, 2, 3]))
-    pool.release(cached)
+    release(pool, cached)
     before = pool.snapshot()
-    predicted = plan_allocation(pool, 4, LruBlocks())
-    assert pool.snapshot() == before
-    assert predicted is not None
-    evict, blocks = predicted
+    [evicted], blocks = take(pool, 4)
+    assert pool.snapshot() == before  # (the eviction is an event, folded by the caller)
+    assert isinstance(evicted, ev.BlocksEvicted)
     # 2 free blocks and 2 evicted cached ones, leaf first; the evicted come first.
-    assert evict.tolist() == cached[::-1][:2].tolist()
-    assert blocks.tolist() == [*evict.tolist(), 4, 5]
+    assert evicted.blocks.tolist() == cached[::-1][:2].tolist()
+    assert blocks.tolist() == [*evicted.blocks.tolist(), 4, 5]
     assert allocate(pool, 4).tolist() == blocks.tolist()
 
 
-def test_an_allocation_plan_takes_free_blocks_before_evicting_any() -> None:
+def test_an_allocation_takes_free_blocks_before_evicting_any() -> None:
     pool = BlockPool(8)
     cached = cache_chain(pool, chain([1, 2]))
-    pool.release(cached)
+    release(pool, cached)
     for n in (1, 3, 5):
-        plan = plan_allocation(pool, n, LruBlocks())
-        assert plan is not None
-        assert plan[0].tolist() == [] and plan[1].tolist() == pool.free_top(n).tolist()
-    assert plan_allocation(pool, 8, LruBlocks()) is None  # 5 free + 2 cached: 7 available
+        evictions, blocks = take(pool, n)
+        assert evictions == [] and blocks.tolist() == pool.free_top(n).tolist()
+    with pytest.raises(AssertionError, match="not available"):
+        take(pool, 8)  # 5 free + 2 cached: 7 available
 
 
 class _Youngest:
-    """A strategy that picks the most recently released blocks (to show the plan uses it)."""
+    """A strategy that picks the most recently released blocks (to show allocation uses it)."""
 
     def victims(self, pool: BlockPool, n: int) -> np.ndarray:
         return np.asarray(list(pool.evictable_blocks())[::-1][:n], dtype=np.int32)
 
 
-def test_an_allocation_plan_evicts_the_blocks_its_strategy_picks() -> None:
+def test_an_allocation_evicts_the_blocks_its_strategy_picks() -> None:
     pool = BlockPool(4)
     old = cache_chain(pool, chain([1]))
     young = cache_chain(pool, chain([2]))
-    pool.release(old)
-    pool.release(young)
+    release(pool, old)
+    release(pool, young)
     allocate(pool, 1)  # the one free block
-    assert plan_allocation(pool, 1, LruBlocks())[0].tolist() == old.tolist()  # type: ignore[index]
-    assert plan_allocation(pool, 1, _Youngest())[0].tolist() == young.tolist()  # type: ignore[index]
+    assert take(pool, 1, LruBlocks())[1].tolist() == old.tolist()
+    assert take(pool, 1, _Youngest())[1].tolist() == young.tolist()
 
 
 def _three() -> tuple[object, ...]:

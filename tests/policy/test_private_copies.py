@@ -50,7 +50,7 @@ def test_a_later_request_hits_the_canonical_blocks_either_way(dedup: bool):
     third = h.step([request(3, tokens(70, seed=5))])
     (match,) = of_type(third.decisions, ev.PrefixMatched)
     assert match.num_tokens == 64
-    assert np.array_equal(match.blocks, h.state.pool.find_blocks(h.state.seqs.seq(3).hashes, 4))
+    assert np.array_equal(match.blocks, h.state.pool.cached_prefix(h.state.seqs.seq(3).hashes, 4))
 
 
 def test_a_cache_view_rebuilt_from_the_events_ignores_private_copies():

@@ -590,7 +590,7 @@ def test_a_prompt_of_exactly_n_cached_full_blocks_hits_n_minus_one_blocks():
     prompt = tokens(64, seed=9)
     h = Harness()
     cache_prefix(h, 0, prompt)
-    assert h.state.pool.find_prefix_len(_hashes(h, prompt), 4) == 4  # all four are cached
+    assert len(h.state.pool.cached_prefix(_hashes(h, prompt), 4)) == 4  # all four are cached
     result = h.step([request(1, prompt)])
     assert matched(result)[1].num_tokens == 48
     assert prefills(result) == [(1, 48, 64)]

@@ -8,6 +8,7 @@ recomputed from the stream). Deliberately broken turn rules must be caught."""
 
 from __future__ import annotations
 
+import attrs
 import numpy as np
 import pytest
 from hypothesis import settings
@@ -162,8 +163,9 @@ def test_a_gate_that_lets_a_long_prefill_run_on_a_short_turn_is_caught(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     def gate_ignoring_the_turn(self, budget, seq, chunk):  # type: ignore[no-untyped-def]
-        return chunk.final or budget.long_chunks < self.config.turns.max_long_chunks_per_step
+        return original(self, attrs.evolve(budget, long_prefills=True), seq, chunk)
 
+    original = Admission.refusal
     assert_machine_catches(
-        monkeypatch, TurnMachine, Admission, "long_gate_open", gate_ignoring_the_turn, 300
+        monkeypatch, TurnMachine, Admission, "refusal", gate_ignoring_the_turn, 300
     )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from hashlib import blake2b
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -17,11 +18,13 @@ from hypothesis.stateful import (
     rule,
 )
 
+from kvsched.config import SchedulerConfig
 from kvsched.events import types as ev
 from kvsched.identity import HashChain
-from kvsched.policy.eviction import LruBlocks, plan_allocation
+from kvsched.policy.eviction import BlockEviction
+from kvsched.policy.growth import Growth
 from kvsched.reducers.blocks import NULL_BLOCK, BlockPool, BlockPoolError
-from kvsched.reducers.errors import ReplayMismatch
+from kvsched.reducers.errors import RefChange, ReplayMismatch
 
 ROOT = b"root" * 4
 
@@ -55,14 +58,36 @@ def fold(pool: BlockPool, event: ev.Event) -> None:
         pool.apply(change)
 
 
+def attach(pool: BlockPool, blocks: np.ndarray) -> None:
+    """One reference more on each block, as a holder's fold hands it to the pool."""
+    pool.apply(RefChange(attach=(blocks,)))
+
+
+def release(pool: BlockPool, blocks: np.ndarray) -> None:
+    """One reference less on each block (root first), as a holder's fold hands it over."""
+    pool.apply(RefChange(release=(blocks,)))
+
+
+def take(
+    pool: BlockPool, n: int, strategy: BlockEviction | None = None
+) -> tuple[list[ev.Event], np.ndarray]:
+    """The evictions the policy's allocation of ``n`` blocks emits (not folded) and the
+    blocks it takes (``Growth.take_blocks``, with the strategy given, default LRU)."""
+    growth = Growth(SchedulerConfig())
+    if strategy is not None:
+        growth.block_eviction = strategy
+    emitted: list[ev.Event] = []
+    blocks = growth.take_blocks(SimpleNamespace(pool=pool), n, emitted.append)  # type: ignore[arg-type]
+    return emitted, blocks
+
+
 def allocate(pool: BlockPool, n: int) -> np.ndarray:
     """Allocate ``n`` blocks the way the policy does: evictions first, then the allocation."""
-    peek = plan_allocation(pool, n, LruBlocks())
-    if peek is None:
+    if n > pool.num_available:
         raise BlockPoolError(f"cannot allocate {n} blocks: {pool.num_available} available")
-    evict, blocks = peek
-    if len(evict):
-        fold(pool, ev.BlocksEvicted(evict, pool.hashes_of(evict)))
+    evictions, blocks = take(pool, n)
+    for e in evictions:
+        fold(pool, e)
     fold(pool, ev.BlocksAllocated(np.zeros(1, np.int64), np.asarray([n], np.int32), blocks))
     return blocks
 
@@ -109,7 +134,8 @@ def test_an_allocation_larger_than_what_is_available_fails_and_changes_nothing()
     before = pool.snapshot()
     with pytest.raises(BlockPoolError):
         allocate(pool, 2)
-    assert plan_allocation(pool, 2, LruBlocks()) is None
+    with pytest.raises(AssertionError, match="not available"):
+        take(pool, 2)
     assert pool.snapshot() == before
     pool.check_invariants([held])
 
@@ -117,15 +143,15 @@ def test_an_allocation_larger_than_what_is_available_fails_and_changes_nothing()
 def test_releasing_an_unreferenced_block_is_an_error():
     pool = BlockPool(4)
     allocate(pool, 1)
-    pool.release(arr(1))
+    release(pool, arr(1))
     with pytest.raises(ReplayMismatch):
-        pool.release(arr(1))
+        release(pool, arr(1))
 
 
 def test_released_private_blocks_return_to_the_free_stack_and_are_reused_root_first():
     pool = BlockPool(8)
     blocks = allocate(pool, 3)  # 1, 2, 3
-    pool.release(blocks)
+    release(pool, blocks)
     assert pool.num_evictable == 0
     # Released leaf first onto the stack, so the root-most block is on top again.
     assert allocate(pool, 3).tolist() == [1, 2, 3]
@@ -140,7 +166,7 @@ def test_registering_a_block_whose_parent_is_not_cached_breaks_prefix_closure_an
     assert pool.index == {}
     assert register(pool, h, 0, a) == a
     assert register(pool, h, 1, b) == b
-    assert pool.find_blocks(h, 2).tolist() == [a, b]
+    assert pool.cached_prefix(HashChain(b"".join(h)), 2).tolist() == [a, b]
 
 
 def test_registering_a_hash_that_is_already_cached_returns_the_canonical_block():
@@ -157,14 +183,14 @@ def test_evictable_blocks_offers_released_cached_blocks_leaf_first_and_changes_n
     pool = BlockPool(8)
     first = cache_chain(pool, chain([1, 2, 3]))
     other = cache_chain(pool, chain([9]))
-    pool.release(first)
-    pool.release(other)
+    release(pool, first)
+    release(pool, other)
     before = pool.snapshot()
     assert list(pool.evictable_blocks()) == [*first[::-1].tolist(), *other.tolist()]
     assert pool.snapshot() == before
-    pool.attach(first[:1])  # held again: no longer a candidate
+    attach(pool, first[:1])  # held again: no longer a candidate
     assert list(pool.evictable_blocks()) == [*first[:0:-1].tolist(), *other.tolist()]
-    pool.release(first[:1])  # re-released: the most recently released
+    release(pool, first[:1])  # re-released: the most recently released
     assert list(pool.evictable_blocks())[-1] == int(first[0])
     pool.check_invariants([])
 
@@ -181,13 +207,13 @@ def test_a_released_cached_chain_is_evicted_leaf_first_and_the_index_stays_prefi
     pool = BlockPool(4)
     hashes = chain([1, 2, 3])
     blocks = cache_chain(pool, hashes)
-    pool.release(blocks)
+    release(pool, blocks)
     assert pool.num_available == 3
-    assert pool.find_prefix_len(HashChain(b"".join(hashes)), 3) == 3
+    assert len(pool.cached_prefix(HashChain(b"".join(hashes)), 3)) == 3
     for remaining in (2, 1, 0):
         [taken] = allocate(pool, 1).tolist()
         assert taken == int(blocks[remaining])  # the leaf goes first
-        assert pool.find_prefix_len(HashChain(b"".join(hashes)), 3) == remaining
+        assert len(pool.cached_prefix(HashChain(b"".join(hashes)), 3)) == remaining
         pool.check_invariants([arr(*blocks[remaining:].tolist())])
         for h in pool.index:
             parent = pool.parent_of[pool.index[h]]
@@ -198,30 +224,30 @@ def test_the_least_recently_released_chain_is_evicted_before_a_newer_one():
     pool = BlockPool(5)
     old, new = chain([1, 1]), chain([2, 2])
     old_blocks, new_blocks = cache_chain(pool, old), cache_chain(pool, new)
-    pool.release(old_blocks)
-    pool.release(new_blocks)
+    release(pool, old_blocks)
+    release(pool, new_blocks)
     assert allocate(pool, 2).tolist() == old_blocks[::-1].tolist()
-    assert pool.find_prefix_len(HashChain(b"".join(old)), 2) == 0
-    assert pool.find_prefix_len(HashChain(b"".join(new)), 2) == 2
+    assert len(pool.cached_prefix(HashChain(b"".join(old)), 2)) == 0
+    assert len(pool.cached_prefix(HashChain(b"".join(new)), 2)) == 2
 
 
 def test_attaching_a_cached_block_takes_it_off_the_lru_and_a_second_release_requeues_it():
     pool = BlockPool(4)
     hashes = chain([5, 6])
     blocks = cache_chain(pool, hashes)
-    pool.release(blocks)
+    release(pool, blocks)
     assert pool.num_evictable == 2
-    hit = pool.find_blocks(hashes, 1)
+    hit = pool.cached_prefix(HashChain(b"".join(hashes)), 1)
     assert pool.count_unheld(hit) == 1
-    pool.attach(hit)
+    attach(pool, hit)
     assert pool.num_evictable == 1
     assert pool.count_unheld(hit) == 0
     pool.check_invariants([hit])
     # Only the child is evictable; it goes, the attached root stays cached.
     fresh = allocate(pool, 2)
     assert int(blocks[1]) in fresh.tolist() and int(blocks[0]) not in fresh.tolist()
-    assert pool.find_prefix_len(HashChain(b"".join(hashes)), 2) == 1
-    pool.release(hit)
+    assert len(pool.cached_prefix(HashChain(b"".join(hashes)), 2)) == 1
+    release(pool, hit)
     pool.check_invariants([fresh])
     assert allocate(pool, 1).tolist() == [int(blocks[0])]
 
@@ -231,23 +257,23 @@ def test_a_parent_released_after_its_child_is_evicted_after_the_child():
     hashes = chain([1, 2])
     blocks = cache_chain(pool, hashes)
     root = blocks[:1].copy()
-    pool.attach(root)  # a second holder shares only the root
-    pool.release(blocks)  # the child reaches zero first
-    pool.release(root)
+    attach(pool, root)  # a second holder shares only the root
+    release(pool, blocks)  # the child reaches zero first
+    release(pool, root)
     order = allocate(pool, 3).tolist()
     assert order.index(int(blocks[1])) < order.index(int(blocks[0]))
 
 
-def test_find_prefix_len_respects_the_limit_and_an_empty_chain():
+def test_cached_prefix_respects_the_limit_and_an_empty_chain():
     pool = BlockPool(8)
     hashes = chain([1, 2, 3, 4])
     cache_chain(pool, hashes)
-    assert pool.find_prefix_len(HashChain(b"".join(hashes)), 0) == 0
-    assert pool.find_prefix_len(HashChain(b"".join(hashes)), 2) == 2
-    assert pool.find_prefix_len(HashChain(b"".join(hashes)), 10) == 4
-    assert pool.find_prefix_len(HashChain(b"".join(chain([1, 2, 9]))), 3) == 2
-    assert pool.find_prefix_len(HashChain(b"".join(chain([9]))), 1) == 0
-    assert pool.find_prefix_len(HashChain(), 3) == 0
+    assert len(pool.cached_prefix(HashChain(b"".join(hashes)), 0)) == 0
+    assert len(pool.cached_prefix(HashChain(b"".join(hashes)), 2)) == 2
+    assert len(pool.cached_prefix(HashChain(b"".join(hashes)), 10)) == 4
+    assert len(pool.cached_prefix(HashChain(b"".join(chain([1, 2, 9]))), 3)) == 2
+    assert len(pool.cached_prefix(HashChain(b"".join(chain([9]))), 1)) == 0
+    assert len(pool.cached_prefix(HashChain(), 3)) == 0
 
 
 def test_check_invariants_detects_a_holder_the_pool_does_not_count():
@@ -264,10 +290,10 @@ def test_the_lru_queue_stays_bounded_under_repeated_attach_and_release():
     pool = BlockPool(4)
     hashes = chain([3])
     block = cache_chain(pool, hashes)
-    pool.release(block)
+    release(pool, block)
     for _ in range(100):
-        pool.attach(block)
-        pool.release(block)
+        attach(pool, block)
+        release(pool, block)
     assert len(pool.lru) <= 4 * pool.num_blocks + 1
     pool.check_invariants([])
     assert pool.num_evictable == 1
@@ -337,18 +363,20 @@ class BlockPoolMachine(RuleBasedStateMachine):
         pool = self.pool
         hashes = chain(content)
         self.chains.append(hashes)
-        hit = pool.find_prefix_len(HashChain(b"".join(hashes)), len(hashes))
+        blocks = pool.cached_prefix(HashChain(b"".join(hashes)), len(hashes))
+        hit = len(blocks)
         assert hit == linear_prefix_len(pool, hashes, len(hashes))
-        blocks = pool.find_blocks(hashes, hit)
         assert [self.ident.get(b) for b in blocks.tolist()] == hashes[:hit]
         need = len(hashes) - hit
         if need > pool.num_available - pool.count_unheld(blocks):
             return None  # does not fit: a tentative match is simply not acted on
-        pool.attach(blocks)
+        attach(pool, blocks)
         self._model_attach(blocks.tolist())
-        predicted = plan_allocation(pool, need, LruBlocks())
+        before = pool.snapshot()
+        _, predicted = take(pool, need)  # (its evictions emitted, not folded: no change)
+        assert pool.snapshot() == before
         fresh = allocate(pool, need)
-        assert predicted is not None and predicted[1].tolist() == fresh.tolist()
+        assert predicted.tolist() == fresh.tolist()
         assert fresh.tolist() == self._model_allocate(need)
         holder_id = self.next_id
         self.next_id += 1
@@ -376,9 +404,9 @@ class BlockPoolMachine(RuleBasedStateMachine):
                 # Cannot happen with chained hashes: one chain never repeats a digest.
                 raise AssertionError("canonical block already in the holder's table")
             swap = np.asarray([canonical], dtype=np.int32)
-            self.pool.attach(swap)
+            attach(self.pool, swap)
             self._model_attach([canonical])
-            self.pool.release(np.asarray([block], dtype=np.int32))
+            release(self.pool, np.asarray([block], dtype=np.int32))
             self._model_release([block])
             h["blocks"][i] = canonical
         h["registered"] = i + 1
@@ -388,7 +416,7 @@ class BlockPoolMachine(RuleBasedStateMachine):
         h = self.live.pop(holder, None)
         if h is None:
             return
-        self.pool.release(np.asarray(h["blocks"], dtype=np.int32))
+        release(self.pool, np.asarray(h["blocks"], dtype=np.int32))
         self._model_release(h["blocks"])
 
     @rule(n=st.integers(1, 4))
@@ -400,7 +428,7 @@ class BlockPoolMachine(RuleBasedStateMachine):
             return
         got = allocate(self.pool, n)
         assert got.tolist() == self._model_allocate(n)
-        self.pool.release(got)
+        release(self.pool, got)
         self._model_release(got.tolist())
 
     @rule(data=st.data())
@@ -409,9 +437,9 @@ class BlockPoolMachine(RuleBasedStateMachine):
             return
         hashes = data.draw(st.sampled_from(self.chains))
         limit = data.draw(st.integers(0, len(hashes) + 1))
-        got = self.pool.find_prefix_len(HashChain(b"".join(hashes)), limit)
+        blocks = self.pool.cached_prefix(HashChain(b"".join(hashes)), limit)
+        got = len(blocks)
         assert got == linear_prefix_len(self.pool, hashes, limit)
-        blocks = self.pool.find_blocks(hashes, got)
         assert blocks.tolist() == [self.pool.index[h] for h in hashes[:got]]
 
     # ------------------------------------------------------------------ invariants

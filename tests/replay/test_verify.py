@@ -282,7 +282,7 @@ class SmallerChunks(Policy):
         super().__init__(config)
         self.admission.chunk_of = self.small_chunk  # type: ignore[method-assign]
 
-    def small_chunk(self, seq: Seq, start: int) -> Chunk:
+    def small_chunk(self, seq: Seq, start: int, branch: int = -1) -> Chunk:
         end = min(seq.n_tokens, (start // SMALL_CHUNK + 1) * SMALL_CHUNK)
         return Chunk(start, end, end == seq.n_tokens)
 

@@ -63,6 +63,7 @@ class Admission:
         self._split_tail = config.hybrid and (aligned or cut_tail)
         self._branch = config.hybrid and config.places("branch")
         self._within = config.hybrid and config.checkpoints.mid_chunk_saves
+        self._cut_at_branch = self._branch and not self._within
         self._interval = config.interval_tokens if config.places("interval") else 0
         self._soft = config.soft_loads
         self._mm_safe = config.legacy.multimodal_safe
@@ -74,10 +75,12 @@ class Admission:
 
     # ---------------------------------------------------------------------- chunks
 
-    def chunk_of(self, seq: Seq, start: int) -> Chunk:
+    def chunk_of(self, seq: Seq, start: int, branch: int = -1) -> Chunk:
         """The canonical chunk starting at ``start``: it ends at the next multiple of the
         chunk length (a function of the request and the config only) or at the prompt end;
-        a multimodal span is never split (``spans.chunk_end``)."""
+        a multimodal span is never split (``spans.chunk_end``). Where the executor cannot
+        save mid-chunk, it ends at a ``branch`` point inside it (the end of the cached KV
+        found at admission; -1: none) so that its state is saved there."""
         size = self._chunk_tokens
         end = min(seq.n_tokens, (start // size + 1) * size)
         if seq.mm_spans and self._mm_safe:
@@ -89,38 +92,38 @@ class Admission:
             cut = self.tail_of(seq)
             if start < cut < end and self._may_cut(seq, cut):
                 end = cut
+        if self._cut_at_branch and start < branch < end and self._may_cut(seq, branch):
+            end = branch
         return Chunk(start, end, end == seq.n_tokens)
-
-    def cut_at_branch(self, seq: Seq, chunk: Chunk, branch: int) -> Chunk:
-        """Where the executor cannot save mid-chunk, a chunk ends at a branch point (the end
-        of the cached KV found at admission) so that its state is saved there."""
-        cut = self._branch and not self._within and chunk.start < branch < chunk.end
-        if cut and self._may_cut(seq, branch):
-            return Chunk(chunk.start, branch, False)
-        return chunk
 
     def _may_cut(self, seq: Seq, step: int) -> bool:
         """Whether a chunk may end at ``step`` besides its canonical end: never in a span."""
         return not self._mm_safe or spans.boundary_safe(seq.mm_spans, step)
 
-    def fits_budget(self, budget: StepBudget, chunk: Chunk) -> bool:
-        if budget.prefills == 0:
-            return True  # the first prefill of a step is always admitted
-        return budget.tokens + chunk.end - chunk.start <= self.config.max_prefill_tokens
-
-    def long_gate_open(self, budget: StepBudget, seq: Seq, chunk: Chunk) -> bool:
-        """At most ``max_long_chunks_per_step`` non-final chunks per step; on a gated turn,
-        no chunk of a long prefill."""
+    def refusal(self, budget: StepBudget, seq: Seq, chunk: Chunk) -> str:
+        """Why this step cannot take the chunk, or "" when it can: "skip" when a gate closes
+        (at most ``max_long_chunks_per_step`` non-final chunks per step; on a gated turn, no
+        chunk of a long prefill), "stop" when it overruns the token budget (the first
+        prefill of a step never does)."""
         if not budget.long_prefills and self.config.long_prefill(seq.n_tokens - chunk.start):
-            return False
-        return chunk.final or budget.long_chunks < self.config.turns.max_long_chunks_per_step
+            return "skip"
+        if not chunk.final and budget.long_chunks >= self.config.turns.max_long_chunks_per_step:
+            return "skip"
+        fits = budget.tokens + chunk.end - chunk.start <= self.config.max_prefill_tokens
+        return "" if fits or budget.prefills == 0 else "stop"
 
     def add_prefill(
         self, state: EngineState, seq: Seq, chunk: Chunk, budget: StepBudget, emit: Emit
     ) -> None:
-        """Schedule a chunk; for a hybrid model, save the states its placement rules ask
-        for: at its end (the deepest first), then inside it (deepest first)."""
-        budget.add(seq.seq_id, chunk.start, chunk.end, chunk.final)
+        """Schedule a chunk (the step's budget counts it); for a hybrid model, save the
+        states its placement rules ask for: at its end (the deepest first), then inside it
+        (deepest first)."""
+        budget.seq_ids.append(seq.seq_id)
+        budget.starts.append(chunk.start)
+        budget.ends.append(chunk.end)
+        budget.tokens += chunk.end - chunk.start
+        budget.prefills += 1
+        budget.long_chunks += 0 if chunk.final else 1
         if not state.hybrid:
             return
         kind = self.end_rule(seq, chunk)
@@ -175,9 +178,8 @@ class Admission:
         for seq in sorted(table.seqs_at(table.still_held(rows)), key=_arrival_key):
             if seq.state != SeqState.RUNNING:
                 continue  # preempted for an earlier sequence's chunk this step
-            chunk = self.chunk_of(seq, table.computed_at(seq.row))
-            chunk = self.cut_at_branch(seq, chunk, seq.kv_hit_tokens)
-            if not (self.fits_budget(budget, chunk) and self.long_gate_open(budget, seq, chunk)):
+            chunk = self.chunk_of(seq, table.computed_at(seq.row), seq.kv_hit_tokens)
+            if self.refusal(budget, seq, chunk):
                 continue
             need = cdiv(chunk.end, self.bs) - table.nblocks_at(seq.row)
             if need > state.pool.num_available:
@@ -190,7 +192,7 @@ class Admission:
                     # Nothing else can progress: preempt victims (maybe this one itself).
                     self.growth.preempt_until(state, need, emit, spare=seq)
                 continue
-            self.growth.allocate_one(state, seq.seq_id, need, emit)
+            self.growth.allocate(state, [seq.seq_id], [need], emit)
             self.add_prefill(state, seq, chunk, budget, emit)
 
     # ------------------------------------------------------------------- admission
@@ -223,22 +225,20 @@ class Admission:
                 return self._admit_with_load(state, seq, first, end, emit)
         if self._soft and state.seqs.num_running >= self.config.max_batch:
             return "skip"  # every row runs (only loads start now): it waits for a row
-        chunk = self.chunk_of(seq, match.num_tokens)
-        chunk = self.cut_at_branch(seq, chunk, match.kv_tokens)
-        if not self.long_gate_open(budget, seq, chunk):
-            return "skip"
-        if not self.fits_budget(budget, chunk):
-            return "stop"
+        chunk = self.chunk_of(seq, match.num_tokens, match.kv_tokens)
+        refusal = self.refusal(budget, seq, chunk)
+        if refusal:
+            return refusal
         need = cdiv(chunk.end, self.bs) - len(match.blocks)
         if not self.make_fit(state, need, match.blocks, match.ckpt_id, emit, match.overlap):
             return "stop"
-        load = state.transfers.load_of(seq.seq_id)
+        load = state.transfers.load_of(seq.seq_id) if self._external_load else None
         if load is not None and load.open:
             emit(ev.KVLoadCancelled(seq.seq_id, "served by the local cache"))
         self.attach_prefix(state, seq, match, emit)
         if seq.session_id in state.sessions:
             self.growth.free_session_hold(state, seq.session_id, emit)
-        self.growth.allocate_one(state, seq.seq_id, need, emit)
+        self.growth.allocate(state, [seq.seq_id], [need], emit)
         self.add_prefill(state, seq, chunk, budget, emit)
         return "admitted"
 
@@ -266,7 +266,8 @@ class Admission:
         (and, hybrid, a state slot), if its whole prefill fits beside every incomplete load's
         soft reservation. Else (before schema 4): a row and every block of its prompt."""
         soft = self._soft
-        hit = state.pool.find_blocks(seq.hashes, first)
+        hit = state.pool.cached_prefix(seq.hashes, first)
+        assert len(hit) == first, "the local part of a planned load is cached"
         if soft and state.hybrid and not self.checkpoints.room_for_load(state, emit):
             return "stop"
         if not self.make_fit(state, self.transfers.load_need(state, seq, first), hit, -1, emit):
@@ -279,7 +280,7 @@ class Admission:
         if seq.session_id in state.sessions:
             self.growth.free_session_hold(state, seq.session_id, emit)
         taken = end if soft else cdiv(seq.n_tokens, self.bs)  # (whole prompt: before schema 4)
-        self.growth.allocate_one(state, seq.seq_id, taken - first, emit)
+        self.growth.allocate(state, [seq.seq_id], [taken - first], emit)
         emit(self.transfers.load_started(state, seq, first, end))
         return "admitted"
 
@@ -305,18 +306,16 @@ class Admission:
         load = state.transfers.load_of(seq.seq_id)
         assert load is not None
         kept = self.transfers.kept_blocks(state, seq, load)
-        chunk = self.chunk_of(seq, kept * self.bs)
-        chunk = self.cut_at_branch(seq, chunk, seq.kv_hit_tokens)
-        if not self.long_gate_open(budget, seq, chunk):
-            return "skip"
-        if not self.fits_budget(budget, chunk):
-            return "stop"
+        chunk = self.chunk_of(seq, kept * self.bs, seq.kv_hit_tokens)
+        refusal = self.refusal(budget, seq, chunk)
+        if refusal:
+            return refusal
         need = cdiv(chunk.end, self.bs) - len(state.seqs.block_table(seq))
         if not self.make_fit(state, need, NO_BLOCKS, -1, emit):
             return "stop"
         slot = state.ckpts.load_slot_of(seq.seq_id)
         emit(ev.KVLoadSettled(seq.seq_id, kept, state.seqs.peek_free_row(), slot))
-        self.growth.allocate_one(state, seq.seq_id, need, emit)
+        self.growth.allocate(state, [seq.seq_id], [need], emit)
         # (cached after the allocation: a loaded block deduplicated onto a cached copy that
         # no one holds takes that copy off the available blocks)
         self.growth.cache_computed(state, emit, np.asarray([seq.row]))
@@ -337,7 +336,11 @@ class Admission:
         checkpoints (never ``keep``, the one it restores) only when that makes the admission
         fit. False: it cannot fit."""
         pool = state.pool
-        unheld = 0 if self._path_held(state, keep, hit) else pool.count_unheld(hit)
+        restored = state.ckpts.get(keep) if keep >= 0 else None
+        # The path of the restored checkpoint, which holds references on it, has no unheld
+        # block (no pass over it is needed); nor has an empty hit.
+        held = restored is not None and hit is restored.path and restored.holds_path
+        unheld = 0 if held or not len(hit) else pool.count_unheld(hit)
         if overlap:
             unheld += int(pool.is_unheld(overlap))
             hit = np.append(hit, np.int32(overlap)).astype(np.int32)
@@ -360,15 +363,6 @@ class Admission:
             self.growth.reclaim_sessions(state, need, emit, -1, hit)
         # (Evicting a checkpoint whose path overlaps an unheld hit gains nothing for it.)
         return need <= pool.num_available - pool.count_unheld(hit)
-
-    @staticmethod
-    def _path_held(state: EngineState, keep: int, hit: np.ndarray) -> bool:
-        """Whether the hit is the path of the restored checkpoint ``keep`` and it holds
-        references on it (then none of its blocks is unheld: no pass over them is needed)."""
-        if keep < 0:
-            return False
-        c = state.ckpts.get(keep)
-        return hit is c.path and c.holds_path
 
 
 def _arrival_key(seq: Seq) -> tuple[float, int]:

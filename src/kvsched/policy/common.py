@@ -1,5 +1,5 @@
 """Shared vocabulary of the policy's parts: the emit hook, a tentative match, a chunk, the
-step's prefill budget, and small array helpers."""
+step's prefill budget, and a small arithmetic helper."""
 
 from __future__ import annotations
 
@@ -13,10 +13,6 @@ from kvsched.events import types as ev
 
 Emit = Callable[[ev.Event], None]
 I32, I64 = np.int32, np.int64
-
-
-def arr(values: list[int], dtype: type = I64) -> np.ndarray:
-    return np.asarray(values, dtype=dtype)
 
 
 def cdiv(a: int, b: int) -> int:
@@ -48,7 +44,7 @@ class Chunk(NamedTuple):
 
 @attrs.define(slots=True)
 class StepBudget:
-    """What this step has committed so far."""
+    """What this step has committed so far (``Admission.add_prefill`` counts each chunk)."""
 
     busy: bool = False  # decode work is scheduled this step
     long_prefills: bool = True  # the turn lets long prefills run (policy/turns.py)
@@ -58,11 +54,3 @@ class StepBudget:
     seq_ids: list[int] = attrs.field(factory=list)
     starts: list[int] = attrs.field(factory=list)
     ends: list[int] = attrs.field(factory=list)
-
-    def add(self, seq_id: int, start: int, end: int, final: bool) -> None:
-        self.seq_ids.append(seq_id)
-        self.starts.append(start)
-        self.ends.append(end)
-        self.tokens += end - start
-        self.prefills += 1
-        self.long_chunks += 0 if final else 1

@@ -30,9 +30,6 @@ from kvsched.reducers.blocks import BlockPool
 from kvsched.reducers.checkpoints import Checkpoint, CheckpointTable
 from kvsched.statemachines import CkptState
 
-_NO_BLOCKS = np.zeros(0, dtype=np.int32)
-_NO_BLOCKS.flags.writeable = False
-
 Ranked = list[tuple[float | None, Checkpoint]]
 
 
@@ -62,21 +59,6 @@ class LruBlocks:
 
     def victims(self, pool: BlockPool, n: int) -> np.ndarray:
         return np.fromiter(islice(pool.evictable_blocks(), n), dtype=np.int32, count=n)
-
-
-def plan_allocation(
-    pool: BlockPool, n: int, strategy: BlockEviction
-) -> tuple[np.ndarray, np.ndarray] | None:
-    """(cached blocks to evict, blocks allocated) for an allocation of ``n`` blocks, or None
-    when fewer are available: free blocks first; when too few are free, the strategy's
-    victims, which come first in the allocation. A pure query."""
-    fresh = pool.num_free
-    if n <= fresh:  # (the common case: nothing to evict)
-        return _NO_BLOCKS, pool.free_top(n)
-    if n > pool.num_available:
-        return None
-    evict = strategy.victims(pool, n - fresh)
-    return evict, np.concatenate((evict, pool.free_top(fresh)))
 
 
 # ------------------------------------------------------------------------- checkpoints
@@ -250,5 +232,4 @@ __all__ = [
     "LruBlocks",
     "LruCheckpoints",
     "ValueEviction",
-    "plan_allocation",
 ]

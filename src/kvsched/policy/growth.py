@@ -13,8 +13,8 @@ import numpy as np
 
 from kvsched.config import SchedulerConfig
 from kvsched.events import types as ev
-from kvsched.policy.common import I32, Emit, arr
-from kvsched.policy.eviction import BLOCK_EVICTION, plan_allocation
+from kvsched.policy.common import I32, I64, Emit
+from kvsched.policy.eviction import BLOCK_EVICTION
 from kvsched.reducers.blocks import BlockPool
 from kvsched.reducers.sequences import Seq, SequenceTable
 from kvsched.reducers.sessions import SessionTable
@@ -34,28 +34,33 @@ class Growth:
     # ------------------------------------------------------------------ allocation
 
     def take_blocks(self, state: EngineState, n: int, emit: Emit) -> np.ndarray:
-        """The blocks an allocation of ``n`` takes, after emitting the evictions it needs
-        (victims chosen by the block eviction strategy; the caller checked that ``n`` are
-        available)."""
-        peek = plan_allocation(state.pool, n, self.block_eviction)
-        assert peek is not None, f"{n} blocks are not available"
-        evict, blocks = peek
-        if len(evict):
-            emit(ev.BlocksEvicted(evict, state.pool.hashes_of(evict)))
+        """The blocks an allocation of ``n`` takes (the caller checked that ``n`` are
+        available): free blocks first; when too few are free, the block eviction strategy's
+        victims, evicted first (``BlocksEvicted``), come first in the allocation."""
+        pool = state.pool
+        fresh = pool.num_free
+        if n <= fresh:  # (the common case: nothing to evict)
+            return pool.free_top(n)
+        assert n <= pool.num_available, f"{n} blocks are not available"
+        evict = self.block_eviction.victims(pool, n - fresh)
+        blocks = np.concatenate((evict, pool.free_top(fresh)))  # (read before the evictions)
+        emit(ev.BlocksEvicted(evict, pool.hashes_of(evict)))
         return blocks
 
     def allocate(
-        self, state: EngineState, seq_ids: np.ndarray, counts: np.ndarray, emit: Emit
+        self,
+        state: EngineState,
+        seq_ids: np.ndarray | list[int],
+        counts: np.ndarray | list[int],
+        emit: Emit,
     ) -> None:
+        """Allocate ``counts[i]`` blocks to sequence ``seq_ids[i]`` (nothing when they add up
+        to none), after the evictions the allocation needs."""
+        counts = np.asarray(counts, dtype=I32)
         total = int(counts.sum())
         if total > 0:
             blocks = self.take_blocks(state, total, emit)
-            emit(ev.BlocksAllocated(seq_ids, counts.astype(I32), blocks))
-
-    def allocate_one(self, state: EngineState, seq_id: int, need: int, emit: Emit) -> None:
-        if need > 0:
-            blocks = self.take_blocks(state, need, emit)
-            emit(ev.BlocksAllocated(arr([seq_id]), arr([need], I32), blocks))
+            emit(ev.BlocksAllocated(np.asarray(seq_ids, dtype=I64), counts, blocks))
 
     # ------------------------------------------------------- decode preallocation
 
@@ -137,7 +142,9 @@ class Growth:
             path = self._keep_overlaps(t, grown, firsts, lasts, blocks, replaced)
         if not swap:
             self._detach_after_private(t, grown, firsts, lasts, replaced, pool)
-        marks, experts = self._cached_experts(state, grown, firsts, lasts, path)
+        marks, experts = _NO_MARKS, _EMPTY16
+        if self.config.model.routed_experts_per_token:
+            marks, experts = self._cached_experts(state, grown, firsts, lasts, path)
         emit(
             ev.BlocksCached(
                 seq_ids, (lasts - firsts).astype(I32), firsts.astype(I32), blocks,
@@ -226,8 +233,6 @@ class Growth:
         blocks: np.ndarray,
     ) -> tuple[np.ndarray, np.ndarray]:
         """MoE: which entries bring routed-expert ids into the cache, and the ids."""
-        if not self.config.model.routed_experts_per_token:
-            return _NO_MARKS, _EMPTY16
         t, j = state.seqs, 0
         marks: list[bool] = []
         experts: list[np.ndarray] = []
@@ -296,7 +301,8 @@ class Growth:
                 counts.append(len(held))
                 blocks.append(held.copy())
         if holders:
-            emit(ev.BlocksFreed(arr(holders), arr(counts, I32), np.concatenate(blocks)))
+            ids, sizes = np.asarray(holders, dtype=I64), np.asarray(counts, dtype=I32)
+            emit(ev.BlocksFreed(ids, sizes, np.concatenate(blocks)))
         for seq in unpins:
             emit(ev.CheckpointUnpinned(seq.pinned_ckpt, seq.seq_id))
         emit(ending)
@@ -305,7 +311,8 @@ class Growth:
         session = state.sessions.get(session_id)
         if session is not None and len(session.held):
             holder = SessionTable.holder_id(session_id)
-            emit(ev.BlocksFreed(arr([holder]), arr([len(session.held)], I32), session.held.copy()))
+            ids, sizes = np.asarray([holder], dtype=I64), np.asarray([len(session.held)], I32)
+            emit(ev.BlocksFreed(ids, sizes, session.held.copy()))
 
     def preempt(self, state: EngineState, seq: Seq, emit: Emit, reason: str) -> None:
         self.end(state, [seq], ev.SequencePreempted(seq.seq_id, reason), emit)

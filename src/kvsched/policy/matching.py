@@ -42,29 +42,32 @@ class Matcher:
             return self._find_checkpoint(state, seq)
         if not self.config.legacy.multimodal_safe:
             return self._find_prefix_before_schema4(state, seq)
-        pool, bs = state.pool, self.bs
-        depth = pool.find_prefix_len(seq.hashes, (seq.n_tokens - 1) // bs)
+        pool, bs, mm_spans = state.pool, self.bs, seq.mm_spans
+        blocks = pool.cached_prefix(seq.hashes, (seq.n_tokens - 1) // bs)
+        depth = len(blocks)
         if seq.want_experts:  # a block without routed-expert ids ends the match
-            depth = pool.count_with_experts(pool.find_blocks(seq.hashes, depth))
-        depth = self.safe_depth(seq, depth)
+            depth = pool.count_with_experts(blocks)
+        if mm_spans:  # (rewound out of multimodal spans)
+            depth = spans.safe_depth(mm_spans, depth, bs)
         hit = depth
         if self.config.speculation.tokens and depth:
-            hit = self.safe_depth(seq, depth - self._recompute)
-        blocks = pool.find_blocks(seq.hashes, depth)
+            hit = depth - self._recompute
+            if mm_spans:
+                hit = spans.safe_depth(mm_spans, hit, bs)
         overlap = int(blocks[hit]) if hit < depth and self._holds_overlap else 0
         return Match(hit * bs, blocks[:hit], overlap=overlap)
 
     def _find_prefix_before_schema4(self, state: EngineState, seq: Seq) -> Match:
         """Logs before schema 4: a hit may end inside a multimodal span."""
         pool, bs = state.pool, self.bs
-        cached = pool.find_prefix_len(seq.hashes, (seq.n_tokens - 1) // bs)
+        found = pool.cached_prefix(seq.hashes, (seq.n_tokens - 1) // bs)
+        cached = len(found)
         # MTP: the last k cached blocks are recomputed (into private blocks, which caching
         # then swaps for the canonical ones) so a draft head gets hidden states.
         depth = max(0, cached - self._recompute)
-        blocks = pool.find_blocks(seq.hashes, depth)
         if seq.want_experts:  # a block without routed-expert ids ends the match
-            depth = pool.count_with_experts(blocks)
-            blocks = blocks[:depth]
+            depth = pool.count_with_experts(found[:depth])
+        blocks = found[:depth]
         overlap = self._overlap(state, seq, depth) if depth < cached else 0
         return Match(depth * bs, blocks, overlap=overlap)
 
@@ -92,11 +95,11 @@ class Matcher:
         kv_depth = top
         if hit is None:
             pool = state.pool
-            kv_depth = pool.find_prefix_len(seq.hashes, top)
+            kv = pool.cached_prefix(seq.hashes, top)
+            kv_depth = len(kv)
             deepest = min(kv_depth - k, top - 1 if fast else top)
             if seq.want_experts:  # a block without routed-expert ids ends the match
-                covered = pool.count_with_experts(pool.find_blocks(seq.hashes, kv_depth))
-                deepest = min(deepest, covered)
+                deepest = min(deepest, pool.count_with_experts(kv))
             for depth in range(deepest, -1, -1):
                 hit = self.checkpoint_at(state, seq, depth, limit)
                 if hit is not None:

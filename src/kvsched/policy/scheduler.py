@@ -20,7 +20,7 @@ from kvsched.config import SchedulerConfig
 from kvsched.events import types as ev
 from kvsched.policy.admission import Admission
 from kvsched.policy.checkpoints import Checkpoints
-from kvsched.policy.common import I32, Chunk, Emit, Match, StepBudget, arr, cdiv
+from kvsched.policy.common import I32, I64, Chunk, Emit, Match, StepBudget, cdiv
 from kvsched.policy.growth import Growth
 from kvsched.policy.matching import Matcher
 from kvsched.policy.ordering import PrefillOrder
@@ -28,7 +28,7 @@ from kvsched.policy.transfers import Transfers
 from kvsched.policy.turns import PrefillTurns
 from kvsched.reducers.sequences import Arrival
 from kvsched.reducers.state import EngineState
-from kvsched.statemachines import CkptState, LoadState, SeqState
+from kvsched.statemachines import CkptState, LoadState, SeqState, TurnState
 
 __all__ = ["Chunk", "Match", "Policy"]
 
@@ -45,7 +45,9 @@ class Policy:
         self.admission = Admission(
             config, self.matcher, self.growth, self.checkpoints, self.transfers, self.order
         )
-        self.turns = PrefillTurns(config, self.admission, self.order)
+        self.turns: PrefillTurns | None = None  # (None: every turn is STANDARD, none to choose)
+        if config.turn_policy != "standard":
+            self.turns = PrefillTurns(config, self.admission, self.order)
         # The parts' entry points that callers outside the policy use (benchmarks, tests),
         # bound directly: the match path is timed per request.
         self.find_prefix = self.matcher.find_prefix
@@ -100,7 +102,8 @@ class Policy:
 
     def after_executed(self, state: EngineState, outcome: ev.StepExecuted, emit: Emit) -> None:
         """After a step's outcome: cache the blocks it filled, publish the checkpoints it
-        saved, start saves to the store, and finish the sequences its tokens end."""
+        saved, start saves to the store, and retire the sequences whose newest token ends
+        them (eos, max_tokens or context)."""
         saving = self.config.external_save and state.hybrid
         published = self._awaiting_identities(state) if saving else []
         self.growth.cache_computed(state, emit)
@@ -108,16 +111,6 @@ class Policy:
             self.checkpoints.publish(state, emit)
         if self.config.external_save:
             self.transfers.start_saves(state, published, emit)
-        self._finish_finished(state, outcome, emit)
-
-    @staticmethod
-    def _awaiting_identities(state: EngineState) -> list[tuple[int, int, bytes]]:
-        """(seq id, tokens, identity) of each checkpoint the executed step saved."""
-        ckpts = state.ckpts
-        return [(c.seq_id, c.step, c.key) for c in map(ckpts.get, ckpts.awaiting_ids())]
-
-    def _finish_finished(self, state: EngineState, outcome: ev.StepExecuted, emit: Emit) -> None:
-        """Retire the sequences whose newest token ends them (eos, max_tokens or context)."""
         if not len(outcome.seq_ids):
             return
         t = state.seqs
@@ -126,24 +119,30 @@ class Policy:
         length = t.outputs_done(rows) | (t.known_of(rows) >= self.config.model.max_context)
         migrate = self.config.external.role == "prefill"  # (prefill role: its first token ends it)
         done = np.nonzero(stop | length | migrate)[0]
-        if len(done):
-            seqs = [t.seq(int(s)) for s in outcome.seq_ids[done]]
-            reasons = tuple(
-                "stop" if stop[i] else "length" if length[i] else "migrated"
-                for i in done.tolist()
-            )
-            if state.hybrid and not migrate:
-                for seq in seqs:
-                    self.checkpoints.save_sequence_end(state, seq, emit)
-            ids = outcome.seq_ids[done].copy()
-            if self.config.legacy.report_cached_tokens:
-                local, ckpt, external = np.asarray(
-                    [s.cached_tokens for s in seqs], dtype=np.int64
-                ).reshape(-1, 3).T.copy()
-                finished = ev.SequenceFinished(ids, reasons, local, ckpt, external)
-            else:
-                finished = ev.SequenceFinished(ids, reasons)
-            self.growth.end(state, seqs, finished, emit, keep_for_session=True)
+        if not len(done):
+            return
+        seqs = [t.seq(int(s)) for s in outcome.seq_ids[done]]
+        reasons = tuple(
+            "stop" if stop[i] else "length" if length[i] else "migrated" for i in done.tolist()
+        )
+        if state.hybrid and not migrate:
+            for seq in seqs:
+                self.checkpoints.save_sequence_end(state, seq, emit)
+        ids = outcome.seq_ids[done].copy()
+        if self.config.legacy.report_cached_tokens:
+            local, ckpt, external = np.asarray(
+                [s.cached_tokens for s in seqs], dtype=np.int64
+            ).reshape(-1, 3).T.copy()
+            finished = ev.SequenceFinished(ids, reasons, local, ckpt, external)
+        else:
+            finished = ev.SequenceFinished(ids, reasons)
+        self.growth.end(state, seqs, finished, emit, keep_for_session=True)
+
+    @staticmethod
+    def _awaiting_identities(state: EngineState) -> list[tuple[int, int, bytes]]:
+        """(seq id, tokens, identity) of each checkpoint the executed step saved."""
+        ckpts = state.ckpts
+        return [(c.seq_id, c.step, c.key) for c in map(ckpts.get, ckpts.awaiting_ids())]
 
     def abort(
         self, state: EngineState, seq_id: int, reason: str, emit: Emit, close_session: bool = False
@@ -278,9 +277,17 @@ class Policy:
             budget.busy = self._schedule_decode(state, decode_rows, emit)
         if prefill_turn:
             chunk_rows = table.still_held(chunk_rows)  # not preempted by decode
-            self.turns.run(state, chunk_rows, budget, emit)
+            if self.turns is not None:
+                self.turns.run(state, chunk_rows, budget, emit)
+            else:  # continue running chunked prefills, then admit in the configured order
+                if len(chunk_rows):
+                    self.admission.schedule_chunks(state, chunk_rows, budget, emit)
+                ordered = self.order.order(state, TurnState.STANDARD)
+                self.admission.admit_waiting(state, budget, emit, ordered)
         if budget.seq_ids:
-            emit(ev.PrefillScheduled(arr(budget.seq_ids), arr(budget.starts), arr(budget.ends)))
+            seq_ids = np.asarray(budget.seq_ids, dtype=I64)
+            starts, ends = np.asarray(budget.starts, I64), np.asarray(budget.ends, I64)
+            emit(ev.PrefillScheduled(seq_ids, starts, ends))
         elif alternate and prefill_turn and len(decode_rows):
             # The prefill turn found nothing it could run: decode rather than idle.
             self._schedule_decode(state, table.still_held(decode_rows), emit)
@@ -296,7 +303,7 @@ class Policy:
         config = self.config
         if config.turns.mode == "mixed" or n_decode == 0:
             return True
-        if not self.turns.has_work(state, chunk_rows):
+        if not PrefillTurns.has_work(state, chunk_rows):
             return False
         # Every prefill turn is followed by at least one decode turn, so decoding sequences
         # always progress (otherwise admissions could starve them and thrash preemption).

@@ -65,7 +65,7 @@ class Transfers:
         end = self._load_end(state, seq, load.num_blocks)
         if end * self.bs <= hit_tokens:
             return 0, 0  # the local cache now serves as much
-        local = state.pool.find_prefix_len(seq.hashes, end)
+        local = len(state.pool.cached_prefix(seq.hashes, end))
         if local < load.first_block:
             return 0, 0  # the local part the lookup relied on was evicted meanwhile
         if local >= end and not state.hybrid:

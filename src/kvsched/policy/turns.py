@@ -15,7 +15,9 @@ prefill: after its computed tokens); the others are *short*.
 
 A gated turn that schedules nothing while long work waits falls back to LONG_FIRST in the same
 step (lmdeploy's engine does the same), so no policy starves long prompts. Orders other than
-``ttft`` take STANDARD turns: their own order, long prefills allowed, exactly as before.
+``ttft`` take STANDARD turns: their own order, long prefills allowed, exactly as before; a
+policy whose every turn is STANDARD has no turn to choose, and ``Policy`` runs its prefills
+without this class.
 """
 
 from __future__ import annotations
@@ -51,9 +53,6 @@ class PrefillTurns:
         if not self.has_work(state, chunk_rows):
             return  # no prefill work: nothing to schedule, the turn stays
         turn = state.turns.turn
-        if self.policy == "standard":  # (every order but ttft): no sizes needed
-            self._run_turn(state, turn, chunk_rows, budget, emit, None)
-            return
         # Sized when the turn is chosen, before running chunks continue (a sequence they
         # preempt is not readmitted in the same step anyway).
         sized = self.order.sizes(state, list(state.seqs.waiting_seqs()))

@@ -16,14 +16,17 @@ only through ``apply`` of the ``RefChange`` a holder's fold returns.
 Prefix closure: a block is registered only while its parent hash is registered, and evicted
 only when no cached child remains. Holders of a cached block always hold its cached parent
 too, and releases drop a sequence's blocks leaf first, so the LRU queue (ordered by release)
-offers a child before its parent; ``find_prefix_len`` can binary-search a request's chain.
+offers a child before its parent; ``cached_prefix`` can binary-search a request's chain.
 The pool chooses no victim: it offers the evictable blocks in that order
 (``evictable_blocks``) and the policy's block eviction strategy (``policy/eviction.py``)
 picks among them.
 
 Prefix paths: each cached block at depth d knows its chain's path and d, where
-``path.arr[: d + 1]`` are the canonical blocks of its prefix, root first. A chain that grows
-at its tip extends its path in place; a branch copies the shared part. A match of k blocks is
+``path[: d + 1]`` are the canonical blocks of its prefix, root first: an array shared by the
+cached blocks of one chain, whose written entries never change (read-only views of them are
+handed out and kept: a prefix match's blocks, a checkpoint's path, events). A chain that grows
+at its tip writes the path's next unwritten entry (``NULL_BLOCK``) in place; a branch, or a
+tip at the end of its array, copies the shared part into a new one. A match of k blocks is
 one lookup of the deepest hash and a read-only view of its path.
 """
 
@@ -47,26 +50,6 @@ class BlockPoolError(RuntimeError):
     """A block operation that would break the pool's invariants."""
 
 
-class _Path:
-    """A growable array of canonical blocks shared by the cached blocks of one chain. Entries
-    ``[0, n)`` never change once written: read-only views of them are handed out (a prefix
-    match's blocks, a checkpoint's path) and kept, events included."""
-
-    __slots__ = ("arr", "n")
-
-    def __init__(self, arr: np.ndarray, n: int) -> None:
-        self.arr = arr
-        self.n = n
-
-    def extend(self, block: int) -> None:
-        if self.n == len(self.arr):
-            grown = np.zeros(max(16, 2 * self.n), dtype=np.int32)
-            grown[: self.n] = self.arr[: self.n]
-            self.arr = grown  # views of the old array stay valid for their holders
-        self.arr[self.n] = block
-        self.n += 1
-
-
 class BlockPool:
     def __init__(self, num_blocks: int, block_size: int = 64) -> None:
         self.num_blocks = num_blocks
@@ -76,7 +59,7 @@ class BlockPool:
         self.parent_of: list[bytes | None] = [None] * num_blocks  # namespace root at depth 0
         # A cached block's chain path and its depth in it, in two parallel columns (no
         # per-block tuple: a cache of many blocks would burden the garbage collector).
-        self.path_of: list[_Path | None] = [None] * num_blocks
+        self.path_of: list[np.ndarray | None] = [None] * num_blocks
         self.depth_of = np.zeros(num_blocks, dtype=np.int64)
         self.children = np.zeros(num_blocks, dtype=np.int32)  # cached children per block
         # MoE: routed-expert ids recorded when a cached block was computed ([bs, K] int16).
@@ -118,20 +101,17 @@ class BlockPool:
     def num_cached(self) -> int:
         return len(self.index)
 
-    def find_prefix_len(self, hashes: HashChain, limit: int) -> int:
-        """Number of leading blocks of ``hashes[:limit]`` in the index (binary search: the
-        index is prefix-closed)."""
-        return hashes.longest_prefix_in(self.index, limit)
-
-    def find_blocks(self, hashes: HashChain, count: int) -> np.ndarray:
-        """Block ids of the first ``count`` hashes, all cached: one lookup of the deepest hash
-        and a read-only view of its path (no walk over the prefix)."""
+    def cached_prefix(self, hashes: HashChain, limit: int) -> np.ndarray:
+        """Block ids of the longest cached prefix of ``hashes[:limit]``: a binary search of the
+        index (it is prefix-closed), one lookup of the deepest hash and a read-only view of
+        its path (no walk over the prefix)."""
+        count = hashes.longest_prefix_in(self.index, limit)
         if count == 0:
             return np.zeros(0, dtype=np.int32)
         block = self.index[hashes[count - 1]]
         path = self.path_of[block]
         assert path is not None and self.depth_of[block] == count - 1
-        view = path.arr[:count]
+        view = path[:count]
         view.flags.writeable = False
         return view
 
@@ -139,7 +119,7 @@ class BlockPool:
         """The canonical blocks of a cached block's prefix, ending at it (read-only view)."""
         path = self.path_of[block]
         assert path is not None
-        view = path.arr[: int(self.depth_of[block]) + 1]
+        view = path[: int(self.depth_of[block]) + 1]
         view.flags.writeable = False
         return view
 
@@ -203,8 +183,9 @@ class BlockPool:
 
     # -------------------------------------------------------------------------- folds
 
-    def _take(self, blocks: np.ndarray) -> None:
-        """Allocate exactly ``blocks``, which must be the top of the free stack."""
+    def _on_allocated(self, e: ev.BlocksAllocated) -> None:
+        """Take exactly the allocated blocks, which must be the top of the free stack."""
+        blocks = e.blocks
         n = len(blocks)
         if n > len(self.free):
             raise ReplayMismatch(f"allocation of {n} blocks: {len(self.free)} free")
@@ -217,12 +198,17 @@ class BlockPool:
         else:
             self.ref[blocks] = 1
 
-    def _on_allocated(self, e: ev.BlocksAllocated) -> None:
-        self._take(e.blocks)
-
     def _on_ckpt_reserved(self, e: ev.CheckpointReserved) -> None:
-        if e.frozen_block:
-            self._take(np.asarray([e.frozen_block], dtype=np.int32))
+        """Take the checkpoint's frozen block (if any), which must be the top of the free
+        stack."""
+        block = e.frozen_block
+        if not block:
+            return
+        if not self.free or self.free[-1] != block:
+            top = self.free[-1:]
+            raise ReplayMismatch(f"a frozen block would be {top}, event says {block}")
+        self.free.pop()
+        self.ref[block] = 1
 
     def _on_evicted(self, e: ev.BlocksEvicted) -> None:
         blocks = e.blocks.tolist()
@@ -239,6 +225,10 @@ class BlockPool:
             self.lru.popleft()
 
     def _on_cached(self, e: ev.BlocksCached) -> None:
+        """Register the computed blocks: each under its hash, at its depth below its cached
+        parent (prefix closure), on its parent's path (written in place at the path's tip,
+        else a new path with a copy of the shared prefix), except the entries it does not
+        register (``_unregistered``, checked); keep the routed-expert ids it brings."""
         hashes, parents = split_hashes(e.hashes), split_hashes(e.parents)
         if len(e.seq_ids) == len(e.blocks):
             depths = e.starts.tolist()  # one block per sequence
@@ -249,17 +239,34 @@ class BlockPool:
         blocks = e.blocks.tolist()
         replaced = e.replaced.tolist() if e.replaced.any() else None
         for j, block in enumerate(blocks):
-            if replaced is not None and replaced[j] > 0:
-                if self.index.get(hashes[j]) != block:
-                    raise ReplayMismatch(f"dedup onto block {block}, which lacks that hash")
-            elif replaced is not None and replaced[j] == ev.PRIVATE_COPY:
-                if self.index.get(hashes[j], block) == block:
-                    raise ReplayMismatch(f"private copy {block} of a hash not cached elsewhere")
-            elif replaced is not None and replaced[j] == ev.UNINDEXED:
-                if self.hash_of[block] is not None:
-                    raise ReplayMismatch(f"block {block} is cached: it cannot stay unindexed")
-            else:
-                self._register(block, hashes[j], parents[j], depths[j])
+            h, depth = hashes[j], depths[j]
+            if replaced is not None and self._unregistered(block, h, replaced[j]):
+                continue
+            if h in self.index or self.hash_of[block] is not None:
+                raise ReplayMismatch(f"block {block}: hash already cached or block has an identity")
+            if not self.ref[block]:
+                raise ReplayMismatch(f"block {block} is registered but nobody holds it")
+            path = None
+            if depth:
+                pb = self.index.get(parents[j])
+                if pb is None:
+                    raise ReplayMismatch(f"block {block}: parent not cached (prefix closure)")
+                path, d = self.path_of[pb], int(self.depth_of[pb])
+                assert path is not None
+                if d != depth - 1:
+                    raise ReplayMismatch(f"block {block}: depth {depth} under a parent at {d}")
+                self.children[pb] += 1
+            if path is None or depth == len(path) or path[depth] != NULL_BLOCK:
+                grown = np.zeros(max(16, 2 * (depth + 1)), dtype=np.int32)
+                if path is not None:
+                    grown[:depth] = path[:depth]
+                path = grown
+            path[depth] = block
+            self.parent_of[block] = parents[j]  # (the namespace root at depth 0)
+            self.index[h] = block
+            self.hash_of[block] = h
+            self.path_of[block] = path
+            self.depth_of[block] = depth
         marked = np.nonzero(e.with_experts)[0].tolist() if len(e.with_experts) else []
         per = len(e.experts) // len(marked) if marked else 0
         for m, j in enumerate(marked):
@@ -267,37 +274,22 @@ class BlockPool:
                 ids = e.experts[m * per : (m + 1) * per]
                 self.experts[blocks[j]] = ids.reshape(self.block_size, -1)
 
-    def _register(self, block: int, h: bytes, parent: bytes, depth: int) -> None:
-        if h in self.index or self.hash_of[block] is not None:
-            raise ReplayMismatch(f"block {block}: hash already cached or block has an identity")
-        if not self.ref[block]:
-            raise ReplayMismatch(f"block {block} is registered but nobody holds it")
-        if depth:
-            pb = self.index.get(parent)
-            if pb is None:
-                raise ReplayMismatch(f"block {block}: parent not cached (prefix closure)")
-            parent_path = self.path_of[pb]
-            assert parent_path is not None
-            path, d = parent_path, int(self.depth_of[pb])
-            if d != depth - 1:
-                raise ReplayMismatch(f"block {block}: depth {depth} under a parent at {d}")
-            if path.n == depth:
-                path.extend(block)
-            else:  # a branch: copy the shared prefix
-                arr = np.zeros(max(16, 2 * (depth + 1)), dtype=np.int32)
-                arr[:depth] = path.arr[:depth]
-                arr[depth] = block
-                path = _Path(arr, depth + 1)
-            self.children[pb] += 1
+    def _unregistered(self, block: int, h: bytes, kind: int) -> bool:
+        """Whether a cached entry (``kind``: its ``replaced`` marker) is not registered, after
+        checking it: deduplicated onto the cached block (``kind`` > 0: the copy it replaces),
+        a private copy of a hash cached elsewhere, or a block that stays unindexed."""
+        if kind > 0:
+            if self.index.get(h) != block:
+                raise ReplayMismatch(f"dedup onto block {block}, which lacks that hash")
+        elif kind == ev.PRIVATE_COPY:
+            if self.index.get(h, block) == block:
+                raise ReplayMismatch(f"private copy {block} of a hash not cached elsewhere")
+        elif kind == ev.UNINDEXED:
+            if self.hash_of[block] is not None:
+                raise ReplayMismatch(f"block {block} is cached: it cannot stay unindexed")
         else:
-            arr = np.zeros(16, dtype=np.int32)
-            arr[0] = block
-            path = _Path(arr, 1)
-        self.parent_of[block] = parent  # (the namespace root at depth 0)
-        self.index[h] = block
-        self.hash_of[block] = h
-        self.path_of[block] = path
-        self.depth_of[block] = depth
+            return False
+        return True
 
     def _on_cleared(self, e: ev.CacheCleared) -> None:
         if self.ref.any():
@@ -330,40 +322,36 @@ class BlockPool:
     # ------------------------------------------------------------ reference changes
 
     def apply(self, change: RefChange) -> None:
+        """Apply a holder's reference change: one reference more on each block of its
+        ``attach`` arrays (distinct ids; cached ones leave the LRU), then one less on each
+        block of its ``release`` arrays (in block-table order, root first): a block left
+        unheld goes on the LRU queue (leaf first) if it is cached, else on the free stack."""
         for blocks in change.attach:
-            self.attach(blocks)
+            refs = self.ref[blocks]
+            # Only cached blocks are unheld (reference 0): they leave the evictable count.
+            self.num_evictable -= len(refs) - int(np.count_nonzero(refs))
+            refs += 1
+            self.ref[blocks] = refs
         for blocks in change.release:
-            self.release(blocks)
-
-    def attach(self, blocks: np.ndarray) -> None:
-        """Add one reference to each block (distinct ids; cached ones leave the LRU)."""
-        refs = self.ref[blocks]
-        # Only cached blocks are unheld (reference 0): they leave the evictable count.
-        self.num_evictable -= len(refs) - int(np.count_nonzero(refs))
-        refs += 1
-        self.ref[blocks] = refs
-
-    def release(self, blocks: np.ndarray) -> None:
-        """Drop one reference from each block, given in block-table order (root first)."""
-        if len(blocks) == 0:
-            return
-        refs = self.ref[blocks] - 1
-        if refs.min() < 0:
-            raise ReplayMismatch(f"release of an unreferenced block in {blocks.tolist()}")
-        self.ref[blocks] = refs
-        zero = blocks[refs == 0][::-1].tolist()  # leaf first
-        if not zero:
-            return
-        self.clock += 1
-        cached = [b for b in zero if self.hash_of[b] is not None]
-        if cached:
-            self.stamp[cached] = self.clock
-            self.lru.extend(zip(repeat(self.clock), cached, strict=False))
-            self.num_evictable += len(cached)
-            if len(self.lru) > 4 * self.num_blocks:
-                self.lru = deque((s, b) for s, b in self.lru if self._live(s, b))
-        if len(cached) < len(zero):
-            self.free.extend(b for b in zero if self.hash_of[b] is None)
+            if len(blocks) == 0:
+                continue
+            refs = self.ref[blocks] - 1
+            if refs.min() < 0:
+                raise ReplayMismatch(f"release of an unreferenced block in {blocks.tolist()}")
+            self.ref[blocks] = refs
+            zero = blocks[refs == 0][::-1].tolist()  # leaf first
+            if not zero:
+                continue
+            self.clock += 1
+            cached = [b for b in zero if self.hash_of[b] is not None]
+            if cached:
+                self.stamp[cached] = self.clock
+                self.lru.extend(zip(repeat(self.clock), cached, strict=False))
+                self.num_evictable += len(cached)
+                if len(self.lru) > 4 * self.num_blocks:
+                    self.lru = deque((s, b) for s, b in self.lru if self._live(s, b))
+            if len(cached) < len(zero):
+                self.free.extend(b for b in zero if self.hash_of[b] is None)
 
     # -------------------------------------------------------------------- invariants
 
@@ -405,14 +393,14 @@ class BlockPool:
             if self.hash_of[b] != h:
                 raise BlockPoolError(f"index entry for block {b} disagrees with its identity")
             path, depth = self.path_of[b], int(self.depth_of[b])
-            if path is None or depth >= path.n or path.arr[depth] != b:
+            if path is None or depth >= len(path) or path[depth] != b:
                 raise BlockPoolError(f"block {b}: its prefix path does not end at it")
             parent = self.parent_of[b]
             if depth:
                 if parent is None or parent not in self.index:
                     raise BlockPoolError(f"block {b} is cached but its parent is not")
                 children[self.index[parent]] += 1
-                if self.index[parent] != path.arr[depth - 1]:
+                if self.index[parent] != path[depth - 1]:
                     raise BlockPoolError(f"block {b}: its prefix path disagrees with its parent")
         if not np.array_equal(children, self.children):
             raise BlockPoolError("cached-children counts disagree with the index")
