@@ -164,7 +164,7 @@ class SequenceTable(BlockTables):
 
     def arrival_fold(self, e: ev.RequestArrived, arrival: Arrival | None = None) -> None:
         """The fold of ``RequestArrived``: with its ``arrival`` when the caller computed it
-        (``EngineState.apply_arrival``), else computing it."""
+        (``EngineState.apply(e, arrival)``), else computing it."""
         tokens, spans, root, hashes, _ = self.arrival(e) if arrival is None else arrival
         seq = Seq(
             seq_id=e.seq_id,
