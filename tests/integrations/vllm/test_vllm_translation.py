@@ -7,9 +7,7 @@ from types import SimpleNamespace as NS
 import numpy as np
 import pytest
 
-from kvsched.events import types as ev
 from kvsched.integrations.vllm import config as cfg
-from kvsched.integrations.vllm.kv_events import KVEventTranslator
 from kvsched.integrations.vllm.requests import arrival, refusal, stop_reason, stop_rule
 
 
@@ -245,45 +243,6 @@ def test_vllm_stop_rule_eos_then_stop_tokens_then_length():
     assert stop_reason(stop_rule(_request(), 2048), 12, 1) is None
     near_end = stop_rule(_request(max_tokens=100), 5)  # a 3-token prompt, context of 5
     assert stop_reason(near_end, 12, 1) is None and stop_reason(near_end, 12, 2) == ("length", None)
-
-
-def _h(i: int) -> bytes:
-    return i.to_bytes(16, "big")
-
-
-def _factories() -> dict[str, type]:
-    def make(kind: str) -> type:
-        return lambda **kw: (kind, kw)  # type: ignore[return-value]
-
-    return {k: make(k) for k in ("BlockStored", "BlockRemoved", "AllBlocksCleared")}
-
-
-def test_vllm_kv_events_name_blocks_by_the_requests_hashes_and_skip_private_copies():
-    tr = KVEventTranslator(2, lambda b: int.from_bytes(b, "big"), _factories())
-    req = NS(block_hashes=[bytes([10]), bytes([11]), bytes([12])], all_token_ids=list(range(7)))
-    cached = ev.BlocksCached(
-        np.array([1], np.int64),
-        np.array([3], np.int32),
-        np.array([0], np.int32),
-        np.array([4, 5, 6], np.int32),
-        np.array([0, ev.PRIVATE_COPY, 0], np.int32),
-        _h(1) + _h(2) + _h(3),
-        b"\0" * 16 + _h(1) + _h(2),
-    )
-    events = tr.translate([cached], {1: req}.__getitem__)
-
-    assert [
-        (k, kw["block_hashes"], kw["parent_block_hash"], kw["token_ids"]) for k, kw in events
-    ] == [
-        ("BlockStored", [10], None, [0, 1]),
-        ("BlockStored", [12], 11, [4, 5]),
-    ]
-    evicted = ev.BlocksEvicted(np.array([6], np.int32), _h(3))
-    assert tr.translate([evicted], {}.__getitem__) == [
-        ("BlockRemoved", {"block_hashes": [12], "medium": "GPU"})
-    ]
-    assert tr.translate([ev.CacheCleared()], {}.__getitem__) == [("AllBlocksCleared", {})]
-    assert tr.names == {}
 
 
 def test_a_hybrid_vllm_cache_is_split_into_kv_blocks_and_state_blocks_per_mamba_group():

@@ -16,7 +16,8 @@ from vllm.v1.engine import EngineCoreOutput, FinishReason
 from vllm.v1.metrics.stats import PrefixCacheStats, SchedulerStats
 from vllm.v1.request import Request
 
-from kvsched.integrations.vllm.kv_events import KVEventTranslator
+from kvsched.integrations.vllm import config as cfg
+from kvsched.integrations.vllm.kv_events import EventGroups, KVEventTranslator
 
 
 class AdapterMismatch(RuntimeError):
@@ -72,9 +73,13 @@ def scheduler_stats(
     )
 
 
-def kv_events(vllm_config: Any, block_size: int) -> tuple[KVEventTranslator, bool, Any]:
-    """The translator of kvsched's cache events to vLLM's, whether they are published
-    (``kv_events_config.enable_kv_cache_events``), and vLLM's publisher."""
+def kv_events(
+    vllm_config: Any, kv_cache_config: Any, block_size: int
+) -> tuple[KVEventTranslator, bool, Any]:
+    """The translator of kvsched's cache events to vLLM's (tagged with vLLM's KV cache
+    groups), whether they are published (``kv_events_config.enable_kv_cache_events``), and
+    vLLM's publisher."""
+    attention, mamba = cfg.groups(kv_cache_config)
     translator = KVEventTranslator(
         block_size,
         maybe_convert_block_hash,
@@ -83,6 +88,7 @@ def kv_events(vllm_config: Any, block_size: int) -> tuple[KVEventTranslator, boo
             "BlockRemoved": BlockRemoved,
             "AllBlocksCleared": AllBlocksCleared,
         },
+        EventGroups(attention, tuple(mamba)),
     )
     config = getattr(vllm_config, "kv_events_config", None)
     publish = config is not None and config.enable_kv_cache_events

@@ -225,7 +225,9 @@ def main(argv: list[str] | None = None) -> int:
             "steps": stats.steps,
         }
         if args.kv_events:
-            info["kvsched"]["cached_names"] = sched.cached_block_names()
+            names = sched.cached_names()
+            info["kvsched"]["cached_names"] = names["blocks"]
+            info["kvsched"]["checkpoint_names"] = names["checkpoints"]
         sched.shutdown()
     Path(args.out).write_text(json.dumps(info))
     return 0

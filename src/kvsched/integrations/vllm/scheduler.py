@@ -118,7 +118,9 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # (vLLM is untyped h
         self._last: StepResult | None = None
         self._prefix_stats = PrefixCacheStats()
         self._events: list[Any] = []
-        self._kv_events, self._publish, self.kv_event_publisher = kv_events(vllm_config, block_size)
+        self._kv_events, self._publish, self.kv_event_publisher = kv_events(
+            vllm_config, kv_cache_config, block_size
+        )
         logger.info("kvsched scheduler: %s; event log: %s", self.config, self.log_path)
         if not cfg.has_request_check(vllm_config):
             logger.warning(
@@ -403,11 +405,10 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # (vLLM is untyped h
         stats, self._prefix_stats = self._prefix_stats, PrefixCacheStats()
         return scheduler_stats(running, waiting, self.get_kv_cache_usage(), stats)
 
-    def cached_block_names(self) -> list[str]:
-        """The vLLM event names of every block in kvsched's prefix index (KeyError if one was
-        never announced), as strings: what a KV-events subscriber must hold."""
-        names = self._kv_events.names
-        return sorted(str(names[h]) for h in self.engine.state.pool.index)
+    def cached_names(self) -> dict[str, list[str]]:
+        """The vLLM event names of kvsched's cached blocks and published checkpoints
+        (``KVEventTranslator.cache_names``): what a KV-events subscriber must hold."""
+        return self._kv_events.cache_names(self.engine.state)
 
     def reset_prefix_cache(
         self, reset_running_requests: bool = False, reset_connector: bool = False
