@@ -198,3 +198,19 @@ def test_a_follower_of_the_first_500_requests_of_the_mooncake_trace_rebuilds_the
     follower = _replay_trace(MOONCAKE, 500, hybrid=False, num_blocks=20_000)
     assert follower.view.counters.finished == 500
     assert follower.view.counters.blocks_evicted > 0
+
+
+def test_a_follower_counts_the_stored_checkpoints_and_every_eviction_of_one():
+    config = demo_config(hybrid=True, checkpoint_budget=4)  # few slots: checkpoints are evicted
+    engine = Engine(config, check_invariants=True)
+    evicted: list[int] = []
+    follower = Follower(engine, every=10)
+    engine.bus.subscribe(
+        lambda e: evicted.append(e.ckpt_id) if isinstance(e, ev.CheckpointEvicted) else None
+    )
+    workload = chat_workload(sessions=12, turns=3, seed=3)
+    run(engine, SimulatedExecutor(config.model.vocab_size), workload, on_step=follower)
+    summary = follower.view.summary()
+
+    assert summary["ckpts_evicted"] == len(evicted) > 0
+    assert summary["checkpoints"] == len(engine.state.ckpts.index) > 0

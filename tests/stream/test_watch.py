@@ -21,10 +21,12 @@ import kvsched.stream.watch
 from kvsched.cli import main
 from kvsched.config import SchedulerConfig
 from kvsched.engine import Engine
+from kvsched.events import types as ev
 from kvsched.events.codec import decode_record
 from kvsched.events.log import read_log
 from kvsched.events.wire import Message, WireTimeout
-from kvsched.stream import engine_view
+from kvsched.stream import CacheView, engine_view
+from kvsched.stream.watch import summary_line
 
 
 def free_endpoint() -> str:
@@ -200,3 +202,13 @@ def test_publishing_on_a_busy_endpoint_fails_before_any_work_with_exit_2(
         endpoint = f"tcp://127.0.0.1:{busy.getsockname()[1]}"
         assert main(["demo", "--sessions", "1", "--quiet", "--publish", endpoint]) == 2
     assert "cannot bind publisher" in capsys.readouterr().err
+
+
+def test_the_live_line_shows_the_stored_checkpoints_and_how_many_were_evicted():
+    view = CacheView()
+    for ckpt_id in (1, 2, 3):
+        view.apply(ev.CheckpointReserved(ckpt_id, 1, ckpt_id, 64 * ckpt_id, bytes([ckpt_id]), b""))
+        view.apply(ev.CheckpointPublished(ckpt_id))
+    view.apply(ev.CheckpointEvicted(1))
+
+    assert "checkpoints     2 (1 evicted)  " in summary_line(view.summary())

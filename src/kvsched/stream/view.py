@@ -9,7 +9,8 @@ A KV-cache-aware router, a dashboard or an auditor in another process sees only 
   identity, ``CheckpointPublished`` enters it, ``CheckpointEvicted`` / ``CheckpointReleased``
   remove it);
 * each live sequence's lifecycle state and block table;
-* counters: arrivals, admissions, prefix-hit tokens, preemptions, evictions, finishes.
+* counters: arrivals, admissions, prefix-hit tokens, preemptions, evictions (of blocks and of
+  checkpoints), finishes.
 
 It shares no code with the scheduler's reducers on purpose: the test that rebuilds a run's
 cache from the stream and compares it with the engine's own owners checks both sides.
@@ -51,6 +52,7 @@ class Counters:
     blocks_cached: int = 0
     blocks_evicted: int = 0
     ckpts_published: int = 0
+    ckpts_evicted: int = 0  # evicted for room (a drain's release is not counted)
 
 
 def _segments(counts: np.ndarray) -> list[tuple[int, int]]:
@@ -223,6 +225,7 @@ class CacheView:
 
     def _on_CheckpointEvicted(self, e: ev.CheckpointEvicted) -> None:
         self._drop_checkpoint(e.ckpt_id)
+        self.counters.ckpts_evicted += 1
 
     def _on_CheckpointUnpinned(self, e: ev.CheckpointUnpinned) -> None:
         self.seqs[e.seq_id].blocks.clear()  # the pinned prefix was all that was left

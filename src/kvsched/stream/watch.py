@@ -3,8 +3,9 @@
 A run publishes with ``kvsched demo --publish ENDPOINT`` (or ``replay --publish``): each step's
 record, in the versioned schema of the event log, over ZeroMQ (``events/wire.py``). The
 watcher subscribes, checks the stream's schema version, folds every record into a
-``CacheView`` and prints a line every ``every`` steps (admissions, prefix hits, cache use),
-then a final summary when the stream ends.
+``CacheView`` and prints a line every ``every`` steps (admissions, prefix hits, cache use:
+cached blocks, stored checkpoints and how many were evicted), then a final summary when the
+stream ends.
 
 A view is complete only if the watcher saw the stream from its first step without a gap; it
 says so, and exits 1 otherwise (0 when complete, 2 when the stream cannot be read). Ctrl-C
@@ -64,7 +65,8 @@ def summary_line(s: dict[str, Any]) -> str:
     return (
         f"step {s['step']:>7,}  arrived {s['arrived']:>6,}  admitted {s['admitted']:>6,}  "
         f"hit {100 * s['token_hit_rate']:5.1f} %  cached {s['cached_blocks']:>7,} blocks  "
-        f"checkpoints {s['checkpoints']:>5,}  running {s['running']:>4}  "
+        f"checkpoints {s['checkpoints']:>5,} ({s['ckpts_evicted']:,} evicted)  "
+        f"running {s['running']:>4}  "
         f"waiting {s['waiting']:>5}  finished {s['finished']:>6,}"
     )
 
