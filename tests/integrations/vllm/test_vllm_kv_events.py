@@ -240,6 +240,7 @@ def test_vllm_kv_events_of_a_hybrid_run_rebuild_kvscheds_attention_index_and_che
     args = ["--model", str(model), "--out", str(out), "--scheduler", "kvsched", "--hybrid"]
     args += ["--workload", "mixed", "--blocks", "33", "--batched-tokens", "2048"]
     args += ["--max-model-len", "4096", "--kv-events", endpoint]
+    args += ["--log", str(tmp_path / "run.kvlog")]
     proc = subprocess.run(
         [sys.executable, "-m", "kvsched.integrations.vllm.run", *args],
         capture_output=True,
@@ -270,3 +271,27 @@ def test_vllm_kv_events_of_a_hybrid_run_rebuild_kvscheds_attention_index_and_che
     assert counts.get(("BlockRemoved", "mamba"), 0) > 0, counts
     assert counts.get(("BlockRemoved", "full_attention"), 0) > 0, counts
     assert counts.get(("AllBlocksCleared", ""), 0) == 1, counts
+    published, withdrawn = _checkpoint_decisions(tmp_path / "run.kvlog")
+    assert counts["BlockStored", "mamba"] == 3 * published  # once per mamba group
+    assert counts["BlockRemoved", "mamba"] == 3 * withdrawn
+
+
+def _checkpoint_decisions(log: Path) -> tuple[int, int]:
+    """How many checkpoints kvsched's log publishes, and evicts or releases before a reset
+    (a reset's AllBlocksCleared withdraws what it releases after it)."""
+    from kvsched.events.codec import decode_record
+    from kvsched.events.log import read_log
+
+    published = withdrawn = 0
+    live: set[int] = set()
+    for payload in read_log(log).records:
+        for d in decode_record(payload).decisions:
+            if isinstance(d, ev.CheckpointPublished):
+                published += 1
+                live.add(d.ckpt_id)
+            elif isinstance(d, (ev.CheckpointEvicted, ev.CheckpointReleased)) and d.ckpt_id in live:
+                withdrawn += 1
+                live.discard(d.ckpt_id)
+            elif isinstance(d, ev.CacheCleared):
+                live.clear()
+    return published, withdrawn
