@@ -141,7 +141,7 @@ def test_vllm_an_attention_only_translator_publishes_no_checkpoints():
     assert tr.translate([_reserved(1, 2), ev.CheckpointPublished(1)], request_of) == []
 
 
-def test_vllm_cache_names_are_the_names_of_the_indexed_blocks_and_published_checkpoints():
+def test_vllm_cache_names_name_a_checkpoint_by_the_cached_block_its_identity_hashes():
     tr = KVEventTranslator(2, _convert, _factories(), HYBRID)
     request_of = {1: _request()}.__getitem__
     cached = ev.BlocksCached(
@@ -153,8 +153,8 @@ def test_vllm_cache_names_are_the_names_of_the_indexed_blocks_and_published_chec
         _h(1) + _h(2),
         b"\0" * 16 + _h(1),
     )
-    tr.translate([cached, _reserved(1, 4), ev.CheckpointPublished(1)], request_of)
-    state = NS(pool=NS(index={_h(1): 4, _h(2): 5}), ckpts=NS(index={_h(51): 1}))
+    tr.translate([cached], request_of)
+    state = NS(pool=NS(index={_h(1): 4, _h(2): 5}), ckpts=NS(index={_h(2): 1}))  # after 4
 
     assert tr.cache_names(state) == {"blocks": ["10", "11"], "checkpoints": ["11"]}
 

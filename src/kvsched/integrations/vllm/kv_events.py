@@ -97,12 +97,14 @@ class KVEventTranslator:
 
     def cache_names(self, state: Any) -> dict[str, list[str]]:
         """The vLLM event names (as strings) of an ``EngineState``'s cache: "blocks", every
-        block of the prefix index; "checkpoints", every published checkpoint (one name per
-        state, published once per mamba group). KeyError if one was never announced."""
-        names, states = self.names, self.states
+        block of the prefix index; "checkpoints", every published checkpoint, named here
+        independently of how it was announced: an aligned checkpoint's identity is the
+        kvsched hash of the block ending at its depth, which is cached while the checkpoint
+        lives, so its name is that block's. KeyError if a block was never announced."""
+        names = self.names
         return {
             "blocks": sorted(str(names[h]) for h in state.pool.index),
-            "checkpoints": sorted(str(states[c]) for c in state.ckpts.index.values()),
+            "checkpoints": sorted(str(names[key]) for key in state.ckpts.index),
         }
 
     # ------------------------------------------------------------------ checkpoints
