@@ -92,6 +92,7 @@ def test_vllm_a_published_checkpoint_is_stored_per_mamba_group_named_by_the_hash
                 "lora_id": None,
                 "medium": "GPU",
                 "lora_name": None,
+                "extra_keys": None,
                 "group_idx": g,
                 "kv_cache_spec_kind": "mamba",
                 "session_id": None,
@@ -133,6 +134,26 @@ def test_vllm_a_checkpoint_inside_a_block_cannot_be_named_and_is_refused():
     tr = KVEventTranslator(2, _convert, _factories(), HYBRID)
     with pytest.raises(ValueError, match="checkpoint 4 after 3 tokens is not block-aligned"):
         tr.translate([_reserved(4, 3)], {1: _request()}.__getitem__)
+
+
+def test_vllm_stores_carry_the_extra_keys_of_their_blocks_as_vllm_computes_them():
+    def salt(request: object, first: int, count: int, bs: int) -> list:
+        return [("salt",) if i == 0 else None for i in range(first, first + count)]
+
+    tr = KVEventTranslator(2, _convert, _factories(), HYBRID, salt)
+    request_of = {1: _request()}.__getitem__
+    cached = ev.BlocksCached(
+        np.array([1], np.int64),
+        np.array([2], np.int32),
+        np.array([0], np.int32),
+        np.array([4, 5], np.int32),
+        np.array([0, 0], np.int32),
+        _h(1) + _h(2),
+        b"\0" * 16 + _h(1),
+    )
+    events = tr.translate([cached, _reserved(1, 2), ev.CheckpointPublished(1)], request_of)
+
+    assert [kw["extra_keys"] for _, kw in events] == [[("salt",), None]] + [[("salt",)]] * 3
 
 
 def test_vllm_an_attention_only_translator_publishes_no_checkpoints():

@@ -28,6 +28,16 @@ from typing import Any
 from kvsched.events import types as ev
 
 Convert = Callable[[bytes], Any]  # vLLM's maybe_convert_block_hash
+# (request, first block, number of blocks, block size) -> the stores' ``extra_keys`` (vLLM's
+# per-block extra keys of the hash, e.g. the cache salt of block 0; outputs.extra_keys)
+ExtraKeys = Callable[[Any, int, int, int], Any]
+
+
+def no_extra_keys(request: Any, first: int, count: int, block_size: int) -> None:
+    """No extra keys (requests without a cache salt, LoRA or multimodal inputs)."""
+    return None
+
+
 MEDIUM = "GPU"  # vLLM's BlockPool default (MEDIUM_GPU), which its KVCacheManager keeps
 FULL_ATTENTION, MAMBA = "full_attention", "mamba"  # vLLM's KVCacheSpecKind values
 
@@ -43,11 +53,13 @@ class EventGroups:
 
 @dataclass(frozen=True)
 class _State:
-    """A reserved checkpoint's vLLM block: its name, its parent's, its tokens, its session."""
+    """A reserved checkpoint's vLLM block: its name, its parent's, its tokens, its extra
+    keys, its session."""
 
     name: Any
     parent: Any
     token_ids: list[int]
+    extra_keys: Any
     session_id: str | None
 
 
@@ -62,10 +74,12 @@ class KVEventTranslator:
         convert: Convert,
         factories: dict[str, type],
         groups: EventGroups = EventGroups(),
+        extra_keys: ExtraKeys = no_extra_keys,
     ) -> None:
         self.block_size = block_size
         self.convert = convert
         self.groups = groups
+        self.extra_keys = extra_keys
         self.stored, self.removed, self.cleared = (
             factories["BlockStored"],
             factories["BlockRemoved"],
@@ -143,6 +157,7 @@ class KVEventTranslator:
             name=self.convert(hashes[depth]),
             parent=self.convert(hashes[depth - 1]) if depth else None,
             token_ids=list(request.all_token_ids[depth * bs : d.num_tokens]),
+            extra_keys=self.extra_keys(request, depth, 1, bs),
             session_id=getattr(request, "session_id", None),
         )
 
@@ -155,6 +170,7 @@ class KVEventTranslator:
             lora_id=None,
             medium=MEDIUM,
             lora_name=None,
+            extra_keys=s.extra_keys,
             group_idx=group,
             kv_cache_spec_kind=MAMBA,
             session_id=s.session_id,
@@ -199,6 +215,7 @@ class KVEventTranslator:
             lora_id=None,
             medium=MEDIUM,
             lora_name=None,
+            extra_keys=self.extra_keys(request, first, len(names), bs),
             group_idx=self.groups.attention,
             kv_cache_spec_kind=FULL_ATTENTION,
             session_id=getattr(request, "session_id", None),

@@ -11,7 +11,11 @@ from vllm.distributed.kv_events import (
     BlockStored,
     EventPublisherFactory,
 )
-from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+from vllm.v1.core.kv_cache_utils import (
+    generate_block_hash_extra_keys,
+    maybe_convert_block_hash,
+    to_event_extra_keys,
+)
 from vllm.v1.engine import EngineCoreOutput, FinishReason
 from vllm.v1.metrics.stats import PrefixCacheStats, SchedulerStats
 from vllm.v1.request import Request
@@ -89,6 +93,7 @@ def kv_events(
             "AllBlocksCleared": AllBlocksCleared,
         },
         EventGroups(attention, tuple(mamba)),
+        extra_keys,
     )
     config = getattr(vllm_config, "kv_events_config", None)
     publish = config is not None and config.enable_kv_cache_events
@@ -96,3 +101,14 @@ def kv_events(
         config, vllm_config.parallel_config.data_parallel_index
     )
     return translator, publish, publisher
+
+
+def extra_keys(request: Request, first: int, count: int, block_size: int) -> Any:
+    """The ``extra_keys`` vLLM's ``BlockPool`` publishes with blocks ``[first, first +
+    count)`` of ``request`` (one entry per block; the adapter refuses multimodal inputs and
+    LoRA, so only a cache salt, on block 0, is ever set)."""
+    keys = [
+        generate_block_hash_extra_keys(request, i * block_size, (i + 1) * block_size, 0)[0]
+        for i in range(first, first + count)
+    ]
+    return to_event_extra_keys(keys)
