@@ -100,6 +100,11 @@ _DEEPER: dict[str, frozenset[str]] = {
     "interval": INTERIOR,
     "prompt_end": ENDS,
 }
+# (group, the rules it makes redundant), from _DEEPER
+_RULES_BY_GROUP = tuple(
+    (group, frozenset(k for k, g in _DEEPER.items() if g == group))
+    for group in dict.fromkeys(_DEEPER.values())
+)
 # A branch checkpoint's frequency at birth: a request already shared its prefix (4, not 2:
 # chosen on the Mooncake trace, docs/benchmarks.md).
 BRANCH_BIRTH = 4
@@ -223,16 +228,19 @@ def _redundant(cols: ColumnsView, slots: np.ndarray) -> np.ndarray:
     their ``_DEEPER`` group makes redundant (``ValueEviction.redundant``, vectorised)."""
     out = np.zeros(len(slots), dtype=bool)
     kind = cols.kind[slots]
-    for group in set(_DEEPER.values()):
-        rules = [cols.kinds.index(k) for k, g in _DEEPER.items() if g == group and k in cols.kinds]
-        members = [cols.kinds.index(k) for k in group if k in cols.kinds]
-        if not rules or not members:
+    for group, rules in _RULES_BY_GROUP:
+        which = np.flatnonzero(_is_one_of(cols.kinds, rules)[kind])
+        if not len(which):
             continue
-        which = np.flatnonzero(np.isin(kind, rules))
-        deepest = _deepest_by_producer(cols, cols.live & np.isin(cols.kind, members))
+        deepest = _deepest_by_producer(cols, cols.live & _is_one_of(cols.kinds, group)[cols.kind])
         seq_ids, steps = cols.seq_id[slots[which]], cols.step[slots[which]]
         out[which] = _lookup(deepest, seq_ids) > steps
     return out
+
+
+def _is_one_of(kinds: tuple[str, ...], names: frozenset[str]) -> np.ndarray:
+    """By rule code: whether the rule is one of ``names`` (a lookup table for the codes)."""
+    return np.array([k in names for k in kinds] + [False], dtype=bool)
 
 
 def _deepest_by_producer(cols: ColumnsView, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -53,12 +53,14 @@ class CheckpointColumns:
         self.stamp = np.zeros(num_slots, dtype=np.int64)
         self.kind = np.zeros(num_slots, dtype=np.int16)
         self.codes: dict[str, int] = {}  # rule name -> code, in the order first seen
+        self._view = self._views()  # (the arrays are never replaced: views stay valid)
 
     def code(self, kind: str) -> int:
         """The code of placement rule ``kind`` (a new rule gets the next code)."""
         code = self.codes.get(kind)
         if code is None:
             code = self.codes[kind] = len(self.codes)
+            self._view = self._views()
         return code
 
     def write(
@@ -108,7 +110,10 @@ class CheckpointColumns:
         return None
 
     def view(self) -> ColumnsView:
-        """Read-only views of every column (valid until the next fold)."""
+        """Read-only views of every column (their values change with the next fold)."""
+        return self._view
+
+    def _views(self) -> ColumnsView:
         return ColumnsView(
             _frozen(self.live), _frozen(self.evictable), _frozen(self.ckpt_id),
             _frozen(self.seq_id), _frozen(self.step), _frozen(self.cost), _frozen(self.hits),
