@@ -121,7 +121,17 @@ class ValueEviction:
     what it uses of the capacity; a continuation rule's weight is the share of its
     checkpoints ever restored (Laplace-smoothed), others weigh 1. A checkpoint made redundant
     by a deeper one of its producer (interior prefill points, or the prompt end once the
-    sequence's end is saved) is worth only its floor."""
+    sequence's end is saved) is worth only its floor.
+
+    ``ranked`` computes every evictable checkpoint's priority from the table's columns in
+    float64 numpy operations, the very operations ``_priority`` applies to one checkpoint,
+    in the same order (so the same floats), and sorts by (priority, stamp): stamps are
+    unique, so the order is total and the same as sorting the records by that key, ties
+    included. It is not a lazy heap: a priority is not fixed between its checkpoint's
+    touches (a continuation rule's weight changes with each save of that rule and each
+    first restore, reordering the rule's checkpoints whose floors differ; a checkpoint
+    becomes redundant, so lower, when its producer reserves a deeper one), so a heap would
+    have to be rebuilt at those events, most of them."""
 
     def __init__(self, config: SchedulerConfig) -> None:
         self.token_s = config.checkpoints.value_token_s
