@@ -18,6 +18,7 @@ skipped.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 
 import numpy as np
 
@@ -152,11 +153,12 @@ class Checkpoints:
 
     def ranked_victims(
         self, state: EngineState, keep: int = -1
-    ) -> list[tuple[float | None, Checkpoint]]:
+    ) -> Iterator[tuple[float | None, Checkpoint]]:
         """Unpinned published checkpoints (never ``keep``), the first to be evicted first,
-        each with its priority under the eviction strategy (None: it has none)."""
+        each with its priority under the eviction strategy (None: it has none); lazily (the
+        order is the one at this call: evicting the first ones does not change it)."""
         victims = self.eviction.ranked(state.ckpts)
-        return [(p, c) for p, c in victims if c.ckpt_id != keep]
+        return ((p, c) for p, c in victims if c.ckpt_id != keep)
 
     def eviction_order(self, state: EngineState, keep: int = -1) -> list[Checkpoint]:
         return [c for _, c in self.ranked_victims(state, keep)]

@@ -19,7 +19,7 @@ Every strategy is a pure function of the state it reads: a replay makes the same
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from itertools import islice
 from typing import Protocol
 
@@ -28,9 +28,9 @@ import numpy as np
 from kvsched.config import EVICTIONS, SchedulerConfig
 from kvsched.reducers.blocks import BlockPool
 from kvsched.reducers.checkpoints import Checkpoint, CheckpointTable
-from kvsched.statemachines import CkptState
+from kvsched.reducers.ckpt_columns import ColumnsView
 
-Ranked = list[tuple[float | None, Checkpoint]]
+Ranked = Iterable[tuple[float | None, Checkpoint]]
 
 
 class BlockEviction(Protocol):
@@ -100,16 +100,14 @@ _DEEPER: dict[str, frozenset[str]] = {
     "interval": INTERIOR,
     "prompt_end": ENDS,
 }
-_GROUPS_OF: dict[str, tuple[frozenset[str], ...]] = {
-    kind: tuple(g for g in (INTERIOR, ENDS) if kind in g) for kind in INTERIOR | ENDS
-}
+# (group, the rules it makes redundant), from _DEEPER
+_RULES_BY_GROUP = tuple(
+    (group, frozenset(k for k, g in _DEEPER.items() if g == group))
+    for group in dict.fromkeys(_DEEPER.values())
+)
 # A branch checkpoint's frequency at birth: a request already shared its prefix (4, not 2:
 # chosen on the Mooncake trace, docs/benchmarks.md).
 BRANCH_BIRTH = 4
-
-
-def _rank(item: tuple[float, int, Checkpoint]) -> tuple[float, int]:
-    return item[0], item[1]  # priority, then least recently used
 
 
 class ValueEviction:
@@ -123,7 +121,17 @@ class ValueEviction:
     what it uses of the capacity; a continuation rule's weight is the share of its
     checkpoints ever restored (Laplace-smoothed), others weigh 1. A checkpoint made redundant
     by a deeper one of its producer (interior prefill points, or the prompt end once the
-    sequence's end is saved) is worth only its floor."""
+    sequence's end is saved) is worth only its floor.
+
+    ``ranked`` computes every evictable checkpoint's priority from the table's columns in
+    float64 numpy operations, the very operations ``_priority`` applies to one checkpoint,
+    in the same order (so the same floats), and sorts by (priority, stamp): stamps are
+    unique, so the order is total and the same as sorting the records by that key, ties
+    included. It is not a lazy heap: a priority is not fixed between its checkpoint's
+    touches (a continuation rule's weight changes with each save of that rule and each
+    first restore, reordering the rule's checkpoints whose floors differ; a checkpoint
+    becomes redundant, so lower, when its producer reserves a deeper one), so a heap would
+    have to be rebuilt at those events, most of them."""
 
     def __init__(self, config: SchedulerConfig) -> None:
         self.token_s = config.checkpoints.value_token_s
@@ -181,37 +189,87 @@ class ValueEviction:
         return floor + self.weights(ckpts).get(kind, 1.0) * self.worth(kind, step, hits, cost)
 
     def scored(self, ckpts: CheckpointTable) -> list[tuple[float, int, Checkpoint]]:
-        """(priority, stamp, checkpoint) of every evictable checkpoint, in one pass."""
-        everyone = ckpts.checkpoints()
-        weights = self.weights(ckpts)
-        deepest = _deepest(everyone)
-        out: list[tuple[float, int, Checkpoint]] = []
-        published = CkptState.PUBLISHED
-        for c in everyone:
-            if c.state != published:
-                continue
-            kind, step = c.kind, c.step
-            deeper = _DEEPER.get(kind)
-            if deeper is not None and deepest.get((c.seq_id, deeper), -1) > step:
-                out.append((c.floor, c.stamp, c))
-                continue
-            worth = self.worth(kind, step, c.hits, c.cost)
-            out.append((c.floor + weights.get(kind, 1.0) * worth, c.stamp, c))
-        return out
+        """(priority, stamp, checkpoint) of every evictable checkpoint, by slot."""
+        prio, stamps, ids = self._columns(ckpts)
+        return [
+            (p, s, ckpts.get(i))
+            for p, s, i in zip(prio.tolist(), stamps.tolist(), ids.tolist(), strict=True)
+        ]
 
     def ranked(self, ckpts: CheckpointTable) -> Ranked:
-        return [(p, c) for p, _, c in sorted(self.scored(ckpts), key=_rank)]
+        """Every evictable checkpoint by (priority, stamp), lazily: the order is fixed when
+        this is called (later folds do not change it), each record is read as it is reached
+        (the caller may evict the ones before it)."""
+        prio, stamps, ids = self._columns(ckpts)
+        order = np.lexsort((stamps, prio))  # (stamps are unique: a total order)
+        return _lazy(ckpts, prio[order], ids[order])
+
+    def _columns(self, ckpts: CheckpointTable) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(priority, stamp, ckpt id) of every evictable checkpoint, in one vectorised pass
+        over the table's columns: ``_priority``'s arithmetic, operation for operation, in
+        float64, so each priority is bit-identical to ``priority(ckpts, c)``."""
+        cols = ckpts.value_columns()
+        slots = np.flatnonzero(cols.evictable)
+        kind, step, cost = cols.kind[slots], cols.step[slots], cols.cost[slots]
+        floor = cols.floor[slots]
+        weight_of = np.ones(len(cols.kinds) + 1)  # (+1: never empty)
+        for name, weight in self.weights(ckpts).items():
+            weight_of[cols.kinds.index(name)] = weight
+        branch = cols.kinds.index("branch") if "branch" in cols.kinds else -1
+        freq = cols.hits[slots] + np.where(kind == branch, BRANCH_BIRTH, 1)
+        saved = step * self.token_s + step * step / 2 * self.pair_s  # (saved_seconds)
+        worth = freq * freq * saved / cost  # (worth)
+        prio = floor + weight_of[kind] * worth
+        redundant = _redundant(cols, slots)
+        prio[redundant] = floor[redundant]
+        return prio, cols.stamp[slots], cols.ckpt_id[slots]
 
 
-def _deepest(everyone: Iterable[Checkpoint]) -> dict[tuple[int, frozenset[str]], int]:
-    """The deepest step of each producer's checkpoints per group of rules."""
-    deepest: dict[tuple[int, frozenset[str]], int] = {}
-    for c in everyone:
-        for group in _GROUPS_OF.get(c.kind, ()):
-            key = (c.seq_id, group)
-            if c.step > deepest.get(key, -1):
-                deepest[key] = c.step
-    return deepest
+def _lazy(
+    ckpts: CheckpointTable, prio: np.ndarray, ids: np.ndarray
+) -> Iterator[tuple[float | None, Checkpoint]]:
+    """(priority, checkpoint) pairs, each checkpoint read from the table when reached."""
+    for i in range(len(ids)):
+        yield float(prio[i]), ckpts.get(int(ids[i]))
+
+
+def _redundant(cols: ColumnsView, slots: np.ndarray) -> np.ndarray:
+    """Which of the checkpoints in ``slots`` a deeper live checkpoint of their producer in
+    their ``_DEEPER`` group makes redundant (``ValueEviction.redundant``, vectorised)."""
+    out = np.zeros(len(slots), dtype=bool)
+    kind = cols.kind[slots]
+    for group, rules in _RULES_BY_GROUP:
+        which = np.flatnonzero(_is_one_of(cols.kinds, rules)[kind])
+        if not len(which):
+            continue
+        deepest = _deepest_by_producer(cols, cols.live & _is_one_of(cols.kinds, group)[cols.kind])
+        seq_ids, steps = cols.seq_id[slots[which]], cols.step[slots[which]]
+        out[which] = _lookup(deepest, seq_ids) > steps
+    return out
+
+
+def _is_one_of(kinds: tuple[str, ...], names: frozenset[str]) -> np.ndarray:
+    """By rule code: whether the rule is one of ``names`` (a lookup table for the codes)."""
+    return np.array([k in names for k in kinds] + [False], dtype=bool)
+
+
+def _deepest_by_producer(cols: ColumnsView, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(producers ascending, the deepest step of each) among the rows ``rows`` selects."""
+    seq_ids, steps = cols.seq_id[rows], cols.step[rows]
+    order = np.lexsort((steps, seq_ids))
+    seq_ids, steps = seq_ids[order], steps[order]
+    last = np.ones(len(seq_ids), dtype=bool)
+    last[:-1] = seq_ids[1:] != seq_ids[:-1]
+    return seq_ids[last], steps[last]
+
+
+def _lookup(deepest: tuple[np.ndarray, np.ndarray], seq_ids: np.ndarray) -> np.ndarray:
+    """Each producer's deepest step (-1: none)."""
+    producers, steps = deepest
+    if not len(producers):
+        return np.full(len(seq_ids), -1, dtype=np.int64)
+    pos = np.minimum(np.searchsorted(producers, seq_ids), len(producers) - 1)
+    return np.where(producers[pos] == seq_ids, steps[pos], -1)
 
 
 BLOCK_EVICTION: dict[str, Callable[[], BlockEviction]] = {"lru": LruBlocks}

@@ -45,6 +45,7 @@ import numpy as np
 from kvsched.events import types as ev
 from kvsched.identity import partial_key, tail_extra
 from kvsched.reducers.blocks import BlockPool
+from kvsched.reducers.ckpt_columns import CheckpointColumns, ColumnsView, Record
 from kvsched.reducers.errors import RefChange, ReplayMismatch
 from kvsched.statemachines import CHECKPOINT, CkptState, fire
 
@@ -79,6 +80,12 @@ class Checkpoint:
     def holds_path(self) -> bool:
         """Whether it holds references on its prefix path (published, or saved before)."""
         return bool(len(self.path)) and (self.state != CkptState.RESERVED or self.phase == BEFORE)
+
+
+def _row(c: Checkpoint) -> tuple[Record, bool]:
+    """A checkpoint's row of the columns (``CheckpointColumns.write``): record, evictable."""
+    record = (c.ckpt_id, c.seq_id, c.step, c.cost, c.hits, c.floor, c.stamp, c.kind)
+    return record, c.state == CkptState.PUBLISHED
 
 
 class CheckpointTable:
@@ -122,6 +129,7 @@ class CheckpointTable:
         self.awaiting: list[int] = []  # reserved by the step being executed: to publish
         self.save_pins: dict[int, int] = {}  # save id -> the checkpoint its lease pins
         self.load_slots: dict[int, int] = {}  # seq id -> the slot its rowless load writes
+        self.columns = CheckpointColumns(self.num_slots)  # the records by slot (ckpt_columns)
 
     def folds(self) -> dict[type[ev.Event], Callable[[Any], RefChange | None]]:
         return {
@@ -187,6 +195,11 @@ class CheckpointTable:
         policy's eviction strategy (``policy/eviction.py``) orders."""
         return [self.ckpts[i] for s, i in self.lru if self._evictable(s, i)]
 
+    def value_columns(self) -> ColumnsView:
+        """The records as read-only numpy columns by slot (``ckpt_columns``), valid until the
+        next fold: what eviction ``value`` orders in one vectorised pass."""
+        return self.columns.view()
+
     def checkpoints(self) -> Iterable[Checkpoint]:
         """Every live checkpoint (reserved, published or pinned), oldest first (a view)."""
         return self.ckpts.values()
@@ -248,6 +261,7 @@ class CheckpointTable:
             kind=e.kind, phase=e.phase, cost=cost, floor=self.floor,
         )
         self.ckpts[c.ckpt_id] = c
+        self._sync(c)
         self.by_producer.setdefault(c.seq_id, []).append(c.ckpt_id)
         self.used += cost
         self.reserved.append(c.ckpt_id)
@@ -303,6 +317,7 @@ class CheckpointTable:
                 if not tails:
                     del self.partials[c.anchor]
         del self.ckpts[c.ckpt_id]
+        self.columns.clear(c.slot)
         self.used -= c.cost
         produced = self.by_producer[c.seq_id]
         produced.remove(c.ckpt_id)
@@ -325,6 +340,7 @@ class CheckpointTable:
         self._fire(c, e)
         c.pins += 1
         self.restores += 1
+        self._sync(c)
 
     def _unpin(self, c: Checkpoint, e: ev.Event) -> None:
         self._fire(c, e, _LAST_PIN if c.pins == 1 else _MORE_PINS)
@@ -338,6 +354,7 @@ class CheckpointTable:
         if not c.hits:
             self.reused_by_kind[c.kind] = self.reused_by_kind.get(c.kind, 0) + 1
         c.hits += 1
+        self._sync(c)
 
     def _on_unpinned(self, e: ev.CheckpointUnpinned) -> None:
         self._unpin(self.get(e.ckpt_id), e)
@@ -379,10 +396,15 @@ class CheckpointTable:
             self.free_slots.append(slot)
             self.used -= self.cost_of(False)
 
+    def _sync(self, c: Checkpoint) -> None:
+        """Write ``c``'s record into the columns (after every fold that changes it)."""
+        self.columns.write(c.slot, *_row(c))
+
     def _touch(self, c: Checkpoint) -> None:
         self.clock += 1
         c.stamp = self.clock
         c.floor = self.floor
+        self._sync(c)
         self.lru.append((c.stamp, c.ckpt_id))
         if len(self.lru) > 4 * (len(self.ckpts) + 16):
             self.lru = deque((s, i) for s, i in self.lru if self._evictable(s, i))
@@ -437,6 +459,9 @@ class CheckpointTable:
             return f"checkpoints {stale} await publication but are not reserved"
         if self.reserved_keys != {self.ckpts[i].key: i for i in self.reserved}:
             return "the reserved-identity index is not the keys of this step's reservations"
+        wrong = self.columns.mismatch({c.slot: _row(c) for c in self.ckpts.values()})
+        if wrong is not None:
+            return wrong
         if self.floor < self.floor_mark:
             return f"the aging floor went down to {self.floor} from {self.floor_mark}"
         return None
