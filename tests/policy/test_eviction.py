@@ -16,9 +16,11 @@ from kvsched.policy.eviction import (
     FrozenFirst,
     LruBlocks,
     LruCheckpoints,
+    OracleEviction,
     ValueEviction,
 )
 from kvsched.reducers.blocks import BlockPool
+from kvsched.reducers.future import NEVER, FutureUses
 
 from .helpers import Harness, config, request, tokens
 
@@ -28,7 +30,10 @@ def test_every_configured_checkpoint_eviction_names_a_registered_strategy() -> N
     assert set(BLOCK_EVICTION) == {"lru"}
     cfg = config(hybrid=True)
     for key in EVICTIONS:
-        assert CHECKPOINT_EVICTION[key](cfg).ranked(make_table(max_batch=1, budget=2)) == []
+        ranked = CHECKPOINT_EVICTION[key](cfg).ranked(
+            make_table(max_batch=1, budget=2), FutureUses()
+        )
+        assert ranked == []
 
 
 def test_an_allocation_evicts_least_recently_released_blocks_leaf_first_by_events_alone():
@@ -110,6 +115,22 @@ def test_value_ranks_the_lowest_priority_first_each_with_its_priority() -> None:
     assert [c for _, c in ranked] == [old, tail, new]
     assert [p for p, _ in ranked] == [value.priority(table, c) for _, c in ranked]  # type: ignore[arg-type]
     assert ranked[0][0] == pytest.approx(value.saved_seconds(16))
+
+
+def test_oracle_ranks_the_farthest_next_use_first_never_used_ones_before_all() -> None:
+    table, old, tail, new = _three()  # producer 7, steps 16, 20 (no later use) and 32
+    future = FutureUses()
+    arrival = ev.RequestArrived(7, tokens(40, 1), 1, reuse=((16, 20), (32, 12)))
+    future.folds()[ev.RequestArrived](arrival)
+    for c in (old, tail, new):
+        reserved = ev.CheckpointReserved(c.ckpt_id, 7, c.slot, c.step, c.key, c.anchor, 0)  # type: ignore[attr-defined]
+        future.folds()[ev.CheckpointReserved](reserved)
+    strategy = OracleEviction(config(hybrid=True))
+    ranked = strategy.ranked(table, future)  # type: ignore[arg-type]
+    assert [c for _, c in ranked] == [tail, old, new]
+    assert [p for p, _ in ranked] == [-float(NEVER), -20.0, -12.0]
+    with pytest.raises(TypeError, match="recorded future"):
+        strategy.ranked(table)  # type: ignore[arg-type]
 
 
 def test_the_configured_strategy_chooses_which_checkpoint_kv_pressure_evicts() -> None:

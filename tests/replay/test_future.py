@@ -7,16 +7,21 @@ import pytest
 
 from kvsched.config import CHECKPOINT_POLICIES, ModelSpec, SchedulerConfig
 from kvsched.events import types as ev
+from kvsched.headers import FLAT_OF
 from kvsched.replay.future import future_for, hit_ends, reuse_pairs, with_future
 from kvsched.replay.setup import SetupError
 from kvsched.replay.workload import Turn, Workload, chat_workload
 
 
 def oracle_config(**kw: object) -> SchedulerConfig:
-    cfg = SchedulerConfig(
-        model=ModelSpec(vocab_size=1000, max_context=1024), block_size=16, hybrid=True, **kw
-    )
-    return cfg.with_checkpoint_policy("oracle")
+    """The oracle's rules on a small model (16-token blocks); flat field names in ``kw``."""
+    base = {"model": ModelSpec(vocab_size=1000, max_context=1024), "block_size": 16}
+    fields = {"hybrid": True, **base, **kw, **preset_fields("oracle")}
+    return SchedulerConfig.from_dict(fields)
+
+
+def preset_fields(name: str) -> dict[str, object]:
+    return {FLAT_OF["checkpoints", k]: v for k, v in CHECKPOINT_POLICIES[name].items()}
 
 
 def chains(*paths: str) -> list[list[bytes]]:
@@ -44,8 +49,10 @@ def test_the_driver_records_the_future_only_under_the_oracle_and_strips_it_other
     rng = np.random.default_rng(0)
     shared = rng.integers(1, 1000, 40, dtype=np.int32)
     turns = tuple(
-        Turn(ev.RequestArrived(i, np.concatenate([shared, rng.integers(1, 1000, 20, np.int32)]), 2),
-             arrival_s=float(i))
+        Turn(
+            ev.RequestArrived(i, np.concatenate([shared, rng.integers(1, 1000, 20, np.int32)]), 2),
+            arrival_s=float(i),
+        )
         for i in range(3)
     )
     w = with_future(Workload("t", turns), oracle_config())
@@ -71,3 +78,36 @@ def test_the_oracle_refuses_ids_that_are_not_in_arrival_order() -> None:
 
 def test_the_oracle_preset_is_one_of_the_named_policies() -> None:
     assert CHECKPOINT_POLICIES["oracle"]["placement"] == ("oracle",)
+
+
+def test_an_oracle_runs_log_verifies_and_replays_as_a_trace(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from kvsched.engine import Engine, create_log
+    from kvsched.gpu.sim import SimulatedExecutor
+    from kvsched.replay.runs import replay
+    from kvsched.replay.traces import read_log_trace
+    from kvsched.replay.verify import verify_log
+
+    rng = np.random.default_rng(5)
+    docs = [rng.integers(1, 1000, 48, dtype=np.int32) for _ in range(3)]
+    turns = tuple(
+        Turn(
+            ev.RequestArrived(
+                i, np.concatenate([docs[i % 3][: 16 * (1 + i % 3)], rng.integers(1, 1000, 9)]), 2
+            ),
+            arrival_s=0.01 * i,
+        )
+        for i in range(12)
+    )
+    cfg = oracle_config(checkpoint_budget=2, num_blocks=256)
+    path = str(tmp_path / "oracle.kvlog")
+    log = create_log(path, cfg)
+    engine = Engine(cfg, log=log, check_invariants=True)
+    result = replay(engine, SimulatedExecutor(1000), Workload("t", turns))
+    log.close()
+    assert result.metrics["token_hit_rate"] > 0
+    verified = verify_log(path)
+    assert verified.divergence is None and verified.steps > 0
+    again = read_log_trace(path).workload
+    assert any(t.request.reuse for t in again.turns)  # the log holds the future it was given
+    plain = Engine(SchedulerConfig(model=cfg.model, block_size=16, hybrid=True, num_blocks=256))
+    assert replay(plain, SimulatedExecutor(1000), again).metrics["requests"] == 12
