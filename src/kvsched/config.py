@@ -74,16 +74,12 @@ PLACEMENTS: tuple[str, ...] = (
     "decode",  # every Checkpoints.decode_interval decode tokens, all kept
     "decode_blocks",  # every block boundary a decode step reaches, all kept (vLLM "align")
     "decode_latest",  # at block boundaries in decode, each replacing the sequence's previous
-    # where a later request's hit will end (the arrival's recorded future, RequestArrived.reuse:
-    # only trace replays know it; an upper reference, docs/checkpoints.md)
-    "oracle",
+    "oracle",  # where a later request's hit ends (its recorded future: trace replays only)
 )
 # Which checkpoint an eviction drops (policy/eviction.py): least recently used; frozen partial
 # tails first, then least recently used (lmdeploy); or the lowest value (prefill compute a hit
 # saves per byte of state, times its hits squared, aged: greedy-dual-size-frequency),
-# declining a new checkpoint worth less than every one it would replace; or the one whose next
-# use is farthest (Belady, from the arrivals' recorded future), declining a new checkpoint used
-# later than every one it would replace.
+# declining a new checkpoint worth less than every one it would replace; "oracle": Belady's.
 EVICTIONS: tuple[str, ...] = ("lru", "frozen_first", "value", "oracle")
 # Named checkpoint policies (Checkpoints fields): kvsched's own, and baselines that behave
 # like its peers. "lmdeploy" places no "decode" checkpoints: its decode interval was 0 and
@@ -120,9 +116,7 @@ CHECKPOINT_POLICIES: dict[str, dict[str, Any]] = {
         "aligned_only": False,
         "min_gain_blocks": 0,
     },
-    # An upper reference, not a policy one can serve with: it knows the trace's future (the
-    # replay driver records it on each arrival, replay/future.py). It saves exactly where a
-    # later request's hit will end and evicts the checkpoint whose next use is farthest.
+    # An upper reference that knows the trace's future (replay/future.py, docs/checkpoints.md).
     "oracle": {
         "placement": ("oracle",),
         "eviction": "oracle",
@@ -130,8 +124,6 @@ CHECKPOINT_POLICIES: dict[str, dict[str, Any]] = {
         "min_gain_blocks": 0,
     },
 }
-# The placement and eviction rules that read the arrivals' recorded future.
-FUTURE_RULE = "oracle"
 
 
 def _rules(value: Any) -> tuple[str, ...]:
@@ -231,21 +223,7 @@ class Checkpoints:
             raise refuse("checkpoints.placement 'decode'", "checkpoints.decode_interval > 0", why)
         if "interval" in self.placement and not self.mid_chunk_saves:
             raise refuse("checkpoints.placement 'interval'", "checkpoints.mid_chunk_saves", "needs")
-        if FUTURE_RULE in self.placement and not self.mid_chunk_saves:
-            raise refuse("checkpoints.placement 'oracle'", "checkpoints.mid_chunk_saves", "needs")
-        if FUTURE_RULE in self.placement and self.eviction != FUTURE_RULE:
-            # (the future is recorded only where the oracle saves: an online eviction would
-            # throw away what the placement knows, and measure neither)
-            raise refuse(
-                "checkpoints.placement 'oracle'", "checkpoints.eviction 'oracle'", "needs"
-            )
-        if self.eviction == FUTURE_RULE and self.placement != (FUTURE_RULE,):
-            raise refuse(
-                "checkpoints.eviction 'oracle'",
-                "checkpoints.placement 'oracle' alone (the next uses it knows are where the "
-                "oracle saves)",
-                "needs",
-            )
+        headers.refuse_oracle_mix(self.placement, self.eviction, self.mid_chunk_saves)
         if self.interval != _default(Checkpoints, "interval") and "interval" not in self.placement:
             raise refuse(
                 "checkpoints.interval", "checkpoints.placement 'interval'", "is used only by"
@@ -468,11 +446,6 @@ class SchedulerConfig:
     def interval_tokens(self) -> int:
         """The "interval" rule's spacing: checkpoints.interval in whole blocks (at least one)."""
         return max(1, self.checkpoints.interval // self.block_size) * self.block_size
-
-    @property
-    def reads_future(self) -> bool:
-        """Whether the checkpoint rules read the arrivals' recorded future (the oracle)."""
-        return self.hybrid and self.checkpoints.eviction == FUTURE_RULE
 
     def places(self, rule: str) -> bool:
         """Whether checkpoints are saved by placement rule ``rule`` (PLACEMENTS)."""

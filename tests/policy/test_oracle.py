@@ -9,6 +9,7 @@ import pytest
 from kvsched.config import CHECKPOINT_POLICIES
 from kvsched.engine import Engine
 from kvsched.events import types as ev
+from kvsched.gpu.fingerprint import FingerprintExecutor
 from kvsched.gpu.sim import SimulatedExecutor
 from kvsched.replay.future import with_future
 from kvsched.replay.runs import replay
@@ -87,6 +88,21 @@ def test_the_oracle_declines_a_state_used_later_than_every_one_it_would_replace(
     assert [r.seq_id for r in reserved(h)] == [0]  # B (next use 3) is declined for A (2)
     assert not evicted(h)
     assert hits == {0: 0, 1: 0, 2: 32, 3: 0}
+
+
+def test_the_oracles_hits_restore_states_that_match_their_prefix() -> None:
+    h = oracle(checkpoint_budget=2, max_prefill_tokens=48)
+    h.executor = FingerprintExecutor(
+        h.config.model.vocab_size,
+        h.config.num_blocks,
+        h.config.block_size,
+        h.config.num_state_slots,
+    )
+    doc = tokens(96, seed=40)
+    prompts = [np.concatenate([doc[: 16 * (1 + i % 5)], tokens(9, seed=41 + i)]) for i in range(10)]
+    hits = serve_all(h, prompts)
+    assert not h.executor.mismatches, h.executor.mismatches[:3]
+    assert sum(hits.values()) > 0
 
 
 def test_the_oracle_hits_at_least_as_much_as_every_online_policy_on_a_seeded_workload() -> None:

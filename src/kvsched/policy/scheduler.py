@@ -26,7 +26,7 @@ from kvsched.policy.matching import Matcher
 from kvsched.policy.ordering import PrefillOrder
 from kvsched.policy.transfers import Transfers
 from kvsched.policy.turns import PrefillTurns
-from kvsched.reducers.future import reuse_error
+from kvsched.reducers.future import reads_future, reuse_error
 from kvsched.reducers.sequences import Arrival
 from kvsched.reducers.state import EngineState
 from kvsched.statemachines import CkptState, LoadState, SeqState, TurnState
@@ -86,7 +86,7 @@ class Policy:
         if len(e.block_hashes) // ev.HASH_SIZE > total // bs:
             return "block_hashes name more blocks than the request's full blocks"
         if e.reuse:
-            if not self.config.reads_future:
+            if not reads_future(self.config):
                 return "reuse (a recorded future) is read only by checkpoints.eviction 'oracle'"
             reason = reuse_error(e.reuse, e.seq_id, total, bs)
             if reason:

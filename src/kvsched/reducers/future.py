@@ -17,7 +17,7 @@ Ids are compared as arrival order: the replay driver numbers requests in arrival
 
 State: the hints of live sequences, the sequences that arrived and were never admitted, the
 highest id arrived, and each live checkpoint's next user and depth. Idle (never visited) unless
-the config reads the future (``SchedulerConfig.reads_future``).
+the config reads the future (``reads_future``).
 """
 
 from __future__ import annotations
@@ -25,11 +25,18 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from kvsched.config import SchedulerConfig
 from kvsched.events import types as ev
 
 NEVER = 1 << 62  # the next use of a state no later request uses (farther than any request id)
 
-__all__ = ["NEVER", "FutureUses", "reuse_error"]
+__all__ = ["NEVER", "FutureUses", "reads_future", "reuse_error"]
+
+
+def reads_future(config: SchedulerConfig) -> bool:
+    """Whether ``config``'s checkpoint rules read the arrivals' recorded future (the oracle's:
+    ``config.CHECKPOINT_POLICIES["oracle"]``)."""
+    return config.hybrid and config.checkpoints.eviction == "oracle"
 
 
 def reuse_error(reuse: tuple[tuple[int, int], ...], seq_id: int, tokens: int, bs: int) -> str:
@@ -123,6 +130,15 @@ class FutureUses:
     ) -> None:
         self.next_of.pop(e.ckpt_id, None)
         self.depth_of.pop(e.ckpt_id, None)
+
+    def check_invariants(self, live_ckpts: set[int]) -> str | None:
+        """``live_ckpts``: the checkpoint table's live ids. None when consistent, else the
+        first violation."""
+        if set(self.next_of) != live_ckpts or set(self.depth_of) != live_ckpts:
+            return "the recorded future does not know exactly the live checkpoints"
+        if self.waiting and max(self.waiting) > self.last_arrival:
+            return "a sequence waits for admission that never arrived"
+        return None
 
     def snapshot(self) -> tuple[object, ...]:
         return (

@@ -27,7 +27,7 @@ from kvsched.reducers import invariants
 from kvsched.reducers.blocks import BlockPool
 from kvsched.reducers.checkpoints import CheckpointTable
 from kvsched.reducers.errors import InvariantError, RefChange, ReplayMismatch
-from kvsched.reducers.future import FutureUses
+from kvsched.reducers.future import FutureUses, reads_future
 from kvsched.reducers.holdings import LoadHoldings
 from kvsched.reducers.sequences import Arrival, Seq, SequenceTable
 from kvsched.reducers.sessions import SessionTable
@@ -114,7 +114,7 @@ def idle_owners(config: SchedulerConfig) -> frozenset[str]:
     oracle's rules read the recorded future (``future``). Their queries still answer (empty,
     or the initial turn)."""
     idle = set()
-    if not config.reads_future:
+    if not reads_future(config):
         idle.add("future")
     if config.turn_policy == "standard":
         idle.add("turns")

@@ -1,6 +1,6 @@
 """The recorded future of a trace, for the "oracle" checkpoint rules (an upper reference).
 
-Under the oracle (``SchedulerConfig.reads_future``) the replay driver writes onto every
+Under the oracle (``reducers.future.reads_future``) the replay driver writes onto every
 arrival the depths where its state will be reused (``RequestArrived.reuse``): the engine folds
 them as input, so the log holds them and ``kvsched verify`` replays the same decisions. Under
 any other rules it strips a recorded future (a trace read from an oracle run's log).
@@ -27,6 +27,7 @@ import msgspec
 from kvsched.config import SchedulerConfig
 from kvsched.events import types as ev
 from kvsched.identity import DIGEST_SIZE, chain_packed, namespace_root, span_extras
+from kvsched.reducers.future import reads_future
 from kvsched.replay.setup import SetupError
 from kvsched.replay.workload import Workload
 
@@ -36,7 +37,7 @@ __all__ = ["future_for", "hit_ends", "reuse_pairs", "with_future", "without_futu
 def future_for(config: SchedulerConfig, workload: Workload) -> Workload:
     """The workload as ``config``'s engine takes it: with the recorded future under the
     oracle, without one otherwise."""
-    if config.reads_future:
+    if reads_future(config):
         return with_future(workload, config)
     return without_future(workload)
 
