@@ -66,6 +66,15 @@ def test_the_oracle_saves_exactly_where_a_later_requests_hit_ends() -> None:
     assert hits == {0: 0, 1: 32, 2: 48, 3: 32}
 
 
+def test_a_later_hit_ending_at_a_chunks_end_is_saved_after_that_chunk() -> None:
+    h = oracle()  # (64-token chunks)
+    doc = tokens(64, seed=1)
+    prompts = [np.concatenate([doc, tokens(20, seed=2)]), np.concatenate([doc, tokens(9, seed=3)])]
+    hits = serve_all(h, prompts)
+    assert [(r.num_tokens, r.phase) for r in reserved(h)] == [(64, "after")]
+    assert hits == {0: 0, 1: 64}
+
+
 def test_the_oracle_evicts_the_checkpoint_whose_next_use_is_farthest() -> None:
     h = oracle(checkpoint_budget=2)
     a, b, c = (tokens(32, seed=s) for s in (1, 2, 3))
