@@ -72,6 +72,25 @@ def _refused(match: str, **fields: Any) -> None:
             "turns.policy 'interleave'",
         ),
         ({"role": "prefill"}, "external.role", "external.enabled"),
+        (
+            {"checkpoint_placement": ("oracle",), "checkpoint_eviction": "value"},
+            "checkpoints.placement 'oracle'",
+            "checkpoints.eviction 'oracle'",
+        ),
+        (
+            {"checkpoint_placement": ("chunk_end",), "checkpoint_eviction": "oracle"},
+            "checkpoints.eviction 'oracle'",
+            "checkpoints.placement 'oracle' alone",
+        ),
+        (
+            {
+                "checkpoint_placement": ("oracle",),
+                "checkpoint_eviction": "oracle",
+                "mid_chunk_saves": False,
+            },
+            "checkpoints.placement 'oracle'",
+            "checkpoints.mid_chunk_saves",
+        ),
     ],
     ids=lambda v: v if isinstance(v, str) else None,
 )

@@ -74,12 +74,13 @@ PLACEMENTS: tuple[str, ...] = (
     "decode",  # every Checkpoints.decode_interval decode tokens, all kept
     "decode_blocks",  # every block boundary a decode step reaches, all kept (vLLM "align")
     "decode_latest",  # at block boundaries in decode, each replacing the sequence's previous
+    "oracle",  # where a later request's hit ends (its recorded future: trace replays only)
 )
 # Which checkpoint an eviction drops (policy/eviction.py): least recently used; frozen partial
 # tails first, then least recently used (lmdeploy); or the lowest value (prefill compute a hit
 # saves per byte of state, times its hits squared, aged: greedy-dual-size-frequency),
-# declining a new checkpoint worth less than every one it would replace.
-EVICTIONS: tuple[str, ...] = ("lru", "frozen_first", "value")
+# declining a new checkpoint worth less than every one it would replace; "oracle": Belady's.
+EVICTIONS: tuple[str, ...] = ("lru", "frozen_first", "value", "oracle")
 # Named checkpoint policies (Checkpoints fields): kvsched's own, and baselines that behave
 # like its peers. "lmdeploy" places no "decode" checkpoints: its decode interval was 0 and
 # nothing could set it, so that rule never saved one (docs/checkpoints.md).
@@ -112,6 +113,13 @@ CHECKPOINT_POLICIES: dict[str, dict[str, Any]] = {
     "sglang": {
         "placement": ("chunk_end", "sequence_end"),
         "eviction": "lru",
+        "aligned_only": False,
+        "min_gain_blocks": 0,
+    },
+    # An upper reference that knows the trace's future (replay/future.py, docs/checkpoints.md).
+    "oracle": {
+        "placement": ("oracle",),
+        "eviction": "oracle",
         "aligned_only": False,
         "min_gain_blocks": 0,
     },
@@ -215,6 +223,7 @@ class Checkpoints:
             raise refuse("checkpoints.placement 'decode'", "checkpoints.decode_interval > 0", why)
         if "interval" in self.placement and not self.mid_chunk_saves:
             raise refuse("checkpoints.placement 'interval'", "checkpoints.mid_chunk_saves", "needs")
+        headers.refuse_oracle_mix(self.placement, self.eviction, self.mid_chunk_saves)
         if self.interval != _default(Checkpoints, "interval") and "interval" not in self.placement:
             raise refuse(
                 "checkpoints.interval", "checkpoints.placement 'interval'", "is used only by"

@@ -35,6 +35,20 @@ def refuse(setting: str, other: str, why: str) -> ConfigError:
     return ConfigError(f"{setting} {why} {other}: change one of them")
 
 
+def refuse_oracle_mix(placement: tuple[str, ...], eviction: str, mid_chunk_saves: bool) -> None:
+    """The oracle's rules go together (``config.CHECKPOINT_POLICIES["oracle"]``): its placement
+    needs its eviction (the future is recorded only where it saves: an online eviction would
+    measure neither), its eviction knows next uses only where its placement saves, and it
+    saves inside chunks (mid-chunk saves)."""
+    if "oracle" in placement and eviction != "oracle":
+        raise refuse("checkpoints.placement 'oracle'", "checkpoints.eviction 'oracle'", "needs")
+    if eviction == "oracle" and placement != ("oracle",):
+        alone = "checkpoints.placement 'oracle' alone"
+        raise refuse("checkpoints.eviction 'oracle'", alone, "needs")
+    if "oracle" in placement and not mid_chunk_saves:
+        raise refuse("checkpoints.placement 'oracle'", "checkpoints.mid_chunk_saves", "needs")
+
+
 @attrs.frozen(kw_only=True)
 class Legacy:
     """kvsched's behaviours before schema 4, kept only to replay old logs: like Temporal's

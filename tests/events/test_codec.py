@@ -267,6 +267,17 @@ def test_an_unknown_msgpack_extension_is_refused_at_decoding():
         decode_events(data)
 
 
+def test_a_recorded_future_round_trips_and_an_arrival_without_one_encodes_as_before():
+    plain = ev.RequestArrived(3, i32(1, 2, 3), 4)
+    future = ev.RequestArrived(3, i32(1, 2, 3), 4, reuse=((64, 9), (128, 2**40)))
+
+    (decoded,) = decode_events(encode([future]))
+
+    assert decoded.reuse == ((64, 9), (128, 2**40))
+    assert b"reuse" not in encode(plain)  # (omitted at its default: older logs read the same)
+    json.dumps(to_builtins(future))
+
+
 def test_to_builtins_gives_plain_json_friendly_values():
     view = to_builtins(SAMPLES[ev.RequestArrived])
     assert view["type"] == "RequestArrived"

@@ -239,8 +239,11 @@ def test_every_rule_together_restores_only_states_that_match_their_prefix(
         model=SMALL_STATES,
         hybrid=True,
         checkpoint_memory=memory,
-        # ("interval" needs mid-chunk saves: without them it would be ignored, so refused)
-        checkpoint_placement=tuple(p for p in PLACEMENTS if mid_chunk or p != "interval"),
+        # ("interval" needs mid-chunk saves: without them it would be ignored, so refused;
+        # "oracle" goes only with its own eviction, alone: tests/policy/test_oracle.py)
+        checkpoint_placement=tuple(
+            p for p in PLACEMENTS if p != "oracle" and (mid_chunk or p != "interval")
+        ),
         **({"checkpoint_interval": 32} if mid_chunk else {}),
         decode_checkpoint_interval=32,
         mid_chunk_saves=mid_chunk,

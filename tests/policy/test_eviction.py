@@ -20,10 +20,12 @@ from kvsched.policy.eviction import (
     FrozenFirst,
     LruBlocks,
     LruCheckpoints,
+    OracleEviction,
     ValueEviction,
 )
 from kvsched.reducers.blocks import BlockPool
 from kvsched.reducers.checkpoints import Checkpoint, CheckpointTable
+from kvsched.reducers.future import NEVER, FutureUses
 from kvsched.statemachines import CkptState
 
 from .helpers import Harness, config, request, tokens
@@ -34,7 +36,10 @@ def test_every_configured_checkpoint_eviction_names_a_registered_strategy() -> N
     assert set(BLOCK_EVICTION) == {"lru"}
     cfg = config(hybrid=True)
     for key in EVICTIONS:
-        assert list(CHECKPOINT_EVICTION[key](cfg).ranked(make_table(max_batch=1, budget=2))) == []
+        ranked = CHECKPOINT_EVICTION[key](cfg).ranked(
+            make_table(max_batch=1, budget=2), FutureUses()
+        )
+        assert list(ranked) == []
 
 
 def test_an_allocation_evicts_least_recently_released_blocks_leaf_first_by_events_alone():
@@ -118,6 +123,22 @@ def test_value_ranks_the_lowest_priority_first_each_with_its_priority() -> None:
     assert ranked[0][0] == pytest.approx(value.saved_seconds(16))
 
 
+def test_oracle_ranks_the_farthest_next_use_first_never_used_ones_before_all() -> None:
+    table, old, tail, new = _three()  # producer 7, steps 16, 20 (no later use) and 32
+    future = FutureUses()
+    arrival = ev.RequestArrived(7, tokens(40, 1), 1, reuse=((16, 20), (32, 12)))
+    future.folds()[ev.RequestArrived](arrival)
+    for c in (old, tail, new):
+        reserved = ev.CheckpointReserved(c.ckpt_id, 7, c.slot, c.step, c.key, c.anchor, 0)  # type: ignore[attr-defined]
+        future.folds()[ev.CheckpointReserved](reserved)
+    strategy = OracleEviction(config(hybrid=True))
+    ranked = strategy.ranked(table, future)  # type: ignore[arg-type]
+    assert [c for _, c in ranked] == [tail, old, new]
+    assert [p for p, _ in ranked] == [-float(NEVER), -20.0, -12.0]
+    with pytest.raises(TypeError, match="recorded future"):
+        strategy.ranked(table)  # type: ignore[arg-type]
+
+
 def test_the_configured_strategy_chooses_which_checkpoint_kv_pressure_evicts() -> None:
     """Same workload, two strategies: frozen_first evicts the frozen tail, lru the oldest."""
     evicted: dict[str, list[int]] = {}
@@ -170,6 +191,10 @@ def _oracle_ranked(value: ValueEviction, table: CheckpointTable) -> list[tuple[f
     return [(p, c.ckpt_id) for p, _, c in sorted(out, key=lambda item: (item[0], item[1]))]
 
 
+# (the rules value eviction can see: "oracle" placement runs only with oracle eviction)
+VALUE_RULES = tuple(p for p in PLACEMENTS if p != "oracle")
+
+
 class _Driver:
     """Random checkpoint events on one table: reserve (random producer, rule, depth; some
     frozen tails), publish or abandon, pin and unpin (hits), release, and evict (the value
@@ -195,7 +220,7 @@ class _Driver:
         if not t.peek_slot() or t.cost_of(bool(frozen)) > t.room():
             return
         self.keys += 1
-        kind = rng.choice(PLACEMENTS)
+        kind = rng.choice(VALUE_RULES)
         depth = step // BS
         anchor = bytes([depth]) * 16
         t._pool.add(anchor, np.arange(1, 1 + depth, dtype=np.int32))  # type: ignore[attr-defined]

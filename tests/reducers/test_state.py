@@ -78,14 +78,17 @@ def _visited(state: EngineState) -> set[str]:
     return {owners[id(h.__self__)] for hs in state._routes.values() for h in hs}  # type: ignore[attr-defined]
 
 
-def test_an_attention_engine_without_external_kv_visits_no_transfer_holding_checkpoint_or_turn():
+def test_an_attention_engine_without_external_kv_visits_only_the_owners_it_needs():
     state = EngineState(config())
-    idle = {"transfers", "holdings", "ckpts", "turns"}
+    idle = {"transfers", "holdings", "ckpts", "turns", "future"}
     assert idle_owners(state.config) == idle
     assert _visited(state) == set(OWNER_ORDER) - idle
 
 
-def test_a_hybrid_engine_with_soft_external_loads_visits_every_owner():
-    state = EngineState(config(hybrid=True, external_kv=True, load_admission="soft", order="ttft"))
+def test_a_hybrid_engine_with_soft_external_loads_under_the_oracle_visits_every_owner():
+    oracle = {"checkpoint_placement": ("oracle",), "checkpoint_eviction": "oracle"}
+    state = EngineState(
+        config(hybrid=True, external_kv=True, load_admission="soft", order="ttft", **oracle)
+    )
     assert idle_owners(state.config) == frozenset()
     assert _visited(state) == set(OWNER_ORDER)

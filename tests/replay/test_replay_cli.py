@@ -20,6 +20,7 @@ from kvsched.events.log import read_log
 from kvsched.gpu.sim import SimulatedExecutor
 from kvsched.replay.metrics import replay_workload
 from kvsched.replay.report import PLOTS
+from kvsched.replay.setup import parse_policies
 from kvsched.replay.traces import read_mooncake
 
 TRACES = Path(__file__).parents[2].parent / "shared" / "traces"
@@ -398,9 +399,9 @@ def test_policies_run_side_by_side_at_every_budget_and_plot_against_state_memory
     )
     data = json.loads(out)
     runs = data["runs"]
-    assert code == 0 and len(runs) == 8
+    assert code == 0 and len(runs) == 10
     assert [r["checkpoint_policy"] for r in runs[::2]] == [
-        "kvsched", "lmdeploy", "vllm-align", "sglang"
+        "kvsched", "lmdeploy", "vllm-align", "sglang", "oracle"
     ]
     assert [r["sweep_value"] for r in runs[:2]] == [1, 16]
     assert runs[1]["state_memory_bytes"] == 16 * runs[1]["state_memory_bytes"] // 16 > 0
@@ -409,6 +410,26 @@ def test_policies_run_side_by_side_at_every_budget_and_plot_against_state_memory
     # the three requests sharing a prefix: kvsched's branch point serves the third
     by = {(r["checkpoint_policy"], r["sweep_value"]): r["token_hit_rate"] for r in runs}
     assert by[("kvsched", 16)] >= max(by[(p, 16)] for p in ("lmdeploy", "vllm-align", "sglang"))
+    assert by[("oracle", 16)] >= by[("kvsched", 16)]  # the upper reference
+
+
+def test_an_oracle_runs_log_verifies_and_replays_as_a_log_trace_that_verifies_too(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+):
+    first, second = tmp_path / "oracle.kvlog", tmp_path / "again.kvlog"
+    options = ("--hybrid", "--checkpoint-policy", "oracle", "--checkpoint-budget", "2", "--quiet")
+    trace = str(small_trace(tmp_path))
+    assert run_cli(capsys, "replay", trace, *options, "--log", str(first))[0] == 0
+    assert run_cli(capsys, "verify", str(first), "--quiet")[0] == 0
+    code, _, _ = run_cli(
+        capsys, "replay", str(first), "--format", "log", *options, "--log", str(second)
+    )
+    assert code == 0 and run_cli(capsys, "verify", str(second), "--quiet")[0] == 0
+
+
+def test_the_oracle_joins_every_comparison_of_policies() -> None:
+    assert parse_policies("kvsched,lmdeploy") == ("kvsched", "lmdeploy", "oracle")
+    assert parse_policies("oracle,kvsched") == ("oracle", "kvsched")
 
 
 def test_checkpoint_options_set_the_replayed_config(

@@ -18,6 +18,8 @@ written. Version 4 also added sleep levels (``DrainRequested``, ``DrainDeferred`
 ``Drained``: ``level``, default 1) and cached-token counts (``SequenceFinished`` arrays and
 ``SequenceAborted`` fields, empty or 0 by default); a header before version 4 ran without
 them (and without the alternate-mode triggers or decode preallocation).
+``RequestArrived.reuse`` (the oracle's recorded future, default empty) came later without a
+version change: a field with a default, omitted at it (events/README.md).
 """
 
 from __future__ import annotations

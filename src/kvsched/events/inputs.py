@@ -26,6 +26,11 @@ class RequestArrived(Event, frozen=True, tag="arrived"):
     # The caller's digests of the sequence's first full blocks (16 bytes each, e.g. vLLM's
     # Request.block_hashes): used instead of computing them (identity.py). Empty: computed.
     block_hashes: bytes = b""
+    # The recorded future (only a trace replay under the "oracle" checkpoint rules fills it,
+    # replay/future.py): (depth, next user) pairs, depths ascending: after ``depth`` prompt
+    # tokens (whole blocks) this request's state is where the hit of request ``next user``
+    # (a later request's id) will end. Empty: no known future.
+    reuse: tuple[tuple[int, int], ...] = ()
 
 
 class RequestAborted(Event, frozen=True, tag="aborted"):

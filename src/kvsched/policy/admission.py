@@ -72,6 +72,7 @@ class Admission:
         self._chunk_tokens = config.chunk_tokens
         self._prompt_end = config.places("prompt_end")
         self._chunk_end = config.places("chunk_end")
+        self._oracle = config.hybrid and config.places("oracle")
 
     # ---------------------------------------------------------------------- chunks
 
@@ -126,12 +127,23 @@ class Admission:
         budget.long_chunks += 0 if chunk.final else 1
         if not state.hybrid:
             return
+        if self._oracle:
+            self.oracle_saves(state, seq, chunk, emit)
+            return
         kind = self.end_rule(seq, chunk)
         if kind:
             self.checkpoints.reserve(state, seq, chunk.end, emit, kind)
         if self._within:
             for step, rule in self.points_within(seq, chunk):
                 self.checkpoints.reserve(state, seq, step, emit, rule, "within")
+
+    def oracle_saves(self, state: EngineState, seq: Seq, chunk: Chunk, emit: Emit) -> None:
+        """Rule "oracle": save the state at each depth in the chunk where the recorded future
+        says a later request's hit will end (at its end, then inside it, deepest first)."""
+        for step in reversed(state.future.depths(seq.seq_id)):
+            if chunk.start < step <= chunk.end:
+                phase = "after" if step == chunk.end else "within"
+                self.checkpoints.reserve(state, seq, step, emit, "oracle", phase)
 
     def end_rule(self, seq: Seq, chunk: Chunk) -> str:
         """The placement rule that saves the state at a chunk's end ("" for none)."""

@@ -10,9 +10,9 @@ runtime slot is saved before the next forward).
 What to keep: a checkpoint needs a state slot and room in the capacity (a count, or bytes).
 When there is none, unpinned checkpoints are evicted in the order of the eviction strategy
 ``config.checkpoints.eviction`` names (``policy/eviction.py``: "lru", "frozen_first", or
-"value", greedy-dual-size-frequency). A new checkpoint worth less than the one it would evict
-is declined (only "value" has worths). Saves are best effort: a save that finds no room is
-skipped.
+"value", greedy-dual-size-frequency; "oracle", the farthest next use). A new checkpoint worth
+less than the one it would evict is declined (only "value" and "oracle" have worths). Saves
+are best effort: a save that finds no room is skipped.
 """
 
 from __future__ import annotations
@@ -73,7 +73,9 @@ class Checkpoints:
         if phase == "before" and step >= self.bs and not state.pool.is_cached(anchor):
             return  # its prefix is not indexed (a chain past a private copy): no path to hold
         cost = ckpts.cost_of(not aligned)
-        worth = self.eviction.candidate_priority(ckpts, seq.seq_id, step, kind, cost)
+        worth = self.eviction.candidate_priority(
+            ckpts, seq.seq_id, step, kind, cost, state.future
+        )
         if not self._make_room(state, cost, worth, emit):
             return
         frozen = 0
@@ -157,7 +159,7 @@ class Checkpoints:
         """Unpinned published checkpoints (never ``keep``), the first to be evicted first,
         each with its priority under the eviction strategy (None: it has none); lazily (the
         order is the one at this call: evicting the first ones does not change it)."""
-        victims = self.eviction.ranked(state.ckpts)
+        victims = self.eviction.ranked(state.ckpts, state.future)
         return ((p, c) for p, c in victims if c.ckpt_id != keep)
 
     def eviction_order(self, state: EngineState, keep: int = -1) -> list[Checkpoint]:

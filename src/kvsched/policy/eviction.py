@@ -10,8 +10,9 @@ emits the evictions (``BlocksEvicted`` before the allocation that reuses the blo
 * blocks (``BLOCK_EVICTION``): ``lru``, the only order the pool's prefix closure admits as
   is (a child is released, so offered, before its parent);
 * checkpoints (``CHECKPOINT_EVICTION``, ``config.checkpoints.eviction``): ``lru``,
-  ``frozen_first`` (lmdeploy: frozen partial tails first, then LRU) and ``value``
-  (greedy-dual-size-frequency, ``ValueEviction``).
+  ``frozen_first`` (lmdeploy: frozen partial tails first, then LRU), ``value``
+  (greedy-dual-size-frequency, ``ValueEviction``) and ``oracle`` (Belady: the farthest next
+  use first, from the recorded future ``FutureUses`` answers; ``OracleEviction``).
 
 Every strategy is a pure function of the state it reads: a replay makes the same choices.
 """
@@ -29,6 +30,7 @@ from kvsched.config import EVICTIONS, SchedulerConfig
 from kvsched.reducers.blocks import BlockPool
 from kvsched.reducers.checkpoints import Checkpoint, CheckpointTable
 from kvsched.reducers.ckpt_columns import ColumnsView
+from kvsched.reducers.future import NEVER, FutureUses
 
 Ranked = Iterable[tuple[float | None, Checkpoint]]
 
@@ -41,13 +43,20 @@ class BlockEviction(Protocol):
 
 
 class CheckpointEviction(Protocol):
-    def ranked(self, ckpts: CheckpointTable) -> Ranked:
+    def ranked(self, ckpts: CheckpointTable, future: FutureUses | None = None) -> Ranked:
         """Every evictable checkpoint, the first to evict first, each with its priority
-        (None: the strategy has none, and never declines a new checkpoint)."""
+        (None: the strategy has none, and never declines a new checkpoint). ``future``: the
+        recorded future (read only by "oracle")."""
         ...
 
     def candidate_priority(
-        self, ckpts: CheckpointTable, seq_id: int, step: int, kind: str, cost: int
+        self,
+        ckpts: CheckpointTable,
+        seq_id: int,
+        step: int,
+        kind: str,
+        cost: int,
+        future: FutureUses | None = None,
     ) -> float:
         """The priority a checkpoint about to be reserved would have (compared with its
         victims' priorities: a victim worth more declines it)."""
@@ -70,11 +79,17 @@ class LruCheckpoints:
     def __init__(self, config: SchedulerConfig) -> None:
         pass
 
-    def ranked(self, ckpts: CheckpointTable) -> Ranked:
+    def ranked(self, ckpts: CheckpointTable, future: FutureUses | None = None) -> Ranked:
         return [(None, c) for c in ckpts.evictable()]
 
     def candidate_priority(
-        self, ckpts: CheckpointTable, seq_id: int, step: int, kind: str, cost: int
+        self,
+        ckpts: CheckpointTable,
+        seq_id: int,
+        step: int,
+        kind: str,
+        cost: int,
+        future: FutureUses | None = None,
     ) -> float:
         return math.inf
 
@@ -82,7 +97,7 @@ class LruCheckpoints:
 class FrozenFirst(LruCheckpoints):
     """lmdeploy's order: checkpoints that own a frozen partial tail block first, then LRU."""
 
-    def ranked(self, ckpts: CheckpointTable) -> Ranked:
+    def ranked(self, ckpts: CheckpointTable, future: FutureUses | None = None) -> Ranked:
         order = sorted(ckpts.evictable(), key=lambda c: (c.frozen_block == 0, c.stamp))
         return [(None, c) for c in order]
 
@@ -108,6 +123,10 @@ _RULES_BY_GROUP = tuple(
 # A branch checkpoint's frequency at birth: a request already shared its prefix (4, not 2:
 # chosen on the Mooncake trace, docs/benchmarks.md).
 BRANCH_BIRTH = 4
+
+
+def _first(item: tuple[float, Checkpoint]) -> float:
+    return item[0]
 
 
 class ValueEviction:
@@ -170,7 +189,13 @@ class ValueEviction:
         return self._priority(ckpts, c.seq_id, c.kind, c.step, c.hits, c.cost, c.floor)
 
     def candidate_priority(
-        self, ckpts: CheckpointTable, seq_id: int, step: int, kind: str, cost: int
+        self,
+        ckpts: CheckpointTable,
+        seq_id: int,
+        step: int,
+        kind: str,
+        cost: int,
+        future: FutureUses | None = None,
     ) -> float:
         return self._priority(ckpts, seq_id, kind, step, 0, cost, ckpts.floor)
 
@@ -196,7 +221,7 @@ class ValueEviction:
             for p, s, i in zip(prio.tolist(), stamps.tolist(), ids.tolist(), strict=True)
         ]
 
-    def ranked(self, ckpts: CheckpointTable) -> Ranked:
+    def ranked(self, ckpts: CheckpointTable, future: FutureUses | None = None) -> Ranked:
         """Every evictable checkpoint by (priority, stamp), lazily: the order is fixed when
         this is called (later folds do not change it), each record is read as it is reached
         (the caller may evict the ones before it)."""
@@ -272,11 +297,50 @@ def _lookup(deepest: tuple[np.ndarray, np.ndarray], seq_ids: np.ndarray) -> np.n
     return np.where(producers[pos] == seq_ids, steps[pos], -1)
 
 
+class OracleEviction:
+    """Belady's choice (an upper reference): the checkpoint whose next use is farthest in the
+    future first (never used again: first of all; ties: least recently used), its priority
+    minus its next user's id, so a new checkpoint used later than every one it would replace
+    is declined (Belady with bypass: the optimum for unit-cost items). The next uses come from
+    the arrivals' recorded future (``FutureUses``), never from hidden state: a replay of the
+    log ranks the same way."""
+
+    def __init__(self, config: SchedulerConfig) -> None:
+        pass
+
+    @staticmethod
+    def _future(future: FutureUses | None) -> FutureUses:
+        if future is None:
+            raise TypeError("eviction 'oracle' ranks by the recorded future: pass it")
+        return future
+
+    def ranked(self, ckpts: CheckpointTable, future: FutureUses | None = None) -> Ranked:
+        uses = self._future(future)
+        scored = [(-float(uses.next_use(c.ckpt_id)), c) for c in ckpts.evictable()]
+        scored.sort(key=_first)  # (stable: least recently used first among equals)
+        return [(p, c) for p, c in scored]
+
+    def candidate_priority(
+        self,
+        ckpts: CheckpointTable,
+        seq_id: int,
+        step: int,
+        kind: str,
+        cost: int,
+        future: FutureUses | None = None,
+    ) -> float:
+        user = self._future(future)
+        nxt = user.pending_use(user.hinted(seq_id, step))
+        # (a state no request will use is declined by every victim, even one never used)
+        return -float(nxt + (1 if nxt == NEVER else 0))
+
+
 BLOCK_EVICTION: dict[str, Callable[[], BlockEviction]] = {"lru": LruBlocks}
 CHECKPOINT_EVICTION: dict[str, Callable[[SchedulerConfig], CheckpointEviction]] = {
     "lru": LruCheckpoints,
     "frozen_first": FrozenFirst,
     "value": ValueEviction,
+    "oracle": OracleEviction,
 }
 if tuple(CHECKPOINT_EVICTION) != EVICTIONS:
     raise TypeError("config.EVICTIONS and CHECKPOINT_EVICTION name different strategies")
@@ -289,5 +353,6 @@ __all__ = [
     "FrozenFirst",
     "LruBlocks",
     "LruCheckpoints",
+    "OracleEviction",
     "ValueEviction",
 ]

@@ -26,6 +26,7 @@ from kvsched.policy.matching import Matcher
 from kvsched.policy.ordering import PrefillOrder
 from kvsched.policy.transfers import Transfers
 from kvsched.policy.turns import PrefillTurns
+from kvsched.reducers.future import reads_future, reuse_error
 from kvsched.reducers.sequences import Arrival
 from kvsched.reducers.state import EngineState
 from kvsched.statemachines import CkptState, LoadState, SeqState, TurnState
@@ -84,6 +85,12 @@ class Policy:
         total = state.sessions.history_len(e.session_id) + len(prompt)
         if len(e.block_hashes) // ev.HASH_SIZE > total // bs:
             return "block_hashes name more blocks than the request's full blocks"
+        if e.reuse:
+            if not reads_future(self.config):
+                return "reuse (a recorded future) is read only by checkpoints.eviction 'oracle'"
+            reason = reuse_error(e.reuse, e.seq_id, total, bs)
+            if reason:
+                return reason
         if total >= model.max_context:
             return f"prompt of {total} tokens exceeds the maximum context {model.max_context}"
         if cdiv(total + 1, bs) > self.config.num_blocks - 1:

@@ -207,7 +207,23 @@ def _check_value(name: str, kind: Any, value: object) -> str | None:
         if not isinstance(value, np.ndarray) or value.ndim != 1:
             return f"{name} must be a 1-D numpy array"
         return None if value.dtype.kind in "iu" else f"{name} must hold integers, not {value.dtype}"
+    if name == "reuse":
+        return _check_reuse(name, value)
     return _check_spans(name, value)
+
+
+def _check_reuse(name: str, value: object) -> str | None:
+    """A recorded future: a tuple of (depth, next request id) integer pairs."""
+    if not isinstance(value, tuple) or not all(
+        isinstance(p, tuple) and len(p) == 2 for p in value
+    ):
+        return f"{name} must be a tuple of (depth, next request id) pairs"
+    for pair in value:
+        for part in pair:
+            reason = _check_value(f"{name} entry", int, part)
+            if reason is not None:
+                return reason
+    return None
 
 
 def _check_spans(name: str, value: object) -> str | None:

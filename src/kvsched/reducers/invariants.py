@@ -16,6 +16,7 @@ from kvsched.config import SchedulerConfig
 from kvsched.reducers.blocks import BlockPool, BlockPoolError
 from kvsched.reducers.checkpoints import CheckpointTable
 from kvsched.reducers.errors import InvariantError
+from kvsched.reducers.future import FutureUses, reads_future
 from kvsched.reducers.holdings import LoadHoldings
 from kvsched.reducers.seq import FREE_ROW, Seq
 from kvsched.reducers.sequences import SequenceTable
@@ -40,6 +41,7 @@ class Owners(Protocol):
     transfers: TransferTable
     serving: Serving
     turns: Turns
+    future: FutureUses
 
     def holders(self) -> list[np.ndarray]: ...
 
@@ -58,11 +60,13 @@ def check_all(state: Owners) -> None:
         _check_seq(state, seq)
         if seq.pinned_ckpt >= 0:
             pins[seq.pinned_ckpt] = pins.get(seq.pinned_ckpt, 0) + 1
+    future = reads_future(state.config)
     for problem in (
         state.ckpts.check_invariants(pins),
         state.sessions.check_invariants(set(state.seqs.seqs)),
         state.serving.check_invariants(),
         state.turns.check_invariants(),
+        state.future.check_invariants(set(state.ckpts.ckpts)) if future else None,
     ):
         if problem is not None:
             raise InvariantError(problem)

@@ -27,6 +27,7 @@ from kvsched.reducers import invariants
 from kvsched.reducers.blocks import BlockPool
 from kvsched.reducers.checkpoints import CheckpointTable
 from kvsched.reducers.errors import InvariantError, RefChange, ReplayMismatch
+from kvsched.reducers.future import FutureUses, reads_future
 from kvsched.reducers.holdings import LoadHoldings
 from kvsched.reducers.sequences import Arrival, Seq, SequenceTable
 from kvsched.reducers.sessions import SessionTable
@@ -39,7 +40,7 @@ __all__ = ["EngineState", "InvariantError", "ReplayMismatch"]
 
 OWNER_ORDER = (
     "serving", "transfers", "sessions", "seqs", "holdings", "ckpts", "pool", "work", "stats",
-    "turns",
+    "turns", "future",
 )
 
 # owner -> {owner it must fold after: why}. Everything the order must respect, and nothing else.
@@ -74,6 +75,7 @@ OWNER_AFTER: dict[str, dict[str, str]] = {
         "seqs": "the turn reads the known tokens of the rows a prefill schedules, after the "
         "sequence table checked the chunk",
     },
+    "future": {},
 }
 
 
@@ -108,9 +110,12 @@ def idle_owners(config: SchedulerConfig) -> frozenset[str]:
     """The owners that hold nothing under ``config``, so ``apply`` does not visit their folds:
     without external KV nothing is transferred (``transfers``), without soft loads no load is
     admitted without a row (``holdings``), an attention model has no state slot to
-    checkpoint (``ckpts``), and standard prefill turns never change (``turns``). Their queries
-    still answer (empty, or the initial turn)."""
+    checkpoint (``ckpts``), standard prefill turns never change (``turns``), and only the
+    oracle's rules read the recorded future (``future``). Their queries still answer (empty,
+    or the initial turn)."""
     idle = set()
+    if not reads_future(config):
+        idle.add("future")
     if config.turn_policy == "standard":
         idle.add("turns")
     if not config.hybrid:
@@ -145,6 +150,7 @@ class EngineState:
         self.stats = Stats(block_size=bs)
         self.work = StepWork(self.seqs, self.ckpts, self.stats, config.hybrid)
         self.turns = Turns(config, self.seqs)
+        self.future = FutureUses()
         self._routes = self._build_routes()
         # the routed handler that takes an arrival (``apply``'s second argument)
         self._arrival_fold: Callable[..., RefChange | None] = next(
@@ -242,6 +248,7 @@ class EngineState:
             self.ckpts.snapshot(),
             self.transfers.snapshot(),
             self.turns.snapshot(),
+            self.future.snapshot(),
             repr(self.work.extras),
             repr(self.stats),
         )

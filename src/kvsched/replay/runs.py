@@ -15,6 +15,7 @@ from kvsched.engine import Engine
 from kvsched.events.wire import Publisher
 from kvsched.replay.driver import Executor, run
 from kvsched.replay.external import ExternalKV
+from kvsched.replay.future import future_for
 from kvsched.replay.metrics import ReplayResult, replay_workload
 from kvsched.replay.setup import Sweep, TraceReplay, make_executor, open_log, sweep_config
 from kvsched.replay.workload import Workload
@@ -41,7 +42,10 @@ def replay(
     external: ExternalKV | None = None,
 ) -> ReplayResult:
     """Run ``workload`` through ``engine`` and ``executor`` (through the ``external`` KV
-    bridge when given) with a metrics recorder attached and a ``progress`` named ``desc``."""
+    bridge when given) with a metrics recorder attached and a ``progress`` named ``desc``.
+    Under the oracle's rules each arrival carries the trace's future (``replay/future.py``;
+    SetupError for a workload without one, such as session turns)."""
+    workload = future_for(engine.config, workload)
     driver = functools.partial(run, external=external) if external is not None else run
     with progress(desc, len(workload.turns)) as update:
         return replay_workload(engine, executor, workload, progress=update, driver=driver)

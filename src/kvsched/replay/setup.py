@@ -197,8 +197,14 @@ def load_trace_replay(
     return TraceReplay(trace, cost_model, parsed, executor, model, speedup, compared)
 
 
+ORACLE = "oracle"
+"""The upper reference (it knows the trace's future): every comparison of policies runs it."""
+
+
 def parse_policies(spec: str) -> tuple[str, ...]:
-    """``kvsched,lmdeploy`` or ``all`` as checkpoint policy names (CHECKPOINT_POLICIES)."""
+    """``kvsched,lmdeploy`` or ``all`` as checkpoint policy names (CHECKPOINT_POLICIES); the
+    oracle joins every comparison (last, unless named), so each table and plot shows the
+    online policies beside the upper reference."""
     names = [n.strip() for n in spec.split(",") if n.strip()]
     if names == ["all"]:
         return tuple(CHECKPOINT_POLICIES)
@@ -207,7 +213,7 @@ def parse_policies(spec: str) -> tuple[str, ...]:
         raise SetupError(
             f"--policies {spec!r}: give distinct names of {', '.join(CHECKPOINT_POLICIES)}, or all"
         )
-    return tuple(names)
+    return tuple(names) if ORACLE in names else (*names, ORACLE)
 
 
 def checkpoint_fields(
