@@ -325,6 +325,9 @@ class SchedulerConfig:
     # entry it was already given (vLLM's workers only ever append): the copy then stays the
     # sequence's private block and is freed with it.
     dedup_cached_blocks: bool = True
+    # Full blocks enter the prefix index in the step whose plan computes them (vLLM's
+    # allocate_slots), not after its outcome: a later request of the step may hit them.
+    cache_when_planned: bool = False
     max_step_retries: int = 2  # a sequence in more failed steps than this is aborted
     # A decode that needs a new block takes blocks for this many more tokens too (lmdeploy:
     # 16), only from free blocks (never evicting cached ones); these spare blocks are given
@@ -347,6 +350,7 @@ class SchedulerConfig:
         in_range("max_prefill_tokens", self.max_prefill_tokens, self.block_size, 1 << 24)
         in_range("max_step_retries", self.max_step_retries, 0, 1 << 20)
         in_range("decode_prealloc_tokens", self.decode_prealloc_tokens, 0, 1 << 20)
+        is_bool("cache_when_planned", self.cache_when_planned)
         one_of("identity scheme", self.identity, IDENTITY_SCHEMES)
         one_of("order policy", self.order, ("fcfs", "priority", "ttft"))
         if not self.aging_s > 0:
@@ -374,6 +378,13 @@ class SchedulerConfig:
                 if _is_set(self.checkpoints, field.name):
                     raise refuse(f"checkpoints.{field.name}", "hybrid", "is used only with")
         self.turns.refuse_ignored(self.order)
+        unwritten = {  # (each would read a block that is planned, not yet computed)
+            "dedup_cached_blocks": self.dedup_cached_blocks,
+            "external.enabled": self.external.enabled,
+            "speculation.tokens": self.speculation.tokens,
+        }
+        for name in [n for n, on in unwritten.items() if on and self.cache_when_planned][:1]:
+            raise refuse("cache_when_planned", name, "is not supported with")
         if self.checkpoints.memory and self.checkpoints.budget != CHECKPOINT_BUDGET:
             raise refuse(
                 "checkpoints.budget", "checkpoints.memory (which sets the count)", "is ignored with"
