@@ -31,7 +31,7 @@ MAX_TABLE_ENTRIES = 1 << 28  # block-table entries (max_batch x blocks per seque
 # DEMO_MAX_BATCH rows, so that sessions contend for the cache (its recorded runs depend on
 # them); ``kvsched replay`` defaults to an unbounded cache (replay.setup.unbounded_blocks),
 # so only --cache-blocks makes it evict; the vLLM adapter takes vLLM's own KV cache size
-# and max_num_seqs (vLLM decides memory), and caps checkpoints at CHECKPOINT_BUDGET.
+# and max_num_seqs (vLLM decides memory) and sizes checkpoints from vLLM's pool.
 BLOCK_SIZE = 64
 NUM_BLOCKS = 4096
 MAX_BATCH_ROWS = 256
@@ -109,6 +109,10 @@ CHECKPOINT_POLICIES: dict[str, dict[str, Any]] = {
         "aligned_only": True,
         "min_gain_blocks": 0,
     },
+    # The vLLM adapter's (integrations/vllm/config.py): the rules vLLM's runner can realise
+    # (docs/vllm.md), kvsched's eviction; with POLICY_ENGINE_SETTINGS' caching at planning.
+    "vllm-kvsched": {"placement": ("chunk_end", "prompt_tail", "branch", "decode_blocks"),
+                     "eviction": "value", "aligned_only": True, "mid_chunk_saves": False},
     "sglang": {
         "placement": ("chunk_end", "sequence_end"),
         "eviction": "lru",
@@ -117,10 +121,8 @@ CHECKPOINT_POLICIES: dict[str, dict[str, Any]] = {
     },
 }
 
-
-def _rules(value: Any) -> tuple[str, ...]:
-    return tuple(value)
-
+POLICY_ENGINE_SETTINGS: dict[str, dict[str, Any]] = {  # a policy's SchedulerConfig fields
+    "vllm-kvsched": {"cache_when_planned": True, "dedup_cached_blocks": False}}
 
 def _is_set(record: Any, name: str) -> bool:
     """Whether a field of a config record differs from its default."""
@@ -168,7 +170,7 @@ class Checkpoints:
     # pool then has memory // state_bytes checkpoint slots.
     memory: int = 0
     placement: tuple[str, ...] = attrs.field(
-        default=CHECKPOINT_POLICIES["kvsched"]["placement"], converter=_rules
+        default=CHECKPOINT_POLICIES["kvsched"]["placement"], converter=tuple
     )
     eviction: str = "value"
     interval: int = 4096  # tokens between "interval" checkpoints (whole blocks)
@@ -378,13 +380,10 @@ class SchedulerConfig:
                 if _is_set(self.checkpoints, field.name):
                     raise refuse(f"checkpoints.{field.name}", "hybrid", "is used only with")
         self.turns.refuse_ignored(self.order)
-        unwritten = {  # (each would read a block that is planned, not yet computed)
-            "dedup_cached_blocks": self.dedup_cached_blocks,
-            "external.enabled": self.external.enabled,
-            "speculation.tokens": self.speculation.tokens,
-        }
-        for name in [n for n, on in unwritten.items() if on and self.cache_when_planned][:1]:
-            raise refuse("cache_when_planned", name, "is not supported with")
+        names = ("dedup_cached_blocks", "external.enabled", "speculation.tokens")  # (each
+        on = (self.dedup_cached_blocks, self.external.enabled, self.speculation.tokens)  # reads
+        for name in [n for n, o in zip(names, on, strict=True) if o and self.cache_when_planned]:
+            raise refuse("cache_when_planned", name, "is not supported with")  # unwritten KV)
         if self.checkpoints.memory and self.checkpoints.budget != CHECKPOINT_BUDGET:
             raise refuse(
                 "checkpoints.budget", "checkpoints.memory (which sets the count)", "is ignored with"
@@ -495,5 +494,5 @@ class SchedulerConfig:
             known = ", ".join(CHECKPOINT_POLICIES)
             raise ConfigError(f"unknown checkpoint policy {name!r}; known: {known}")
         return attrs.evolve(
-            self, checkpoints=attrs.evolve(self.checkpoints, **CHECKPOINT_POLICIES[name])
-        )
+            self, checkpoints=attrs.evolve(self.checkpoints, **CHECKPOINT_POLICIES[name]),
+            **POLICY_ENGINE_SETTINGS.get(name, {}))
