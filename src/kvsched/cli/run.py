@@ -263,7 +263,7 @@ def add_replay(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         "--checkpoint-policy",
         choices=list(CHECKPOINT_POLICIES),
         help="--hybrid: placement and eviction rules (default kvsched; baselines: "
-        "lmdeploy, vllm-align, sglang)",
+        "lmdeploy, vllm-align, sglang; vllm-kvsched: kvsched inside vLLM)",
     )
     r.add_argument(
         "--checkpoint-placement",
