@@ -228,6 +228,8 @@ def main(argv: list[str] | None = None) -> int:
             "hit_tokens": stats.hit_tokens,
             "query_tokens": stats.query_tokens,
             "preemptions": stats.preemptions,
+            "block_evictions": sched.engine.state.pool.num_evictions,
+            "checkpoint_evictions": sched.engine.state.ckpts.evictions,
             "steps": stats.steps,
         }
         if args.kv_events:

@@ -3,8 +3,9 @@
 ``chat``: a long shared system prompt; a burst of users arriving together, each with a
 question mostly longer than a block (the branches off the system prompt); second turns of
 two of them (their first prompt, its answer and a follow-up) arriving together with new
-users; then one more user alone. Run with a small ``--blocks`` it is the memory-pressure
-workload: blocks and states are evicted between the waves. Greedy, ``ignore_eos``, token ids.
+users; strangers (prompts sharing nothing), each alone; then one more user alone. Run with a
+small ``--blocks`` it is the memory-pressure workload: blocks and states are evicted between
+the waves. Greedy, ``ignore_eos``, token ids.
 """
 
 from __future__ import annotations
@@ -13,10 +14,12 @@ from typing import Any
 
 import numpy as np
 
-# (system prompt, shortest and longest question, follow-up) in tokens: attention models
-# (block 32) and hybrid ones (the block is vLLM's state page, 544-640 tokens here), each a
-# few blocks so that hits, chunk cuts and branch points fall on different blocks.
-CHAT_SIZES = {"attention": (300, 20, 110, 50), "hybrid": (1400, 300, 900, 600)}
+# (system prompt, shortest and longest question, follow-up, a stranger's prompt) in tokens:
+# attention models (block 32) and hybrid ones (the block is vLLM's state page, 544-640 tokens
+# here), each a few blocks so that hits, chunk cuts and branch points fall on different
+# blocks; a stranger (no shared prefix) is two blocks and a bit.
+CHAT_SIZES = {"attention": (300, 20, 110, 50, 70), "hybrid": (1400, 300, 900, 600, 1300)}
+STRANGERS = 3
 USERS = 7  # the burst (the issue's seven prompts submitted together)
 ANSWER = 8  # tokens generated per request
 
@@ -25,12 +28,12 @@ def _tokens(n: int, seed: int) -> list[int]:
     return [int(t) for t in np.random.default_rng(seed).integers(3, 500, n)]
 
 
-def chat(llm: Any, out: dict[str, Any], sizes: tuple[int, int, int, int]) -> None:
+def chat(llm: Any, out: dict[str, Any], sizes: tuple[int, int, int, int, int]) -> None:
     """Run the ``chat`` workload on ``llm``; each request's tokens and cached tokens into
     ``out`` by name, in submission order."""
     from vllm import SamplingParams, TokensPrompt
 
-    system, short, long, follow = sizes
+    system, short, long, follow, stranger = sizes
     prompt = _tokens(system, 21)
     rng = np.random.default_rng(22)
     lengths = rng.integers(short, long + 1, 2 * USERS + 1).tolist()
@@ -57,6 +60,8 @@ def chat(llm: Any, out: dict[str, Any], sizes: tuple[int, int, int, int]) -> Non
         {f"user-{i}": prompt + _tokens(lengths[i], 100 + i) for i in range(USERS, USERS + 3)}
     )
     wave(second)
+    for i in range(STRANGERS):  # their blocks and states push the shared ones out
+        wave({f"stranger-{i}": _tokens(stranger, 300 + i)})
     wave({"user-last": prompt + _tokens(lengths[-1], 150)})
 
 
