@@ -19,8 +19,8 @@ from kvsched.config import (
     PrefillTurns,
     SchedulerConfig,
 )
-from kvsched.integrations.vllm import config as vllm_config
 from kvsched.replay.demo import run_demo
+from kvsched.replay.setup import checkpoint_fields
 
 
 def test_the_scheduler_config_has_at_most_20_fields_of_its_own() -> None:
@@ -180,7 +180,7 @@ def test_the_library_the_cli_and_the_vllm_adapter_share_one_table_of_defaults() 
         cfg.MAX_BATCH_ROWS,
     )
     assert config.max_prefill_tokens == cfg.MAX_PREFILL_TOKENS
-    assert config.checkpoints.budget == cfg.CHECKPOINT_BUDGET == vllm_config.MAX_CHECKPOINTS
+    assert config.checkpoints.budget == cfg.CHECKPOINT_BUDGET
     demo = build_parser().parse_args(["demo"])
     assert (demo.cache_blocks, demo.max_batch) == (cfg.DEMO_NUM_BLOCKS, cfg.DEMO_MAX_BATCH)
     defaults = run_demo.__kwdefaults__ or {}
@@ -190,3 +190,11 @@ def test_the_library_the_cli_and_the_vllm_adapter_share_one_table_of_defaults() 
     )
     replay = build_parser().parse_args(["replay", "trace.jsonl"])
     assert replay.max_batch is None and replay.cache_blocks is None  # (the config's; unbounded)
+
+
+def test_the_vllm_kvsched_policy_caches_blocks_at_planning_as_the_adapter_does() -> None:
+    config = SchedulerConfig(hybrid=True).with_checkpoint_policy("vllm-kvsched")
+    assert config.cache_when_planned and not config.dedup_cached_blocks
+    assert config.checkpoints.eviction == "value" and config.checkpoints.aligned_only
+    fields = checkpoint_fields(policy="vllm-kvsched")
+    assert fields["cache_when_planned"] is True and fields["dedup_cached_blocks"] is False

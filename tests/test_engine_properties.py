@@ -118,6 +118,7 @@ class EngineMachine(RuleBasedStateMachine):
             if policy == "every rule"
             else preset(policy)
         )
+        rules = {"mid_chunk_saves": mid_chunk, **rules}  # (a preset may set it)
         # by_bytes: a state costs 100 bytes, a frozen block 40 more (10 per token)
         memory = {"checkpoint_memory": 100 * budget + 40} if by_bytes else {}
         self.config = SchedulerConfig.from_log_header(
@@ -135,7 +136,6 @@ class EngineMachine(RuleBasedStateMachine):
                 turn_mode=turn_mode,
                 dedup_cached_blocks=self.DEDUP,
                 checkpoint_interval=2 * bs,
-                mid_chunk_saves=mid_chunk,
                 keep_aborted_turns=keep_aborted,  # an aborted session turn stays its history
                 session_reclaim=session_reclaim,
                 prefill_on_last_chunk=last_chunk,  # alternate turns' triggers
@@ -371,3 +371,31 @@ class ValueEvictionMachine(EngineMachine):
     )
     def start(self, **kw):  # type: ignore[no-untyped-def]
         super().start(**kw)
+
+
+class EngineMachineUnderVllm(EngineMachine):
+    """The machine in the configuration kvsched runs inside vLLM (``vllm-kvsched``: aligned
+    states, chunk cuts instead of mid-chunk saves, value eviction, blocks cached at planning,
+    no dedup), with faults: no hit is taken without its state or its written KV."""
+
+    DEDUP = False
+
+    @initialize(
+        **{
+            **ENGINE_CONFIGS,
+            "hybrid": st.booleans(),
+            "policy": st.just("vllm-kvsched"),
+            "order": st.sampled_from(["fcfs", "priority"]),
+            "turn_mode": st.just("mixed"),
+            "decode_interval": st.just(0),
+            "prealloc": st.just(0),
+        }
+    )
+    def start(self, **kw) -> None:  # type: ignore[no-untyped-def]
+        super().start(**kw)
+        self.config = attrs.evolve(self.config, cache_when_planned=True)
+        self.engine = Engine(self.config, check_invariants=True)
+
+
+EngineMachineUnderVllm.TestCase.settings = EngineMachine.TestCase.settings
+TestEngineStateMachineUnderVllm = EngineMachineUnderVllm.TestCase

@@ -31,7 +31,7 @@ MAX_TABLE_ENTRIES = 1 << 28  # block-table entries (max_batch x blocks per seque
 # DEMO_MAX_BATCH rows, so that sessions contend for the cache (its recorded runs depend on
 # them); ``kvsched replay`` defaults to an unbounded cache (replay.setup.unbounded_blocks),
 # so only --cache-blocks makes it evict; the vLLM adapter takes vLLM's own KV cache size
-# and max_num_seqs (vLLM decides memory), and caps checkpoints at CHECKPOINT_BUDGET.
+# and max_num_seqs (vLLM decides memory) and sizes checkpoints from vLLM's pool.
 BLOCK_SIZE = 64
 NUM_BLOCKS = 4096
 MAX_BATCH_ROWS = 256
@@ -110,6 +110,14 @@ CHECKPOINT_POLICIES: dict[str, dict[str, Any]] = {
         "aligned_only": True,
         "min_gain_blocks": 0,
     },
+    # The vLLM adapter's (integrations/vllm/config.py): the rules vLLM's runner can realise
+    # (docs/vllm.md), kvsched's eviction; with POLICY_ENGINE_SETTINGS' caching at planning.
+    "vllm-kvsched": {
+        "placement": ("chunk_end", "prompt_tail", "branch", "decode_blocks"),
+        "eviction": "value",
+        "aligned_only": True,
+        "mid_chunk_saves": False,
+    },
     "sglang": {
         "placement": ("chunk_end", "sequence_end"),
         "eviction": "lru",
@@ -125,9 +133,10 @@ CHECKPOINT_POLICIES: dict[str, dict[str, Any]] = {
     },
 }
 
-
-def _rules(value: Any) -> tuple[str, ...]:
-    return tuple(value)
+# A named policy's SchedulerConfig fields beyond its checkpoint rules.
+POLICY_ENGINE_SETTINGS: dict[str, dict[str, Any]] = {
+    "vllm-kvsched": {"cache_when_planned": True, "dedup_cached_blocks": False},
+}
 
 
 def _is_set(record: Any, name: str) -> bool:
@@ -176,7 +185,7 @@ class Checkpoints:
     # pool then has memory // state_bytes checkpoint slots.
     memory: int = 0
     placement: tuple[str, ...] = attrs.field(
-        default=CHECKPOINT_POLICIES["kvsched"]["placement"], converter=_rules
+        default=CHECKPOINT_POLICIES["kvsched"]["placement"], converter=tuple
     )
     eviction: str = "value"
     interval: int = 4096  # tokens between "interval" checkpoints (whole blocks)
@@ -334,6 +343,9 @@ class SchedulerConfig:
     # entry it was already given (vLLM's workers only ever append): the copy then stays the
     # sequence's private block and is freed with it.
     dedup_cached_blocks: bool = True
+    # Full blocks enter the prefix index in the step whose plan computes them (vLLM's
+    # allocate_slots), not after its outcome: a later request of the step may hit them.
+    cache_when_planned: bool = False
     max_step_retries: int = 2  # a sequence in more failed steps than this is aborted
     # A decode that needs a new block takes blocks for this many more tokens too (lmdeploy:
     # 16), only from free blocks (never evicting cached ones); these spare blocks are given
@@ -356,6 +368,7 @@ class SchedulerConfig:
         in_range("max_prefill_tokens", self.max_prefill_tokens, self.block_size, 1 << 24)
         in_range("max_step_retries", self.max_step_retries, 0, 1 << 20)
         in_range("decode_prealloc_tokens", self.decode_prealloc_tokens, 0, 1 << 20)
+        is_bool("cache_when_planned", self.cache_when_planned)
         one_of("identity scheme", self.identity, IDENTITY_SCHEMES)
         one_of("order policy", self.order, ("fcfs", "priority", "ttft"))
         if not self.aging_s > 0:
@@ -383,6 +396,10 @@ class SchedulerConfig:
                 if _is_set(self.checkpoints, field.name):
                     raise refuse(f"checkpoints.{field.name}", "hybrid", "is used only with")
         self.turns.refuse_ignored(self.order)
+        names = ("dedup_cached_blocks", "external.enabled", "speculation.tokens")  # (each
+        on = (self.dedup_cached_blocks, self.external.enabled, self.speculation.tokens)  # reads
+        for name in [n for n, o in zip(names, on, strict=True) if o and self.cache_when_planned]:
+            raise refuse("cache_when_planned", name, "is not supported with")  # unwritten KV)
         if self.checkpoints.memory and self.checkpoints.budget != CHECKPOINT_BUDGET:
             raise refuse(
                 "checkpoints.budget", "checkpoints.memory (which sets the count)", "is ignored with"
@@ -493,5 +510,5 @@ class SchedulerConfig:
             known = ", ".join(CHECKPOINT_POLICIES)
             raise ConfigError(f"unknown checkpoint policy {name!r}; known: {known}")
         return attrs.evolve(
-            self, checkpoints=attrs.evolve(self.checkpoints, **CHECKPOINT_POLICIES[name])
-        )
+            self, checkpoints=attrs.evolve(self.checkpoints, **CHECKPOINT_POLICIES[name]),
+            **POLICY_ENGINE_SETTINGS.get(name, {}))

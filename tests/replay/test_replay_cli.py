@@ -399,9 +399,9 @@ def test_policies_run_side_by_side_at_every_budget_and_plot_against_state_memory
     )
     data = json.loads(out)
     runs = data["runs"]
-    assert code == 0 and len(runs) == 10
+    assert code == 0 and len(runs) == 12
     assert [r["checkpoint_policy"] for r in runs[::2]] == [
-        "kvsched", "lmdeploy", "vllm-align", "sglang", "oracle"
+        "kvsched", "lmdeploy", "vllm-align", "vllm-kvsched", "sglang", "oracle"
     ]
     assert [r["sweep_value"] for r in runs[:2]] == [1, 16]
     assert runs[1]["state_memory_bytes"] == 16 * runs[1]["state_memory_bytes"] // 16 > 0

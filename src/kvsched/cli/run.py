@@ -263,7 +263,8 @@ def add_replay(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         "--checkpoint-policy",
         choices=list(CHECKPOINT_POLICIES),
         help="--hybrid: placement and eviction rules (default kvsched; baselines: "
-        "lmdeploy, vllm-align, sglang; oracle: an upper reference that knows the trace's future)",
+        "lmdeploy, vllm-align, sglang; vllm-kvsched: kvsched inside vLLM; oracle: an upper "
+        "reference that knows the trace's future)",
     )
     r.add_argument(
         "--checkpoint-placement",

@@ -254,7 +254,10 @@ class FingerprintExecutor:
         block = int(plan.block_tables[i, pos // bs])
         if block == 0:
             self._note(plan, i, f"position {pos} is in the null block")
-        return int(self.kv[block, pos % bs])
+        value = int(self.kv[block, pos % bs])
+        if value == 0:  # (a hash is never 0 in practice: 0 marks a slot never written)
+            self._note(plan, i, f"position {pos} reads KV never written (block {block})")
+        return value
 
     def _write_kv(self, plan: StepPlan, i: int, slots: np.ndarray, h: np.ndarray) -> None:
         blocks, offsets = np.divmod(np.asarray(slots, dtype=np.int64), self.block_size)

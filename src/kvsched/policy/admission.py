@@ -29,7 +29,7 @@ from kvsched.config import SchedulerConfig
 from kvsched.events import types as ev
 from kvsched.policy import spans
 from kvsched.policy.checkpoints import Checkpoints
-from kvsched.policy.common import Chunk, Emit, Match, StepBudget, cdiv
+from kvsched.policy.common import I64, Chunk, Emit, Match, StepBudget, cdiv
 from kvsched.policy.growth import Growth
 from kvsched.policy.matching import Matcher
 from kvsched.policy.ordering import PrefillOrder
@@ -125,6 +125,10 @@ class Admission:
         budget.tokens += chunk.end - chunk.start
         budget.prefills += 1
         budget.long_chunks += 0 if chunk.final else 1
+        if self.config.cache_when_planned:  # scheduled at once: a later admission may hit it
+            one, start, end = (np.asarray([x], I64) for x in (seq.seq_id, chunk.start, chunk.end))
+            emit(ev.PrefillScheduled(one, start, end))
+            self.growth.cache_computed(state, emit, np.asarray([seq.row]), planned=True)
         if not state.hybrid:
             return
         if self._oracle:

@@ -113,12 +113,23 @@ class Growth:
     # --------------------------------------------------------------------- caching
 
     def cache_computed(
-        self, state: EngineState, emit: Emit, rows: np.ndarray | None = None
+        self,
+        state: EngineState,
+        emit: Emit,
+        rows: np.ndarray | None = None,
+        planned: bool = False,
     ) -> None:
         """Give identity to the blocks that became full and computed (of ``rows``, default
-        every row: a free row has none, a loading row none until its load settles)."""
+        every row: a free row has none, a loading row none until its load settles).
+
+        ``planned`` (``cache_when_planned``): also the full blocks that the work just
+        scheduled for ``rows`` computes, in the step that computes them (vLLM's
+        ``allocate_slots`` -> ``cache_blocks``), so a later request of the same step may hit
+        them: every executor writes the batch's KV of a layer (torch) or of each earlier row
+        (fingerprint: rows in plan order, the writer scheduled first) before a reader reads
+        it. A failed step takes them back (``uncache_failed``)."""
         t = state.seqs
-        grown, firsts, lasts = t.rows_to_cache(rows)
+        grown, firsts, lasts = t.rows_to_cache(rows, planned)
         if not len(grown):
             return
         pool = state.pool
@@ -151,6 +162,33 @@ class Growth:
                 replaced, b"".join(hashes), b"".join(parents), marks, experts,
             )
         )
+
+    def uncomputed(self, state: EngineState, seq: Seq) -> list[tuple[int, int, bytes]]:
+        """(depth, block, identity) of the running ``seq``'s blocks in the prefix index that
+        are not computed: cached at planning by a step that then failed (a pure query)."""
+        t = state.seqs
+        row, bs = seq.row, self.bs
+        first, last = t.computed_at(row) // bs, t.registered_at(row)
+        if last <= first:
+            return []
+        blocks = t.blocks_in(np.asarray([row]), np.asarray([first]), np.asarray([last]))
+        return [(first + k, int(b), seq.hashes[first + k]) for k, b in enumerate(blocks.tolist())]
+
+    def uncache_failed(
+        self, state: EngineState, entries: list[tuple[int, int, bytes]], emit: Emit
+    ) -> None:
+        """After a failed step under ``cache_when_planned``, its sequences preempted or
+        aborted: evict the blocks it had cached at planning (``uncomputed`` entries) that
+        are still indexed and that nobody holds now (nothing was written into them), the
+        deepest first (a block's cached children before it)."""
+        pool = state.pool
+        evict = sorted(
+            {(d, b, h) for d, b, h in entries if pool.cached_block(h) == b and pool.is_unheld(b)},
+            reverse=True,
+        )
+        if evict:
+            ids = np.asarray([b for _, b, _ in evict], dtype=np.int32)
+            emit(ev.BlocksEvicted(ids, b"".join(h for _, _, h in evict)))
 
     @staticmethod
     def _deduplicate(

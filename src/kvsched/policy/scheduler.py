@@ -250,17 +250,25 @@ class Policy:
         failed too often is aborted with the reason; for a hybrid model the others are
         preempted (their runtime state may be half-written, so they recompute from a
         checkpoint); attention-only sequences retry the same work (a failed forward writes
-        KV only at positions that the retry rewrites)."""
+        KV only at positions that the retry rewrites). Under ``cache_when_planned`` the
+        step's sequences are all preempted too (one may hold, as a hit, blocks another was
+        to write) and the blocks it cached at planning are evicted (never written)."""
         self.checkpoints.abandon(state, emit)
+        planned = self.config.cache_when_planned
+        unwritten: list[tuple[int, int, bytes]] = []
         for seq_id in state.seqs.failed_ids():
             seq = state.seqs.find(seq_id)
             if seq is None or seq.state != SeqState.RUNNING:
                 continue
+            if planned:
+                unwritten += self.growth.uncomputed(state, seq)
             if seq.num_failures > self.config.max_step_retries:
                 why = f"executor failed {seq.num_failures} times: {reason}"
                 self.abort(state, seq_id, why, emit)
-            elif state.hybrid:
+            elif state.hybrid or planned:
                 self.growth.preempt(state, seq, emit, "executor failed")
+        if unwritten:
+            self.growth.uncache_failed(state, unwritten, emit)
 
     # --------------------------------------------------------------------- schedule
 
@@ -291,7 +299,7 @@ class Policy:
                     self.admission.schedule_chunks(state, chunk_rows, budget, emit)
                 ordered = self.order.order(state, TurnState.STANDARD)
                 self.admission.admit_waiting(state, budget, emit, ordered)
-        if budget.seq_ids:
+        if budget.seq_ids and not self.config.cache_when_planned:  # (else: each emitted)
             seq_ids = np.asarray(budget.seq_ids, dtype=I64)
             starts, ends = np.asarray(budget.starts, I64), np.asarray(budget.ends, I64)
             emit(ev.PrefillScheduled(seq_ids, starts, ends))
@@ -357,6 +365,8 @@ class Policy:
             self.growth.allocate(state, seq_ids, counts, emit)
         if len(rows):
             emit(ev.DecodeScheduled(table.ids_at(rows)))
+            if self.config.cache_when_planned:
+                self.growth.cache_computed(state, emit, rows, planned=True)
             if state.hybrid:
                 self.checkpoints.decode_saves(state, rows, emit)
         return bool(len(rows))

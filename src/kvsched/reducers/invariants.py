@@ -113,7 +113,8 @@ def _check_seq(state: Owners, seq: Seq) -> None:
         raise InvariantError(f"sequence {seq.seq_id}: token count disagrees with its row")
     if computed > n_tokens or computed > nblocks * bs:
         raise InvariantError(f"sequence {seq.seq_id}: computed {computed} out of range")
-    if int(t.registered[row]) > computed // bs:
+    planned = int(t.planned_of(np.asarray([row]))[0]) if state.config.cache_when_planned else 0
+    if int(t.registered[row]) > max(computed, planned) // bs:
         raise InvariantError(f"sequence {seq.seq_id}: registered past its computed tokens")
     hash_of = state.pool.hash_of
     private_ok = not state.config.dedup_cached_blocks  # a duplicate kept as a private copy

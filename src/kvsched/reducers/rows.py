@@ -212,12 +212,28 @@ class RowTable:
             rows[self.computed[rows] // self.block_size >= self.nblocks[rows]]
         )
 
+    def planned_of(self, rows: np.ndarray) -> np.ndarray:
+        """Tokens of each row whose KV is written or being written by the current step's plan
+        (its pending work's end; its computed tokens when it has none)."""
+        out: np.ndarray = self.computed[rows].copy()
+        if len(self._pending_rows):
+            ends = np.full(self.max_batch, -1, dtype=np.int64)
+            ends[self._pending_rows] = self._pending_ends
+            out = np.maximum(out, ends[rows])
+        return out
+
     def rows_to_cache(
-        self, rows: np.ndarray | None = None
+        self, rows: np.ndarray | None = None, planned: bool = False
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(rows, first, last): the rows (of ``rows``, default all) with full computed blocks
-        not in the prefix index yet, and each one's block range [first, last) of them."""
+        (``planned``: computed by the step's plan too) not in the prefix index yet, and each
+        one's block range [first, last) of them."""
         bs = self.block_size
+        if planned:
+            assert rows is not None, "planned blocks are cached for the rows just scheduled"
+            full = self.planned_of(rows) // bs
+            grown = full > self.registered[rows]
+            return rows[grown], self.registered[rows[grown]], full[grown]
         if rows is None:
             grown = np.nonzero(self.computed // bs > self.registered)[0]
         else:

@@ -11,7 +11,14 @@ from typing import Any
 
 import attrs
 
-from kvsched.config import BLOCK_SIZE, CHECKPOINT_POLICIES, PLACEMENTS, ModelSpec, SchedulerConfig
+from kvsched.config import (
+    BLOCK_SIZE,
+    CHECKPOINT_POLICIES,
+    PLACEMENTS,
+    POLICY_ENGINE_SETTINGS,
+    ModelSpec,
+    SchedulerConfig,
+)
 from kvsched.engine import create_log
 from kvsched.events.log import EventLog
 from kvsched.gpu.sim import CostModel, SimulatedExecutor
@@ -234,6 +241,7 @@ def checkpoint_fields(
             raise SetupError(f"--checkpoint-policy {policy!r}: not one of {known}")
         preset = CHECKPOINT_POLICIES[policy]
         fields.update({FLAT_OF["checkpoints", k]: v for k, v in preset.items()})
+        fields.update(POLICY_ENGINE_SETTINGS.get(policy, {}))  # (caching at planning)
     if placement is not None:
         rules = tuple(r.strip() for r in placement.split(",") if r.strip())
         unknown = sorted(set(rules) - set(PLACEMENTS))

@@ -10,7 +10,12 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from kvsched.config import CHECKPOINT_BUDGET, Checkpoints, ModelSpec, SchedulerConfig
+from kvsched.config import (
+    CHECKPOINT_POLICIES,
+    Checkpoints,
+    ModelSpec,
+    SchedulerConfig,
+)
 
 LOG_ENV = "KVSCHED_VLLM_LOG"  # path of the event log to write (additional_config wins)
 OVERWRITE_ENV = "KVSCHED_VLLM_LOG_OVERWRITE"  # "1": an existing log may be replaced
@@ -132,34 +137,38 @@ def scheduler_config(vllm_config: Any, kv_cache_config: Any, block_size: int) ->
         enable_prefix_caching=bool(cache.enable_prefix_caching),
         dedup_cached_blocks=False,  # vLLM's workers only ever append to a block table
         hybrid=hybrid["hybrid"],
-        # States live in whole blocks (mamba.py) and are saved at the end of a step only: the
-        # rules vLLM's own align mode places (lmdeploy's, aligned), no mid-chunk saves; with
-        # no frozen partial blocks, lmdeploy's frozen-first eviction is plain LRU.
-        checkpoints=Checkpoints(
-            budget=hybrid["checkpoint_budget"],
-            placement=("chunk_end", "prompt_end"),
-            eviction="lru",
-            aligned_only=True,
-            mid_chunk_saves=False,
-        )
+        # A block is cached in the step that computes it, as vLLM's allocate_slots does; the
+        # checkpoint rules vLLM's runner can realise, under kvsched's value eviction: the
+        # named policy PRESET, so `kvsched replay --checkpoint-policy vllm-kvsched` predicts
+        # this run (docs/vllm.md, "kvsched's hybrid caching under vLLM").
+        cache_when_planned=True,
+        checkpoints=Checkpoints(budget=hybrid["checkpoint_budget"], **CHECKPOINT_POLICIES[PRESET])
         if hybrid["hybrid"]
         else Checkpoints(),
     )
 
 
-MAX_CHECKPOINTS = CHECKPOINT_BUDGET  # the library default (config.py)
+PRESET = "vllm-kvsched"  # the adapter's checkpoint policy (config.CHECKPOINT_POLICIES)
 
 
 def _hybrid_sizes(kv_cache_config: Any, max_seqs: int) -> dict[str, Any]:
     """kvsched's KV blocks and checkpoint slots in vLLM's block-id space: for a hybrid model,
     each mamba group takes one block per state slot (a runtime slot per row and the
-    checkpoints); the rest are KV blocks (``mamba.MambaLayout``)."""
+    checkpoints); the rest are KV blocks (``mamba.MambaLayout``).
+
+    vLLM's own manager lets states and KV blocks compete for one pool (a state costs one
+    block per mamba group, a KV block one); kvsched partitions the ids once. The blocks left
+    after the null block and the runtime slots are split evenly: up to half hold checkpoints
+    (no fixed cap: with memory to spare kvsched keeps as many states as vLLM could while its
+    KV fills the other half), the other half KV blocks. An even split is the choice that
+    favours neither kind without knowing the traffic; it is not tuned on a trace."""
     total = int(kv_cache_config.num_blocks)
     _, mamba = groups(kv_cache_config)
     if not mamba:
         return {"hybrid": False, "num_blocks": total, "checkpoint_budget": 0}
     g = len(mamba)
-    budget = min(MAX_CHECKPOINTS, max(1, (total - 1) // (4 * g) - max_seqs))
+    spare = total - 1 - g * max_seqs
+    budget = max(1, spare // (2 * g))
     kv_blocks = total - 1 - g * (max_seqs + budget)
     if kv_blocks < 2:
         raise UnsupportedConfig(

@@ -10,6 +10,8 @@ Workloads (token ids, greedy, ``ignore_eos``):
   sampling; attention models only) and a request aborted mid-decode.
 * ``preempt``: more concurrent work than the KV cache holds (``--blocks``), forcing preemption.
 * ``decode``: ``--running`` requests decoding together (the scheduler benchmark's shape).
+* ``chat``: branching users in bursts, second turns (``workloads.py``; with a small
+  ``--blocks``, the memory-pressure workload).
 The JSON has each request's tokens, its cached prompt tokens, the wall time and, for kvsched,
 its prefix-cache counters.
 """
@@ -24,6 +26,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from kvsched.integrations.vllm.workloads import CHAT_SIZES, chat
 
 SCHEDULER = "kvsched.integrations.vllm.Scheduler"
 REQUEST_CHECK = "kvsched.integrations.vllm:RequestCheck"  # refusals in vLLM's front end
@@ -183,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--model", required=True)
     p.add_argument("--scheduler", choices=["vllm", "kvsched"], default="kvsched")
-    p.add_argument("--workload", choices=["mixed", "preempt", "decode"], default="mixed")
+    p.add_argument("--workload", choices=["mixed", "preempt", "decode", "chat"], default="mixed")
     p.add_argument("--out", required=True)
     p.add_argument("--log", default=None)
     p.add_argument("--kv-events", default=None)
@@ -209,6 +213,8 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     if args.workload == "mixed":
         mixed(llm, out, SIZES["hybrid" if args.hybrid else "attention"], not args.hybrid)
+    elif args.workload == "chat":
+        chat(llm, out, CHAT_SIZES["hybrid" if args.hybrid else "attention"])
     elif args.workload == "preempt":
         preempt(llm, out, 1240 if args.hybrid else 160)  # (decode grows a block)
     else:
@@ -222,6 +228,8 @@ def main(argv: list[str] | None = None) -> int:
             "hit_tokens": stats.hit_tokens,
             "query_tokens": stats.query_tokens,
             "preemptions": stats.preemptions,
+            "block_evictions": sched.engine.state.pool.num_evictions,
+            "checkpoint_evictions": sched.engine.state.ckpts.evictions,
             "steps": stats.steps,
         }
         if args.kv_events:
