@@ -103,10 +103,18 @@ CHECKPOINT_POLICIES: dict[str, dict[str, Any]] = {
         "aligned_only": False,
         "min_gain_blocks": 0,
     },
+    # vLLM 0.32's mamba "align" mode with its defaults (docs/vllm.md, "The vllm-align preset
+    # against vLLM 0.32"): states only at block boundaries, saved at the end of a step (a
+    # chunk stops at each save point: Scheduler._mamba_block_aligned_split): block-aligned
+    # chunk ends, the last boundary before the prompt's last token, the shared-prefix
+    # junction (KVCacheManager.get_computed_blocks' shared_prefix_boundary: where the
+    # cached KV runs past the deepest state), every block boundary decode reaches; evicted
+    # least recently used (the block pool's free queue).
     "vllm-align": {
-        "placement": ("chunk_end", "prompt_tail", "decode_blocks"),
+        "placement": ("chunk_end", "prompt_tail", "branch", "decode_blocks"),
         "eviction": "lru",
         "aligned_only": True,
+        "mid_chunk_saves": False,
         "min_gain_blocks": 0,
     },
     "sglang": {

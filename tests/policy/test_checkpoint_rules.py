@@ -126,6 +126,21 @@ def test_the_vllm_align_policy_saves_block_aligned_states_only() -> None:
     assert (64, "prompt_tail") in steps and (80, "decode_blocks") in steps
 
 
+def test_the_vllm_align_policy_stops_a_chunk_at_the_shared_prefix_junction_so_the_third_user_hits():
+    # vLLM 0.32: get_computed_blocks' shared_prefix_boundary, _mamba_block_aligned_split.
+    h = hybrid(**preset("vllm-align"), max_prefill_tokens=128)
+    system = tokens(40, seed=20)  # two whole blocks and a part
+    serve(h, 0, np.concatenate([system, tokens(30, seed=21)]))  # saves at 64 (tail), not 32
+    second = serve(h, 1, np.concatenate([system, tokens(25, seed=22)]))
+    m = first_match(second, 1)
+    assert (m.num_tokens, m.kv_hit_tokens) == (0, 32)
+    first_prefill = next(p for r in second for p in of_type(r.decisions, ev.PrefillScheduled))
+    assert first_prefill.ends.tolist() == [32]  # cut at the junction, its state saved
+    assert (32, "branch") in [(d.num_tokens, d.kind) for d in every_reserved(h)]
+    third = serve(h, 2, np.concatenate([system, tokens(33, seed=23)]))
+    assert first_match(third, 2).num_tokens == 32
+
+
 # -------------------------------------------------------------------- what to keep
 
 
