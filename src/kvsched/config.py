@@ -117,8 +117,12 @@ CHECKPOINT_POLICIES: dict[str, dict[str, Any]] = {
         "mid_chunk_saves": False,
         "min_gain_blocks": 0,
     },
+    # SGLang's MambaRadixCache as notes/peers-2026.md describes it (late 2026, not run here):
+    # the state at each chunk end (cache_unfinished_req), at every finished sequence's end
+    # (cache_finished_req), at full-KV branching points (sglang#31181); LRU, a hit refreshing
+    # only the state it consumed (sglang#31643).
     "sglang": {
-        "placement": ("chunk_end", "sequence_end"),
+        "placement": ("chunk_end", "branch", "sequence_end"),
         "eviction": "lru",
         "aligned_only": False,
         "min_gain_blocks": 0,

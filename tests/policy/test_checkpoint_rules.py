@@ -61,6 +61,17 @@ def test_a_request_whose_cached_kv_runs_past_its_state_saves_one_at_the_branch_p
     assert first_match(third, 2).num_tokens == 32
 
 
+def test_the_sglang_policy_saves_the_branch_point_a_second_user_finds_so_the_third_hits():
+    # SGLang's MambaRadixCache: branching-point states (sglang#31181), notes/peers-2026.md.
+    h = hybrid(**preset("sglang"), max_prefill_tokens=128)
+    system = tokens(40, seed=30)
+    serve(h, 0, np.concatenate([system, tokens(30, seed=31)]))  # its sequence end only
+    serve(h, 1, np.concatenate([system, tokens(25, seed=32)]))
+    assert (32, "branch") in [(d.num_tokens, d.kind) for d in every_reserved(h)]
+    third = serve(h, 2, np.concatenate([system, tokens(33, seed=33)]))
+    assert first_match(third, 2).num_tokens == 32
+
+
 def test_interval_checkpoints_are_saved_inside_a_chunk_at_every_interval() -> None:
     h = hybrid(checkpoint_placement=("interval",), checkpoint_interval=16)
     serve(h, 0, tokens(60, seed=5))  # one 60-token chunk
