@@ -108,10 +108,11 @@ CHECKPOINT_POLICIES: dict[str, dict[str, Any]] = {
     # chunk stops at each save point: Scheduler._mamba_block_aligned_split): block-aligned
     # chunk ends, the last boundary before the prompt's last token, the shared-prefix
     # junction (KVCacheManager.get_computed_blocks' shared_prefix_boundary: where the
-    # cached KV runs past the deepest state), every block boundary decode reaches; evicted
-    # least recently used (the block pool's free queue).
+    # cached KV runs past the deepest state); evicted least recently used (the block pool's
+    # free queue). No "decode_blocks": vLLM 0.32 kept no state at a boundary decode reached
+    # (tests/integrations/vllm/test_vllm_fidelity.py).
     "vllm-align": {
-        "placement": ("chunk_end", "prompt_tail", "branch", "decode_blocks"),
+        "placement": ("chunk_end", "prompt_tail", "branch"),
         "eviction": "lru",
         "aligned_only": True,
         "mid_chunk_saves": False,

@@ -134,7 +134,7 @@ def test_the_vllm_align_policy_saves_block_aligned_states_only() -> None:
     serve(h, 0, tokens(70, seed=10), max_tokens=30)
     steps = [(d.num_tokens, d.kind) for d in every_reserved(h)]
     assert all(n % 16 == 0 for n, _ in steps)
-    assert (64, "prompt_tail") in steps and (80, "decode_blocks") in steps
+    assert (64, "prompt_tail") in steps and not [n for n, _ in steps if n > 70]  # not in decode
 
 
 def test_the_vllm_align_policy_stops_a_chunk_at_the_shared_prefix_junction_so_the_third_user_hits():

@@ -75,6 +75,9 @@ def test_vllm_junction_workload_hits_the_system_prompt_from_the_third_user_on(
     assert hits["user-0"] == hits["user-1"] == 0
     assert all(hits[f"user-{i}"] == whole for i in range(2, 8))
     assert hits["user-0-turn-2"] > whole  # the first turn's prompt-tail state
+    # its prompt tail, not the boundary its answer crossed (5 blocks): vLLM 0.32 keeps no
+    # state that decode reaches
+    assert hits["user-1-turn-2"] == 4 * block
 
 
 def test_vllm_pressure_workload_evicts_a_state_the_unbounded_pool_keeps(
@@ -84,11 +87,26 @@ def test_vllm_pressure_workload_evicts_a_state_the_unbounded_pool_keeps(
     assert small["user-0-turn-2"] < large["user-0-turn-2"]
 
 
-def test_vllm_align_preset_without_junction_stops_misses_what_vllm_hits(
+# Each rule of the preset and the request whose hit needs it (the junction workload).
+NEEDED = {"branch": "user-2", "prompt_tail": "user-0-turn-2"}
+
+
+@pytest.mark.parametrize("rule", list(NEEDED))
+def test_vllm_align_preset_without_one_of_its_rules_misses_what_vllm_hits(
+    vllm_runs: dict[str, dict[str, Any]], monkeypatch: pytest.MonkeyPatch, rule: str
+) -> None:
+    run = vllm_runs["junction"]
+    rules = tuple(r for r in CHECKPOINT_POLICIES["vllm-align"]["placement"] if r != rule)
+    preset = {**CHECKPOINT_POLICIES["vllm-align"], "placement": rules}
+    monkeypatch.setitem(CHECKPOINT_POLICIES, "vllm-align", preset)
+    assert replay_hits(run, VOCAB)[NEEDED[rule]] < _vllm_hits(run)[NEEDED[rule]]
+
+
+def test_vllm_align_preset_with_decode_boundary_states_hits_more_than_vllm_keeps(
     vllm_runs: dict[str, dict[str, Any]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     run = vllm_runs["junction"]
-    rules = tuple(r for r in CHECKPOINT_POLICIES["vllm-align"]["placement"] if r != "branch")
+    rules = (*CHECKPOINT_POLICIES["vllm-align"]["placement"], "decode_blocks")
     preset = {**CHECKPOINT_POLICIES["vllm-align"], "placement": rules}
     monkeypatch.setitem(CHECKPOINT_POLICIES, "vllm-align", preset)
-    assert replay_hits(run, VOCAB)["user-2"] < _vllm_hits(run)["user-2"]
+    assert replay_hits(run, VOCAB)["user-1-turn-2"] > _vllm_hits(run)["user-1-turn-2"]

@@ -13,9 +13,10 @@ recorded outputs, so second turns find the states decode left where vLLM found t
 
 Workloads, sizes in vLLM blocks ``B`` (random token ids, seeded):
 * ``junction``: a 3 1/3-block system prompt; eight users one after another, each with a
-  question longer than a block; then second turns of users 0 and 1 (the first turn, its
-  answer and a new question). vLLM stops the second user's chunk at the shared-prefix
-  junction, so from the third user on every one hits the whole-block system prompt.
+  question longer than a block (user 1's answer crosses a block boundary); then second
+  turns of users 0 and 1 (the first turn, its answer and a new question). vLLM stops the
+  second user's chunk at the shared-prefix junction, so from the third user on every one
+  hits the whole-block system prompt.
 * ``burst``: another system prompt cached by one request, then four users arriving together
   and two more together (vLLM splits the step's token budget between them).
 """
@@ -43,6 +44,7 @@ from kvsched.replay.workload import Turn, Workload
 
 WORKLOADS = ("junction", "burst")
 MAX_TOKENS = 16  # every request's output (greedy, ignore_eos)
+DECODE_CROSS = 8  # tokens before a block boundary that decode crosses (< MAX_TOKENS)
 # Seconds between batches in the replay: a batch of the tiny model finishes in well under a
 # simulated second (CostModel), so each batch arrives after the previous one is done.
 BATCH_GAP_S = 1000.0
@@ -69,11 +71,12 @@ def _question(block: int, seed: int) -> int:
 
 
 def junction(block: int) -> list[list[Ask]]:
-    """Sequential users of one long system prompt, then two second turns."""
+    """Sequential users of one long system prompt, then two second turns; user 1's prompt
+    ends ``DECODE_CROSS`` tokens before a block boundary, so its answer crosses it."""
     system = _tokens(3 * block + block // 3, 2601)
-    users = [
-        [Ask(f"user-{i}", system + _tokens(_question(block, 2610 + i), 2620 + i))] for i in range(8)
-    ]
+    sizes = [_question(block, 2610 + i) for i in range(8)]
+    sizes[1] = 5 * block - len(system) - DECODE_CROSS
+    users = [[Ask(f"user-{i}", system + _tokens(n, 2620 + i))] for i, n in enumerate(sizes)]
     again = [
         [Ask(f"user-{i}-turn-2", _tokens(block // 4 + 7 * i, 2640 + i), f"user-{i}")]
         for i in (0, 1)
@@ -137,7 +140,7 @@ def _engine_sizes(llm: Any) -> dict[str, int]:
 
 def run_vllm(
     model: str, workload: str, max_model_len: int = 4096, max_seqs: int = 8, blocks: int = 0
-) -> dict:
+) -> dict[str, Any]:
     """The workload under vLLM's default scheduler: sizes and each request's record."""
     from vllm import SamplingParams, TokensPrompt
 
