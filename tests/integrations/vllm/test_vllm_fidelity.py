@@ -57,7 +57,7 @@ def _vllm_hits(run: dict[str, Any]) -> dict[str, int]:
     return {name: r["cached"] for name, r in run["requests"].items()}
 
 
-@pytest.mark.parametrize("name", list(RUNS))
+@pytest.mark.parametrize("name", ["junction", "burst"])
 def test_vllm_align_replay_hits_what_vllms_default_scheduler_hits_request_by_request(
     vllm_runs: dict[str, dict[str, Any]], name: str
 ) -> None:
@@ -80,6 +80,17 @@ def test_vllm_junction_workload_hits_the_system_prompt_from_the_third_user_on(
     assert hits["user-1-turn-2"] == 4 * block
 
 
+def test_vllm_align_replay_of_a_small_pool_differs_only_where_vllms_one_pool_evicted_a_state(
+    vllm_runs: dict[str, dict[str, Any]],
+) -> None:
+    run = vllm_runs["pressure"]
+    mine, ref = replay_hits(run, VOCAB), _vllm_hits(run)
+    # user 1's blocks evicted the junction state from vLLM's one pool before user 2 came;
+    # kvsched counts states apart from KV blocks (docs/vllm.md): the only difference
+    assert {n for n in ref if mine[n] != ref[n]} == {"user-2"}
+    assert mine["user-2"] > ref["user-2"] == 0
+
+
 def test_vllm_pressure_workload_evicts_a_state_the_unbounded_pool_keeps(
     vllm_runs: dict[str, dict[str, Any]],
 ) -> None:
@@ -87,19 +98,14 @@ def test_vllm_pressure_workload_evicts_a_state_the_unbounded_pool_keeps(
     assert small["user-0-turn-2"] < large["user-0-turn-2"]
 
 
-# Each rule of the preset and the request whose hit needs it (the junction workload).
-NEEDED = {"branch": "user-2", "prompt_tail": "user-0-turn-2"}
-
-
-@pytest.mark.parametrize("rule", list(NEEDED))
-def test_vllm_align_preset_without_one_of_its_rules_misses_what_vllm_hits(
-    vllm_runs: dict[str, dict[str, Any]], monkeypatch: pytest.MonkeyPatch, rule: str
+def test_vllm_align_preset_without_junction_stops_misses_what_vllm_hits(
+    vllm_runs: dict[str, dict[str, Any]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     run = vllm_runs["junction"]
-    rules = tuple(r for r in CHECKPOINT_POLICIES["vllm-align"]["placement"] if r != rule)
+    rules = tuple(r for r in CHECKPOINT_POLICIES["vllm-align"]["placement"] if r != "branch")
     preset = {**CHECKPOINT_POLICIES["vllm-align"], "placement": rules}
     monkeypatch.setitem(CHECKPOINT_POLICIES, "vllm-align", preset)
-    assert replay_hits(run, VOCAB)[NEEDED[rule]] < _vllm_hits(run)[NEEDED[rule]]
+    assert replay_hits(run, VOCAB)["user-2"] < _vllm_hits(run)["user-2"]
 
 
 def test_vllm_align_preset_with_decode_boundary_states_hits_more_than_vllm_keeps(
