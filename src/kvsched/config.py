@@ -103,14 +103,11 @@ CHECKPOINT_POLICIES: dict[str, dict[str, Any]] = {
         "aligned_only": False,
         "min_gain_blocks": 0,
     },
-    # vLLM 0.32's mamba "align" mode with its defaults (docs/vllm.md, "The vllm-align preset
-    # against vLLM 0.32"): states only at block boundaries, saved at the end of a step (a
-    # chunk stops at each save point: Scheduler._mamba_block_aligned_split): block-aligned
-    # chunk ends, the last boundary before the prompt's last token, the shared-prefix
-    # junction (KVCacheManager.get_computed_blocks' shared_prefix_boundary: where the
-    # cached KV runs past the deepest state); evicted least recently used (the block pool's
-    # free queue). No "decode_blocks": vLLM 0.32 kept no state at a boundary decode reached
-    # (tests/integrations/vllm/test_vllm_fidelity.py).
+    # vLLM 0.32's "align" mode, defaults (docs/vllm.md, "The vllm-align preset against vLLM
+    # 0.32"): states at block boundaries only, a chunk stopping at each save point
+    # (Scheduler._mamba_block_aligned_split): chunk ends, the prompt tail, the shared-prefix
+    # junction (get_computed_blocks' shared_prefix_boundary); LRU (the block pool's free
+    # queue). No "decode_blocks": vLLM 0.32 kept no state decode reached (test_vllm_fidelity).
     "vllm-align": {
         "placement": ("chunk_end", "prompt_tail", "branch"),
         "eviction": "lru",

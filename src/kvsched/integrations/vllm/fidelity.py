@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -103,6 +104,14 @@ def batches(workload: str, block: int) -> list[list[Ask]]:
 
 
 # --------------------------------------------------------------------------- vLLM side
+
+
+def _env() -> None:
+    """vLLM in-process on this machine's CPU (as ``run.py``; docs/vllm.md)."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
 
 def _llm(model: str, max_model_len: int, max_seqs: int, blocks: int) -> Any:
@@ -256,8 +265,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True)
     p.add_argument("--blocks", type=int, default=0, help="vLLM's KV pool (0: its own sizing)")
     args = p.parse_args(argv)
-    from kvsched.integrations.vllm.run import _env
-
     _env()
     Path(args.out).write_text(json.dumps(run_vllm(args.model, args.workload, blocks=args.blocks)))
     return 0
