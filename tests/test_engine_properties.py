@@ -135,7 +135,6 @@ class EngineMachine(RuleBasedStateMachine):
                 turn_mode=turn_mode,
                 dedup_cached_blocks=self.DEDUP,
                 checkpoint_interval=2 * bs,
-                mid_chunk_saves=mid_chunk,
                 keep_aborted_turns=keep_aborted,  # an aborted session turn stays its history
                 session_reclaim=session_reclaim,
                 prefill_on_last_chunk=last_chunk,  # alternate turns' triggers
@@ -143,7 +142,7 @@ class EngineMachine(RuleBasedStateMachine):
                 decode_prealloc_tokens=prealloc,  # 0, 1 or 2 blocks ahead
                 order=order,  # ttft: lmdeploy's interleaved prefill turns
                 **memory,
-                **rules,
+                **{"mid_chunk_saves": mid_chunk, **rules},  # a preset's own setting wins
             ),
             SCHEMA_VERSION,
         )
