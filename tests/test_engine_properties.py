@@ -143,7 +143,7 @@ class EngineMachine(RuleBasedStateMachine):
                 decode_prealloc_tokens=prealloc,  # 0, 1 or 2 blocks ahead
                 order=order,  # ttft: lmdeploy's interleaved prefill turns
                 **memory,
-                **rules,
+                **{"mid_chunk_saves": mid_chunk, **rules},  # a preset's own setting wins
             ),
             SCHEMA_VERSION,
         )

@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 import attrs
 
-from kvsched import headers
+from kvsched import headers, presets
 from kvsched.headers import FLAT_NAMES, header_settings, in_range, is_bool, one_of, refuse
 
 # Defined beside the header reading (headers.py), found here with the rest of the config.
@@ -62,81 +62,11 @@ LONG_ORDERS: tuple[str, ...] = ("size", "fifo")
 # at memory speed (the default), "blake2b" cryptographic (every log before schema 4).
 IDENTITY_SCHEMES: tuple[str, ...] = ("kvs128", "blake2b")
 
-# Where a hybrid model saves state checkpoints (each a declared, named rule; policy/README.md):
-PLACEMENTS: tuple[str, ...] = (
-    "chunk_end",  # block-aligned ends of prefill chunks (lmdeploy)
-    "prompt_end",  # the prompt end, its partial block frozen (lmdeploy)
-    "prompt_tail",  # the last block boundary before the prompt's last token (vLLM "align")
-    "interval",  # every Checkpoints.interval tokens inside prefill chunks (vLLM "all" mode)
-    "branch",  # where a request's cached KV runs past its deepest state (Marconi, SGLang)
-    "sequence_end",  # the end of every finished sequence, prompt plus output (SGLang)
-    "session_end",  # the end of a finished sequence of a session (its next turn resumes there)
-    "decode",  # every Checkpoints.decode_interval decode tokens, all kept
-    "decode_blocks",  # every block boundary a decode step reaches, all kept (vLLM "align")
-    "decode_latest",  # at block boundaries in decode, each replacing the sequence's previous
-    "oracle",  # where a later request's hit ends (its recorded future: trace replays only)
-)
-# Which checkpoint an eviction drops (policy/eviction.py): least recently used; frozen partial
-# tails first, then least recently used (lmdeploy); or the lowest value (prefill compute a hit
-# saves per byte of state, times its hits squared, aged: greedy-dual-size-frequency),
-# declining a new checkpoint worth less than every one it would replace; "oracle": Belady's.
-EVICTIONS: tuple[str, ...] = ("lru", "frozen_first", "value", "oracle")
-# Named checkpoint policies (Checkpoints fields): kvsched's own, and baselines that behave
-# like its peers. "lmdeploy" places no "decode" checkpoints: its decode interval was 0 and
-# nothing could set it, so that rule never saved one (docs/checkpoints.md).
-CHECKPOINT_POLICIES: dict[str, dict[str, Any]] = {
-    "kvsched": {
-        "placement": (
-            "chunk_end",
-            "prompt_end",
-            "prompt_tail",
-            "interval",
-            "branch",
-            "session_end",
-        ),
-        "eviction": "value",
-        "aligned_only": False,
-        "min_gain_blocks": 1,
-    },
-    "lmdeploy": {
-        "placement": ("chunk_end", "prompt_end"),
-        "eviction": "frozen_first",
-        "aligned_only": False,
-        "min_gain_blocks": 0,
-    },
-    "vllm-align": {
-        "placement": ("chunk_end", "prompt_tail", "decode_blocks"),
-        "eviction": "lru",
-        "aligned_only": True,
-        "min_gain_blocks": 0,
-    },
-    # The vLLM adapter's (integrations/vllm/config.py): the rules vLLM's runner can realise
-    # (docs/vllm.md), kvsched's eviction; with POLICY_ENGINE_SETTINGS' caching at planning.
-    "vllm-kvsched": {
-        "placement": ("chunk_end", "prompt_tail", "branch", "decode_blocks"),
-        "eviction": "value",
-        "aligned_only": True,
-        "mid_chunk_saves": False,
-    },
-    "sglang": {
-        "placement": ("chunk_end", "sequence_end"),
-        "eviction": "lru",
-        "aligned_only": False,
-        "min_gain_blocks": 0,
-    },
-    # An upper reference that knows the trace's future (replay/future.py, docs/checkpoints.md).
-    "oracle": {
-        "placement": ("oracle",),
-        "eviction": "oracle",
-        "aligned_only": False,
-        "min_gain_blocks": 0,
-    },
-}
-
-# A named policy's SchedulerConfig fields beyond its checkpoint rules.
-POLICY_ENGINE_SETTINGS: dict[str, dict[str, Any]] = {
-    "vllm-kvsched": {"cache_when_planned": True, "dedup_cached_blocks": False},
-}
+# The checkpoint rules and named rule sets (kvsched/presets.py), found here with the config.
+CHECKPOINT_POLICIES = presets.CHECKPOINT_POLICIES
+EVICTIONS = presets.EVICTIONS
+PLACEMENTS = presets.PLACEMENTS
+POLICY_ENGINE_SETTINGS = presets.POLICY_ENGINE_SETTINGS
 
 
 def _is_set(record: Any, name: str) -> bool:

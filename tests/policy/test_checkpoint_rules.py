@@ -61,6 +61,17 @@ def test_a_request_whose_cached_kv_runs_past_its_state_saves_one_at_the_branch_p
     assert first_match(third, 2).num_tokens == 32
 
 
+def test_the_sglang_policy_saves_the_branch_point_a_second_user_finds_so_the_third_hits():
+    # SGLang's MambaRadixCache: branching-point states (sglang#31181), notes/peers-2026.md.
+    h = hybrid(**preset("sglang"), max_prefill_tokens=128)
+    system = tokens(40, seed=30)
+    serve(h, 0, np.concatenate([system, tokens(30, seed=31)]))  # its sequence end only
+    serve(h, 1, np.concatenate([system, tokens(25, seed=32)]))
+    assert (32, "branch") in [(d.num_tokens, d.kind) for d in every_reserved(h)]
+    third = serve(h, 2, np.concatenate([system, tokens(33, seed=33)]))
+    assert first_match(third, 2).num_tokens == 32
+
+
 def test_interval_checkpoints_are_saved_inside_a_chunk_at_every_interval() -> None:
     h = hybrid(checkpoint_placement=("interval",), checkpoint_interval=16)
     serve(h, 0, tokens(60, seed=5))  # one 60-token chunk
@@ -123,7 +134,22 @@ def test_the_vllm_align_policy_saves_block_aligned_states_only() -> None:
     serve(h, 0, tokens(70, seed=10), max_tokens=30)
     steps = [(d.num_tokens, d.kind) for d in every_reserved(h)]
     assert all(n % 16 == 0 for n, _ in steps)
-    assert (64, "prompt_tail") in steps and (80, "decode_blocks") in steps
+    assert (64, "prompt_tail") in steps and not [n for n, _ in steps if n > 70]  # not in decode
+
+
+def test_the_vllm_align_policy_stops_a_chunk_at_the_shared_prefix_junction_so_the_third_user_hits():
+    # vLLM 0.32: get_computed_blocks' shared_prefix_boundary, _mamba_block_aligned_split.
+    h = hybrid(**preset("vllm-align"), max_prefill_tokens=128)
+    system = tokens(40, seed=20)  # two whole blocks and a part
+    serve(h, 0, np.concatenate([system, tokens(30, seed=21)]))  # saves at 64 (tail), not 32
+    second = serve(h, 1, np.concatenate([system, tokens(25, seed=22)]))
+    m = first_match(second, 1)
+    assert (m.num_tokens, m.kv_hit_tokens) == (0, 32)
+    first_prefill = next(p for r in second for p in of_type(r.decisions, ev.PrefillScheduled))
+    assert first_prefill.ends.tolist() == [32]  # cut at the junction, its state saved
+    assert (32, "branch") in [(d.num_tokens, d.kind) for d in every_reserved(h)]
+    third = serve(h, 2, np.concatenate([system, tokens(33, seed=23)]))
+    assert first_match(third, 2).num_tokens == 32
 
 
 # -------------------------------------------------------------------- what to keep
