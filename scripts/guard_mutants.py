@@ -66,8 +66,8 @@ MUTANTS = [
     m("identity.py", SPAN_END, "hi = min(last_block, span.end // block_size + 1)", IDENT),
     m(
         "policy/checkpoints.py",
-        "return [(p, c) for p, c in victims if c.ckpt_id != keep]",
-        "return list(victims)",
+        "return ((p, c) for p, c in victims if c.ckpt_id != keep)",
+        "return iter(victims)",
         "tests/policy/test_hybrid.py", "-k", "never_evicts",
     ),
     m(
