@@ -326,10 +326,14 @@ class SchedulerConfig:
                 if _is_set(self.checkpoints, field.name):
                     raise refuse(f"checkpoints.{field.name}", "hybrid", "is used only with")
         self.turns.refuse_ignored(self.order)
-        names = ("dedup_cached_blocks", "external.enabled", "speculation.tokens")  # (each
-        on = (self.dedup_cached_blocks, self.external.enabled, self.speculation.tokens)  # reads
-        for name in [n for n, o in zip(names, on, strict=True) if o and self.cache_when_planned]:
-            raise refuse("cache_when_planned", name, "is not supported with")  # unwritten KV)
+        if self.cache_when_planned:  # each of these reads or saves KV a plan has not written
+            for name, on in (
+                ("dedup_cached_blocks", self.dedup_cached_blocks),
+                ("external.enabled", self.external.enabled),
+                ("speculation.tokens", self.speculation.tokens),
+            ):
+                if on:
+                    raise refuse("cache_when_planned", name, "is not supported with")
         if self.checkpoints.memory and self.checkpoints.budget != CHECKPOINT_BUDGET:
             raise refuse(
                 "checkpoints.budget", "checkpoints.memory (which sets the count)", "is ignored with"

@@ -318,7 +318,7 @@ class OracleEviction:
         uses = self._future(future)
         scored = [(-float(uses.next_use(c.ckpt_id)), c) for c in ckpts.evictable()]
         scored.sort(key=_first)  # (stable: least recently used first among equals)
-        return [(p, c) for p, c in scored]
+        return scored
 
     def candidate_priority(
         self,

@@ -227,9 +227,10 @@ class BlockTables(RowTable):
         rows = self.rows_of(e.seq_ids)
         starts = e.starts.astype(np.int64)
         ends = starts + e.counts
+        last = ends * self.block_size
         if not np.array_equal(self.registered[rows], starts) or (
-            np.any(ends * self.block_size > self.computed[rows])  # (else: planned, if so set)
-            and np.any(ends * self.block_size > self.planned_of(rows))
+            np.any(last > self.computed[rows])
+            and not (self.cache_when_planned and np.all(last <= self.planned_of(rows)))
         ):
             raise ReplayMismatch("blocks cached that are not the next computed ones")
         if len(rows) == len(e.blocks):  # one block per sequence: the decode case

@@ -32,6 +32,9 @@ _NO_ROWS = np.zeros(0, dtype=np.int64)
 class RowTable:
     def __init__(self, max_batch: int, max_blocks_per_seq: int, block_size: int) -> None:
         self.block_size = block_size
+        # Full blocks may be cached once planned, before their step ran (config's
+        # cache_when_planned): BlocksCached may then reach past the computed tokens.
+        self.cache_when_planned = False
         # Sampled tokens not yet copied into their sequence's token array, by position % bs;
         # copied ("flushed") whenever a block fills and when the sequence leaves its row.
         self.tail = np.zeros((max_batch, block_size), dtype=np.int32)

@@ -144,6 +144,7 @@ class EngineState:
             config.model, config.max_batch, max_blocks, bs, self.pool, config.identity,
             self.sessions.history, self.holdings,
         )
+        self.seqs.cache_when_planned = config.cache_when_planned
         self.sessions.bind(self.seqs)
         self.ckpts = CheckpointTable(config.max_batch, slots, bs, self.pool, capacity, costs)
         self.transfers = TransferTable(self.seqs)
