@@ -45,24 +45,13 @@ def _tokens(n: int, seed: int) -> list[int]:
 def chat(llm: Any, out: dict[str, Any], sizes: tuple[int, int, int, int, int]) -> None:
     """Run the ``chat`` workload on ``llm``; each request's tokens and cached tokens into
     ``out`` by name, in submission order."""
-    from vllm import SamplingParams, TokensPrompt
-
     system, short, long, follow, stranger = sizes
     prompt = _tokens(system, 21)
     rng = np.random.default_rng(22)
     lengths = rng.integers(short, long + 1, 2 * USERS + 1).tolist()
-    params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=ANSWER)
 
     def wave(prompts: dict[str, list[int]]) -> None:
-        results = llm.generate(
-            [TokensPrompt(prompt_token_ids=p) for p in prompts.values()], params, use_tqdm=False
-        )
-        for name, r in zip(prompts, results, strict=True):
-            out[name] = {
-                "tokens": list(r.outputs[0].token_ids),
-                "cached": r.num_cached_tokens or 0,
-                "prompt": len(prompts[name]),
-            }
+        _wave(llm, out, prompts)
 
     first = {f"user-{i}": prompt + _tokens(lengths[i], 100 + i) for i in range(USERS)}
     wave(first)
@@ -77,8 +66,6 @@ def chat(llm: Any, out: dict[str, Any], sizes: tuple[int, int, int, int, int]) -
     for i in range(STRANGERS):  # their blocks and states push the shared ones out
         wave({f"stranger-{i}": _tokens(stranger, 300 + i)})
     wave({"user-last": prompt + _tokens(lengths[-1], 150)})
-
-
 
 
 def _wave(llm: Any, out: dict[str, Any], prompts: dict[str, list[int]]) -> None:
