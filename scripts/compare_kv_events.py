@@ -13,51 +13,25 @@ for hybrid models").
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
-import threading
 from pathlib import Path
 from typing import Any
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _subscribe(endpoint: str, stop: threading.Event, sink: list[bytes]) -> None:
-    import zmq
-
-    sub = zmq.Context.instance().socket(zmq.SUB)
-    sub.setsockopt(zmq.SUBSCRIBE, b"")
-    sub.bind(endpoint)
-    poller = zmq.Poller()
-    poller.register(sub, zmq.POLLIN)
-    while not stop.is_set() or poller.poll(200):
-        if poller.poll(100):
-            sink.append(sub.recv_multipart()[2])
-    sub.close(0)
+from kvsched.integrations.vllm.listen import Listener
 
 
 def stream(model: Path, out: Path, scheduler: str, blocks: str) -> list[bytes]:
     """The payloads one run under ``scheduler`` publishes."""
-    endpoint = f"tcp://127.0.0.1:{_free_port()}"
-    payloads: list[bytes] = []
-    stop = threading.Event()
-    thread = threading.Thread(target=_subscribe, args=(endpoint, stop, payloads), daemon=True)
-    thread.start()
-    args = ["--model", str(model), "--out", str(out), "--scheduler", scheduler, "--hybrid"]
-    args += ["--workload", "mixed", "--blocks", blocks, "--batched-tokens", "2048"]
-    args += ["--max-model-len", "4096", "--kv-events", endpoint]
-    cmd = [sys.executable, "-m", "kvsched.integrations.vllm.run", *args]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    stop.set()
-    thread.join(30)
+    with Listener() as listener:
+        args = ["--model", str(model), "--out", str(out), "--scheduler", scheduler, "--hybrid"]
+        args += ["--workload", "mixed", "--blocks", blocks, "--batched-tokens", "2048"]
+        args += ["--max-model-len", "4096", "--kv-events", listener.endpoint]
+        cmd = [sys.executable, "-m", "kvsched.integrations.vllm.run", *args]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode:
         raise SystemExit(proc.stderr[-3000:])
-    return payloads
+    return [payload for _, payload in listener.messages]
 
 
 def fold(payloads: list[bytes]) -> tuple[dict[int, str], dict[str, Any], dict[int, set[int]]]:

@@ -50,11 +50,12 @@ CHECKPOINT_POLICIES: dict[str, dict[str, Any]] = {
     },
     # vLLM 0.32's "align" mode, defaults (docs/vllm.md, "The vllm-align preset against vLLM
     # 0.32"): states at block boundaries only, a chunk stopping at each save point
-    # (Scheduler._mamba_block_aligned_split): chunk ends, the prompt tail, the shared-prefix
-    # junction (get_computed_blocks' shared_prefix_boundary); LRU (the block pool's free
-    # queue). No "decode_blocks": vLLM 0.32 kept no state decode reached (test_vllm_fidelity).
+    # (Scheduler._mamba_block_aligned_split): the prompt tail, the shared-prefix junction
+    # (get_computed_blocks' shared_prefix_boundary); LRU (the block pool's free queue). With
+    # prefix_cache_retention_interval=0 (its default) vLLM hashes no other state, so no
+    # "chunk_end" (an interior chunk end) and no "decode_blocks" (test_vllm_fidelity).
     "vllm-align": {
-        "placement": ("chunk_end", "prompt_tail", "branch"),
+        "placement": ("prompt_tail", "branch"),
         "eviction": "lru",
         "aligned_only": True,
         "mid_chunk_saves": False,

@@ -28,8 +28,15 @@ from kvsched.integrations.vllm.models import VOCAB, build
 
 TIMEOUT = 300
 # (workload, vLLM's KV pool in blocks: 0 its own sizing, 16 small enough that states and
-# blocks are evicted: a request of up to 6 blocks, its states, and the system prompt's)
-RUNS = {"junction": ("junction", 0), "burst": ("burst", 0), "pressure": ("junction", 16)}
+# blocks are evicted: a request of up to 6 blocks, its states, and the system prompt's;
+# the per-step token budget: 0 the whole context, 1,288 two 640-token blocks and a token
+# per row, so a 4 1/2-block prompt is computed in three chunks)
+RUNS = {
+    "junction": ("junction", 0, 0),
+    "burst": ("burst", 0, 0),
+    "pressure": ("junction", 16, 0),
+    "chunked": ("chunked", 0, 1288),
+}
 
 
 @pytest.fixture(scope="module")
@@ -41,10 +48,11 @@ def vllm_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, A
 
     class Runs(dict):  # type: ignore[type-arg]
         def __missing__(self, name: str) -> dict[str, Any]:
-            workload, blocks = RUNS[name]
+            workload, blocks, batched = RUNS[name]
             out = tmp / f"{name}.json"
             cmd = [sys.executable, "-m", "kvsched.integrations.vllm.fidelity", "--model"]
             cmd += [str(model), "--workload", workload, "--blocks", str(blocks), "--out", str(out)]
+            cmd += ["--batched-tokens", str(batched)]
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT)
             assert proc.returncode == 0, proc.stderr[-4000:]
             self[name] = json.loads(Path(out).read_text())
@@ -57,7 +65,7 @@ def _vllm_hits(run: dict[str, Any]) -> dict[str, int]:
     return {name: r["cached"] for name, r in run["requests"].items()}
 
 
-@pytest.mark.parametrize("name", ["junction", "burst"])
+@pytest.mark.parametrize("name", ["junction", "burst", "chunked"])
 def test_vllm_align_replay_hits_what_vllms_default_scheduler_hits_request_by_request(
     vllm_runs: dict[str, dict[str, Any]], name: str
 ) -> None:
@@ -116,3 +124,17 @@ def test_vllm_align_preset_with_decode_boundary_states_hits_more_than_vllm_keeps
     preset = {**CHECKPOINT_POLICIES["vllm-align"], "placement": rules}
     monkeypatch.setitem(CHECKPOINT_POLICIES, "vllm-align", preset)
     assert replay_hits(run, VOCAB)["user-1-turn-2"] > _vllm_hits(run)["user-1-turn-2"]
+
+
+def test_vllm_keeps_no_state_at_an_interior_chunk_end_and_neither_does_the_preset(
+    vllm_runs: dict[str, dict[str, Any]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    run = vllm_runs["chunked"]
+    hits = _vllm_hits(run)
+    # the long prompt's first chunk ended at 2 blocks; vLLM hashed only its prompt tail
+    # (prefix_cache_retention_interval=0), so user 0 misses; user 1 hits user 0's junction
+    assert (hits["user-0"], hits["user-1"]) == (0, 2 * run["sizes"]["block_size"])
+    rules = (*CHECKPOINT_POLICIES["vllm-align"]["placement"], "chunk_end")
+    preset = {**CHECKPOINT_POLICIES["vllm-align"], "placement": rules}
+    monkeypatch.setitem(CHECKPOINT_POLICIES, "vllm-align", preset)
+    assert replay_hits(run, VOCAB)["user-0"] > hits["user-0"]

@@ -3,10 +3,8 @@ rules without vLLM, and a ZeroMQ subscriber of a hybrid run inside vLLM (needs v
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
-import threading
 from pathlib import Path
 from types import SimpleNamespace as NS
 from typing import Any
@@ -16,6 +14,7 @@ import pytest
 
 from kvsched.events import types as ev
 from kvsched.integrations.vllm.kv_events import EventGroups, KVEventTranslator
+from kvsched.integrations.vllm.listen import Listener
 
 
 def _h(i: int) -> bytes:
@@ -185,28 +184,6 @@ def test_vllm_cache_names_name_a_checkpoint_by_the_cached_block_its_identity_has
 TIMEOUT = 300
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _subscribe(endpoint: str, stop: threading.Event, sink: list[tuple[int, bytes]]) -> None:
-    """Collect every (sequence number, payload) vLLM's ZMQ publisher sends until ``stop``."""
-    import zmq
-
-    sub = zmq.Context.instance().socket(zmq.SUB)
-    sub.setsockopt(zmq.SUBSCRIBE, b"")
-    sub.bind(endpoint)
-    poller = zmq.Poller()
-    poller.register(sub, zmq.POLLIN)
-    while not stop.is_set() or poller.poll(200):
-        if poller.poll(100):
-            _topic, seq, payload = sub.recv_multipart()
-            sink.append((int.from_bytes(seq, "big"), payload))
-    sub.close(0)
-
-
 class Router:
     """What a hybrid-aware router rebuilds from vLLM's KV events: per KV cache group its
     block names, and each group's kind as its stores announce it."""
@@ -252,24 +229,19 @@ def test_vllm_kv_events_of_a_hybrid_run_rebuild_kvscheds_attention_index_and_che
     from kvsched.integrations.vllm.models import build
 
     model = build("qwen3-next", tmp_path / "model")
-    endpoint = f"tcp://127.0.0.1:{_free_port()}"
-    messages: list[tuple[int, bytes]] = []
-    stop = threading.Event()
-    thread = threading.Thread(target=_subscribe, args=(endpoint, stop, messages), daemon=True)
-    thread.start()
     out = tmp_path / "kvsched.json"
-    args = ["--model", str(model), "--out", str(out), "--scheduler", "kvsched", "--hybrid"]
-    args += ["--workload", "mixed", "--blocks", "33", "--batched-tokens", "2048"]
-    args += ["--max-model-len", "4096", "--kv-events", endpoint]
-    args += ["--log", str(tmp_path / "run.kvlog")]
-    proc = subprocess.run(
-        [sys.executable, "-m", "kvsched.integrations.vllm.run", *args],
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT,
-    )
-    stop.set()
-    thread.join(timeout=30)
+    with Listener() as listener:
+        args = ["--model", str(model), "--out", str(out), "--scheduler", "kvsched", "--hybrid"]
+        args += ["--workload", "mixed", "--blocks", "33", "--batched-tokens", "2048"]
+        args += ["--max-model-len", "4096", "--kv-events", listener.endpoint]
+        args += ["--log", str(tmp_path / "run.kvlog")]
+        proc = subprocess.run(
+            [sys.executable, "-m", "kvsched.integrations.vllm.run", *args],
+            capture_output=True,
+            text=True,
+            timeout=TIMEOUT,
+        )
+    messages = listener.messages
     assert proc.returncode == 0, proc.stderr[-4000:]
     mine = msgspec.json.decode(out.read_bytes())["kvsched"]
 

@@ -19,6 +19,9 @@ Workloads, sizes in vLLM blocks ``B`` (random token ids, seeded):
   hits the whole-block system prompt.
 * ``burst``: another system prompt cached by one request, then four users arriving together
   and two more together (vLLM splits the step's token budget between them).
+* ``chunked`` (run with a budget of two blocks, ``--batched-tokens``): a 4 1/2-block prompt
+  computed in chunks, then two users sharing its first 2 1/2 blocks: is the state at its
+  first chunk's end (2 blocks, not its prompt tail) kept?
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ from kvsched.plan import StepPlan
 from kvsched.replay.runs import replay
 from kvsched.replay.workload import Turn, Workload
 
-WORKLOADS = ("junction", "burst")
+WORKLOADS = ("junction", "burst", "chunked")
 MAX_TOKENS = 16  # every request's output (greedy, ignore_eos)
 DECODE_CROSS = 8  # tokens before a block boundary that decode crosses (< MAX_TOKENS)
 # Seconds between batches in the replay: a batch of the tiny model finishes in well under a
@@ -98,9 +101,17 @@ def burst(block: int) -> list[list[Ask]]:
     return [first, four, two]
 
 
+def chunked(block: int) -> list[list[Ask]]:
+    """A long prompt computed in chunks, then two users of its first 2 1/2 blocks."""
+    long = _tokens(4 * block + block // 2, 2801)
+    shared = long[: 2 * block + block // 2]
+    users = [[Ask(f"user-{i}", shared + _tokens(block // 4, 2810 + i))] for i in range(2)]
+    return [[Ask("long", long)], *users]
+
+
 def batches(workload: str, block: int) -> list[list[Ask]]:
     """The named workload's batches for vLLM block size ``block``."""
-    return {"junction": junction, "burst": burst}[workload](block)
+    return {"junction": junction, "burst": burst, "chunked": chunked}[workload](block)
 
 
 # --------------------------------------------------------------------------- vLLM side
@@ -114,7 +125,7 @@ def _env() -> None:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
 
-def _llm(model: str, max_model_len: int, max_seqs: int, blocks: int) -> Any:
+def _llm(model: str, max_model_len: int, max_seqs: int, blocks: int, batched: int = 0) -> Any:
     from vllm import LLM
 
     extra = {"num_gpu_blocks_override": blocks} if blocks else {}
@@ -123,7 +134,7 @@ def _llm(model: str, max_model_len: int, max_seqs: int, blocks: int) -> Any:
         model=model,
         enforce_eager=True,
         max_model_len=max_model_len,
-        max_num_batched_tokens=max_model_len,
+        max_num_batched_tokens=batched or max_model_len,
         max_num_seqs=max_seqs,
         enable_prefix_caching=True,
         seed=0,
@@ -148,12 +159,18 @@ def _engine_sizes(llm: Any) -> dict[str, int]:
 
 
 def run_vllm(
-    model: str, workload: str, max_model_len: int = 4096, max_seqs: int = 8, blocks: int = 0
+    model: str,
+    workload: str,
+    max_model_len: int = 4096,
+    max_seqs: int = 8,
+    blocks: int = 0,
+    batched: int = 0,
 ) -> dict[str, Any]:
-    """The workload under vLLM's default scheduler: sizes and each request's record."""
+    """The workload under vLLM's default scheduler: sizes and each request's record
+    (``batched``: the per-step token budget, default the whole context)."""
     from vllm import SamplingParams, TokensPrompt
 
-    llm = _llm(model, max_model_len, max_seqs, blocks)
+    llm = _llm(model, max_model_len, max_seqs, blocks, batched)
     sizes = _engine_sizes(llm)
     params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=MAX_TOKENS)
     done: dict[str, dict[str, Any]] = {}
@@ -264,9 +281,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workload", choices=WORKLOADS, default="junction")
     p.add_argument("--out", required=True)
     p.add_argument("--blocks", type=int, default=0, help="vLLM's KV pool (0: its own sizing)")
+    p.add_argument(
+        "--batched-tokens", type=int, default=0, help="per-step token budget (0: the context)"
+    )
     args = p.parse_args(argv)
     _env()
-    Path(args.out).write_text(json.dumps(run_vllm(args.model, args.workload, blocks=args.blocks)))
+    result = run_vllm(args.model, args.workload, blocks=args.blocks, batched=args.batched_tokens)
+    Path(args.out).write_text(json.dumps(result))
     return 0
 
 

@@ -12,6 +12,8 @@ Workloads (token ids, greedy, ``ignore_eos``):
 * ``decode``: ``--running`` requests decoding together (the scheduler benchmark's shape).
 * ``chat``: branching users in bursts, second turns (``workloads.py``; with a small
   ``--blocks``, the memory-pressure workload).
+* ``popular`` (hybrid): a popular shared prefix, strangers, the prefix again
+  (``workloads.py``; with a small ``--blocks``, the state-pressure workload).
 The JSON has each request's tokens, its cached prompt tokens, the wall time and, for kvsched,
 its prefix-cache counters.
 """
@@ -27,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from kvsched.integrations.vllm.workloads import CHAT_SIZES, chat
+from kvsched.integrations.vllm.workloads import CHAT_SIZES, POPULAR_SIZES, chat, popular
 
 SCHEDULER = "kvsched.integrations.vllm.Scheduler"
 REQUEST_CHECK = "kvsched.integrations.vllm:RequestCheck"  # refusals in vLLM's front end
@@ -187,7 +189,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--model", required=True)
     p.add_argument("--scheduler", choices=["vllm", "kvsched"], default="kvsched")
-    p.add_argument("--workload", choices=["mixed", "preempt", "decode", "chat"], default="mixed")
+    p.add_argument(
+        "--workload", choices=["mixed", "preempt", "decode", "chat", "popular"], default="mixed"
+    )
     p.add_argument("--out", required=True)
     p.add_argument("--log", default=None)
     p.add_argument("--kv-events", default=None)
@@ -215,6 +219,8 @@ def main(argv: list[str] | None = None) -> int:
         mixed(llm, out, SIZES["hybrid" if args.hybrid else "attention"], not args.hybrid)
     elif args.workload == "chat":
         chat(llm, out, CHAT_SIZES["hybrid" if args.hybrid else "attention"])
+    elif args.workload == "popular":
+        popular(llm, out, POPULAR_SIZES)
     elif args.workload == "preempt":
         preempt(llm, out, 1240 if args.hybrid else 160)  # (decode grows a block)
     else:
