@@ -44,6 +44,7 @@ from kvsched.replay.setup import (
     load_trace_replay,
     trace_config,
 )
+from kvsched.replay.sharing import SHARING_MODELS
 from kvsched.replay.traces import FORMATS, detect_format
 
 
@@ -109,6 +110,9 @@ def cmd_replay(args: argparse.Namespace) -> int:
         limit=args.limit,
         speedup=args.speedup,
         policies=args.policies,
+        seed=args.seed,
+        sharing=args.sharing,
+        shape_params=args.shape_param,
     )
     info = setup.trace.info
     if info.bad_lines and not args.json:
@@ -197,7 +201,9 @@ def add_replay(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         description="Replay a request trace through the scheduler and report TTFT, TPOT, "
         "prefix hit rates, preemptions and evictions.",
     )
-    r.add_argument("trace", metavar="TRACE")
+    r.add_argument(
+        "trace", metavar="TRACE", help="a trace file, or gen:chat-branching (a generated shape)"
+    )
     r.add_argument("--format", choices=FORMATS, help="default: from the suffix")
     r.add_argument(
         "--executor", choices=["sim", "torch"], default="sim", help="sim: cost model" + DEFAULT
@@ -290,6 +296,23 @@ def add_replay(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         default=1.0,
         metavar="F",
         help="divide arrival times by F (what-if: F times the load)" + DEFAULT,
+    )
+    r.add_argument(
+        "--seed",
+        type=int_in(0, (1 << 63) - 1),
+        default=0,
+        help="seed of synthesised tokens and of gen:NAME shapes" + DEFAULT,
+    )
+    r.add_argument(
+        "--sharing",
+        choices=list(SHARING_MODELS),
+        help="Azure traces: the prefix-sharing model (default none: nothing shared; "
+        "code-edit: users editing files in repositories, docs/replay.md)",
+    )
+    r.add_argument(
+        "--shape-param",
+        metavar="K=V,...",
+        help="parameters of gen:NAME or of --sharing (docs/replay.md)",
     )
     r.add_argument("--skip-bad-lines", action="store_true", help="count bad lines, skip them")
     r.add_argument("--log", metavar="OUT", help="record the run to this event log")

@@ -24,6 +24,8 @@ from kvsched.events.log import EventLog
 from kvsched.gpu.sim import CostModel, SimulatedExecutor
 from kvsched.headers import FLAT_OF
 from kvsched.replay.driver import Executor
+from kvsched.replay.shapes import ChatBranching, ShapeError, parse_params
+from kvsched.replay.sharing import CodeEdit, sharing_model
 from kvsched.replay.traces import Trace, TraceInfo, detect_format, log_config, read_trace
 from kvsched.replay.workload import speed_up
 
@@ -169,12 +171,16 @@ def load_trace_replay(
     sweep: str | None = None,
     log: str | None = None,
     policies: str | None = None,
+    seed: int = 0,
+    sharing: str | None = None,
+    shape_params: str | None = None,
 ) -> TraceReplay:
     """Check the options (before reading anything where they allow) and read the trace.
 
     Raises SetupError for bad options and ``TraceError`` for a trace that cannot be read.
     """
     kind = detect_format(path, fmt)
+    shape = trace_shape(kind, sharing, shape_params)
     try:
         cost_model = CostModel.parse(cost or "")
     except ValueError as exc:
@@ -196,12 +202,37 @@ def load_trace_replay(
         vocab_size=TRACE_VOCAB,
         skip_bad_lines=skip_bad_lines,
         limit=limit,
+        seed=seed,
+        shape=shape,
     )
     if speedup != 1.0:
         if not speedup > 0:
             raise SetupError(f"--speedup must be positive, got {speedup}")
         trace = attrs.evolve(trace, workload=speed_up(trace.workload, speedup))
     return TraceReplay(trace, cost_model, parsed, executor, model, speedup, compared)
+
+
+def trace_shape(
+    kind: str, sharing: str | None, params: str | None
+) -> ChatBranching | CodeEdit | None:
+    """The parameters of a generated shape (``gen:NAME``) or of an Azure trace's sharing
+    model (``--sharing``), from ``--shape-param``; SetupError names the option at fault."""
+    if sharing is not None and kind != "azure":
+        raise SetupError(f"--sharing {sharing}: a sharing model applies to Azure traces only")
+    if params and kind not in ("gen", "azure"):
+        raise SetupError("--shape-param: only a gen:NAME shape or --sharing has parameters")
+    if params and kind == "azure" and sharing is None:
+        raise SetupError("--shape-param sets a sharing model's parameters: give --sharing")
+    try:
+        if kind == "gen":
+            gen: ChatBranching = parse_params(ChatBranching, params, vocab_size=TRACE_VOCAB)
+            return gen
+        if kind == "azure" and sharing is not None:
+            return sharing_model(sharing, params, TRACE_VOCAB)
+    except ShapeError as exc:
+        option = "--sharing" if str(exc).startswith("--sharing") else "--shape-param"
+        raise SetupError(f"{option}: {exc}" if option == "--shape-param" else str(exc)) from None
+    return None
 
 
 ORACLE = "oracle"
