@@ -7,12 +7,14 @@ maps it to ``kvsched: error: ...`` and exit code 2); messages name the option at
 from __future__ import annotations
 
 import importlib
+from collections.abc import Sequence
 from typing import Any
 
 import attrs
 
 from kvsched.config import (
     BLOCK_SIZE,
+    CHECKPOINT_BUDGET,
     CHECKPOINT_POLICIES,
     PLACEMENTS,
     POLICY_ENGINE_SETTINGS,
@@ -26,6 +28,7 @@ from kvsched.headers import FLAT_OF
 from kvsched.replay.driver import Executor
 from kvsched.replay.shapes import ChatBranching, ShapeError, parse_params
 from kvsched.replay.sharing import CodeEdit, sharing_model
+from kvsched.replay.sweep_table import UNBOUNDED_BUDGET
 from kvsched.replay.traces import Trace, TraceInfo, detect_format, log_config, read_trace
 from kvsched.replay.workload import speed_up
 
@@ -68,7 +71,8 @@ class SetupError(ValueError):
 
 
 def parse_sweep(spec: str) -> Sweep:
-    """``KEY=V1,V2,...`` (KEY one of ``SWEEP_KEYS``, positive integers) as (KEY, values)."""
+    """``KEY=V1,V2,...`` (KEY one of ``SWEEP_KEYS``, positive integers; sizes for
+    checkpoint-memory; ``unbounded`` for checkpoint-budget) as (KEY, values)."""
     key, sep, raw = spec.partition("=")
     key = key.strip()
     if not sep or key not in SWEEP_KEYS:
@@ -77,7 +81,11 @@ def parse_sweep(spec: str) -> Sweep:
         )
     try:
         read = parse_size if key == "checkpoint-memory" else lambda v: int(v.replace("_", ""))
-        values = [read(v) for v in raw.split(",") if v.strip()]
+        values = [
+            UNBOUNDED_BUDGET if key == "checkpoint-budget" and v.strip() == "unbounded" else read(v)
+            for v in raw.split(",")
+            if v.strip()
+        ]
     except ValueError:
         raise SetupError(f"--sweep {spec!r}: values must be integers (or sizes)") from None
     if not values or min(values) <= 0:
@@ -85,10 +93,30 @@ def parse_sweep(spec: str) -> Sweep:
     return key, values
 
 
+def parse_sweeps(specs: str | Sequence[str]) -> tuple[Sweep, ...]:
+    """One or more ``--sweep`` specs, each key at most once (a sweep may run checkpoint
+    budgets and checkpoint memories side by side: each point sets one, the other resets)."""
+    sweeps = tuple(parse_sweep(s) for s in ([specs] if isinstance(specs, str) else specs))
+    keys = [k for k, _ in sweeps]
+    if len(set(keys)) != len(keys):
+        raise SetupError(f"--sweep: each key once (got {', '.join(keys)}); list its values")
+    return sweeps
+
+
+_RESETS: dict[str, dict[str, int]] = {
+    "checkpoint-budget": {"checkpoint_memory": 0},
+    "checkpoint-memory": {"checkpoint_budget": CHECKPOINT_BUDGET},
+}
+"""What a sweep point of a key resets: a budget point counts checkpoints (no memory), a
+memory point leaves the count budget at its default (the config refuses both set)."""
+
+
 def sweep_config(config: SchedulerConfig, key: str, value: int) -> SchedulerConfig:
-    """``config`` with the sweep key ``key`` set to ``value``."""
+    """``config`` with the sweep key ``key`` set to ``value`` (a checkpoint-memory point
+    resets the count budget to its default, a budget point the memory to none)."""
+    reset = _RESETS.get(key, {})
     try:
-        return SchedulerConfig.from_dict({**config.to_dict(), SWEEP_KEYS[key]: value})
+        return SchedulerConfig.from_dict({**config.to_dict(), **reset, SWEEP_KEYS[key]: value})
     except ValueError as exc:
         raise SetupError(f"--sweep {key}={value}: {exc}") from None
 
@@ -135,11 +163,12 @@ class TraceReplay:
 
     trace: Trace
     cost: CostModel
-    sweep: Sweep | None = None
+    sweep: Sweep | None = None  # the first --sweep (all of them: sweeps)
     executor: str = "sim"
     model: str | None = None
     speedup: float = 1.0
     policies: tuple[str, ...] = ()  # checkpoint policies to compare (one run each per point)
+    sweeps: tuple[Sweep, ...] = ()  # every --sweep, in the order given
 
     def extra(self) -> dict[str, Any]:
         """What the metrics of each run add about the trace and the options."""
@@ -168,7 +197,7 @@ def load_trace_replay(
     limit: int | None = None,
     speedup: float = 1.0,
     cost: str | None = None,
-    sweep: str | None = None,
+    sweep: str | Sequence[str] | None = None,
     log: str | None = None,
     policies: str | None = None,
     seed: int = 0,
@@ -185,7 +214,8 @@ def load_trace_replay(
         cost_model = CostModel.parse(cost or "")
     except ValueError as exc:
         raise SetupError(str(exc)) from None
-    parsed = parse_sweep(sweep) if sweep else None
+    sweeps = parse_sweeps(sweep) if sweep else ()
+    parsed = sweeps[0] if sweeps else None
     if parsed and log:
         raise SetupError("--log records one run: it cannot be combined with --sweep")
     compared = parse_policies(policies) if policies else ()
@@ -209,7 +239,7 @@ def load_trace_replay(
         if not speedup > 0:
             raise SetupError(f"--speedup must be positive, got {speedup}")
         trace = attrs.evolve(trace, workload=speed_up(trace.workload, speedup))
-    return TraceReplay(trace, cost_model, parsed, executor, model, speedup, compared)
+    return TraceReplay(trace, cost_model, parsed, executor, model, speedup, compared, sweeps)
 
 
 def trace_shape(
