@@ -9,7 +9,8 @@
 # only the first LIMIT requests of each shape (a quick check; default: all of them).
 # Shapes (docs/replay.md): the Mooncake synthetic trace; the Azure code trace with the
 # code-edit sharing model (seed 0); gen:chat-branching (seed 0). Traces: ../shared/traces
-# or ../../shared/traces (TRACES=DIR to change). Run from the repository root; progress: one line per point.
+# or ../../shared/traces (TRACES=DIR to change). SHAPES="chat-branching azure-code" runs only
+# the shapes named (default: all three, in the order above). Run from the repository root; progress: one line per point.
 set -euo pipefail
 OUT=${1:?usage: scripts/sweep_policies.sh OUT [JOBS] [LIMIT]}
 JOBS=${2:-$(nproc)}
@@ -35,15 +36,23 @@ shape() {  # shape NAME TRACE [OPTIONS...]
   echo "[$(date -u +%T)] $name: done in $((SECONDS - start)) s" >&2
 }
 
-shape synthetic "$TRACES/mooncake_fast25_synthetic_trace.jsonl"
-shape azure-code "$TRACES/azure2023_AzureLLMInferenceTrace_code.csv" --sharing code-edit --seed 0
-shape chat-branching gen:chat-branching --seed 0
+SHAPES=${SHAPES:-synthetic azure-code chat-branching}
+for name in $SHAPES; do
+  case $name in
+    synthetic) shape synthetic "$TRACES/mooncake_fast25_synthetic_trace.jsonl" ;;
+    azure-code) shape azure-code "$TRACES/azure2023_AzureLLMInferenceTrace_code.csv" \
+                  --sharing code-edit --seed 0 ;;
+    chat-branching) shape chat-branching gen:chat-branching --seed 0 ;;
+    *) echo "sweep_policies.sh: unknown shape $name (synthetic, azure-code, chat-branching)" >&2
+       exit 2 ;;
+  esac
+done
 
 {
   echo "# Checkpoint policies on three traffic shapes"
   echo
   echo "Command: scripts/sweep_policies.sh $OUT $JOBS $LIMIT ($(git rev-parse --short HEAD 2>/dev/null || echo '?'))"
-  for name in synthetic azure-code chat-branching; do
+  for name in $SHAPES; do
     echo
     sed "1s/^### .*/### $name/" "$OUT/$name/sweep.md"
     echo
