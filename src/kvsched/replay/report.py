@@ -435,8 +435,9 @@ def sweep_figure(
     stay visible; one legend below the panels."""
     plt = _pyplot()
     policies = list(dict.fromkeys(m.get("checkpoint_policy", "") for m in runs))
-    fig, axes = plt.subplots(1, 3, figsize=(13, 4.6))
     points = sweep_points(key, values, runs) if key else [("", 0)]
+    # 13 inches holds 4 ticks a panel; each tick past 4 adds 0.9 inch a panel (3 panels)
+    fig, axes = plt.subplots(1, 3, figsize=(13 + 2.7 * max(0, len(points) - 4), 4.6))
     pos = {p: i for i, p in enumerate(points)}
     several = "+" in key
     panels = (
