@@ -161,7 +161,8 @@ def test_the_policies_plot_keeps_its_legend_off_the_data(tmp_path: Path, saved: 
     assert all(ax.get_legend() is None for ax in fig.axes)
     (legend,) = fig.legends
     names = [t.get_text() for t in legend.get_texts()]
-    assert names[:4] == list(POLICIES) and "sequential ideal (infinite cache)" in names
+    assert names[:4] == list(POLICIES)
+    assert "unbounded ideal: sequential, infinite cache (5.5 %)" in names
     box = legend.get_window_extent()
     assert not any(box.overlaps(ax.get_window_extent()) for ax in fig.axes)
 

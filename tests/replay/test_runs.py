@@ -48,3 +48,32 @@ def test_a_sweep_stops_with_a_setup_error_at_the_first_value_the_scheduler_refus
     assert next(runs).value == 32
     with pytest.raises(SetupError, match="--sweep block-size=131072: block_size must be an"):
         next(runs)
+
+
+def test_budgets_and_memories_in_one_sweep_run_in_parallel_as_they_do_one_by_one(
+    tmp_path: Path,
+):
+    setup = load_trace_replay(
+        "gen:chat-branching",
+        limit=40,
+        policies="lmdeploy",
+        sweep=["checkpoint-budget=2,unbounded", "checkpoint-memory=512MiB"],
+    )
+    config = trace_config(setup.trace, hybrid=True)
+
+    one = list(sweep_runs(setup, config, setup.sweeps))
+    two = list(sweep_runs(setup, config, setup.sweeps, jobs=2))
+
+    points = [(r.policy, r.metrics["sweep_key"], r.value) for r in one]
+    assert points == [(r.policy, r.metrics["sweep_key"], r.value) for r in two]
+    assert points[:3] == [
+        ("lmdeploy", "checkpoint-budget", 2),
+        ("lmdeploy", "checkpoint-budget", 1 << 20),
+        ("lmdeploy", "checkpoint-memory", 512 << 20),
+    ]
+    assert [r.policy for r in one[3:]] == ["oracle"] * 3  # the oracle joins every comparison
+    same = [{k: v for k, v in r.metrics.items() if k != "wall_time_s"} for r in one]
+    assert same == [{k: v for k, v in r.metrics.items() if k != "wall_time_s"} for r in two]
+    assert one[-1].metrics["token_hit_rate"] > 0.3
+    memory = one[2].metrics["state_memory_bytes"]
+    assert 0 < memory <= 512 << 20 < one[1].metrics["state_memory_bytes"]

@@ -204,3 +204,29 @@ def test_the_sim_executor_uses_the_config_vocabulary_and_a_setup_error_is_a_valu
 
     assert isinstance(executor, SimulatedExecutor) and executor.vocab_size == 1000
     assert issubclass(SetupError, ValueError)
+
+
+def test_a_budget_sweep_takes_unbounded_and_keys_may_be_swept_side_by_side_once_each():
+    from kvsched.replay.setup import parse_sweeps
+    from kvsched.replay.sweep_table import UNBOUNDED_BUDGET
+
+    assert parse_sweep("checkpoint-budget=64,unbounded") == (
+        "checkpoint-budget",
+        [64, UNBOUNDED_BUDGET],
+    )
+    assert parse_sweeps(["checkpoint-budget=64", "checkpoint-memory=1GiB"]) == (
+        ("checkpoint-budget", [64]),
+        ("checkpoint-memory", [1 << 30]),
+    )
+    with pytest.raises(SetupError, match="--sweep: each key once"):
+        parse_sweeps(["max-batch=2", "max-batch=4"])
+    with pytest.raises(SetupError, match="values must be integers"):
+        parse_sweep("cache-blocks=unbounded")
+
+
+def test_a_memory_point_and_a_budget_point_each_reset_the_other_checkpoint_limit():
+    hybrid = SchedulerConfig(hybrid=True)
+    memory = sweep_config(hybrid, "checkpoint-memory", 1 << 30)
+    assert memory.checkpoints.memory == 1 << 30
+    budget = sweep_config(memory, "checkpoint-budget", 64)
+    assert budget.checkpoints.memory == 0 and budget.num_checkpoint_slots == 64

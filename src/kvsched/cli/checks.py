@@ -115,8 +115,10 @@ _CHECKPOINT_OPTIONS = (
 )
 
 
-def sweep_key(args: argparse.Namespace) -> str:
-    return str(args.sweep).partition("=")[0].strip() if args.sweep else ""
+def sweep_keys(args: argparse.Namespace) -> list[str]:
+    """The keys of the ``--sweep`` options given (one string, or a list of them)."""
+    specs = [args.sweep] if isinstance(args.sweep, str) else list(args.sweep or ())
+    return [str(s).partition("=")[0].strip() for s in specs]
 
 
 def check_replay_options(args: argparse.Namespace) -> None:
@@ -124,12 +126,15 @@ def check_replay_options(args: argparse.Namespace) -> None:
     check_run_options(args)
     if args.cost is not None and args.executor == "torch":
         raise SetupError("--cost sets the simulated executor's costs: drop it or --executor torch")
-    key = sweep_key(args)
-    if key in SWEEP_KEYS and getattr(args, key.replace("-", "_"), None) is not None:
-        raise SetupError(f"--{key} and --sweep {key}=...: the sweep sets it in every run; drop one")
-    memory = key == "checkpoint-memory" or args.checkpoint_memory is not None
-    budget = key == "checkpoint-budget" or args.checkpoint_budget is not None
-    if memory and budget:
+    keys = sweep_keys(args)
+    for key in keys:
+        if key in SWEEP_KEYS and getattr(args, key.replace("-", "_"), None) is not None:
+            raise SetupError(
+                f"--{key} and --sweep {key}=...: the sweep sets it in every run; drop one"
+            )
+    memory = "checkpoint-memory" in keys or args.checkpoint_memory is not None
+    budget = "checkpoint-budget" in keys or args.checkpoint_budget is not None
+    if memory and budget and not {"checkpoint-memory", "checkpoint-budget"} <= set(keys):
         raise SetupError(
             "--checkpoint-budget and --checkpoint-memory: the memory sets the number of "
             "checkpoints, the budget would be ignored; give one"
@@ -145,8 +150,7 @@ def check_config_options(args: argparse.Namespace, hybrid: bool, order: str, tur
     """Refuse the options a config without them ignores: checkpoint options without a hybrid
     model, prefill-turn options without the TTFT order."""
     checkpoints = _given(args, *_CHECKPOINT_OPTIONS)
-    if sweep_key(args).startswith("checkpoint-"):
-        checkpoints.append(f"--sweep {sweep_key(args)}")
+    checkpoints += [f"--sweep {k}" for k in sweep_keys(args) if k.startswith("checkpoint-")]
     if checkpoints and not hybrid:
         raise _no_effect(checkpoints[0], "--hybrid")
     given = {

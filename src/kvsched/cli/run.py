@@ -44,6 +44,8 @@ from kvsched.replay.setup import (
     load_trace_replay,
     trace_config,
 )
+from kvsched.replay.sharing import SHARING_MODELS
+from kvsched.replay.sweep_table import point_label
 from kvsched.replay.traces import FORMATS, detect_format
 
 
@@ -109,6 +111,9 @@ def cmd_replay(args: argparse.Namespace) -> int:
         limit=args.limit,
         speedup=args.speedup,
         policies=args.policies,
+        seed=args.seed,
+        sharing=args.sharing,
+        shape_params=args.shape_param,
     )
     info = setup.trace.info
     if info.bad_lines and not args.json:
@@ -141,6 +146,8 @@ def cmd_replay(args: argparse.Namespace) -> int:
     )
     check_config_options(args, config.hybrid, config.order, config.turns.policy)
     name = Path(args.trace).name
+    if args.jobs > 1 and setup.sweep is None and not setup.policies:
+        raise SetupError("--jobs runs sweep points in parallel: give --sweep or --policies")
     if setup.sweep is not None or setup.policies:
         if args.publish:
             raise SetupError("--publish streams one run: it cannot be combined with --sweep")
@@ -160,14 +167,26 @@ def cmd_replay(args: argparse.Namespace) -> int:
 def _replay_sweep(
     args: argparse.Namespace, setup: TraceReplay, config: SchedulerConfig, name: str
 ) -> int:
-    key, values = setup.sweep if setup.sweep is not None else ("", [0])
+    key = "+".join(k for k, _ in setup.sweeps)
+    values = [v for _, vs in setup.sweeps for v in vs] or [0]
     runs: list[dict[str, Any]] = []
-    progress = progress_bars(args.quiet)
+    progress = progress_bars(args.quiet or args.jobs > 1)
     failed = None  # the report's error: the runs go on, their table is printed, then exit 2
-    for run in sweep_runs(setup, config, setup.sweep, check=args.check, progress=progress):
+    for run in sweep_runs(
+        setup, config, setup.sweeps, check=args.check, progress=progress, jobs=args.jobs
+    ):
         runs.append(run.metrics)
+        here = run.metrics["sweep_key"]
+        if args.jobs > 1 and not args.quiet:
+            print(
+                f"kvsched: [{len(runs)}] {run.policy or 'run'} {here}="
+                f"{point_label(here, run.value)}: "
+                f"{100 * run.metrics['token_hit_rate']:.1f} % hit",
+                file=sys.stderr,
+                flush=True,
+            )
         if args.report and failed is None:
-            point = "_".join(filter(None, (run.policy, f"{key}={run.value}" if key else "")))
+            point = "_".join(filter(None, (run.policy, f"{here}={run.value}" if here else "")))
             where = Path(args.report) / point
             try:
                 run_report(args.report, where, f"{name}, {point}", run.result, run.metrics)
@@ -197,7 +216,9 @@ def add_replay(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         description="Replay a request trace through the scheduler and report TTFT, TPOT, "
         "prefix hit rates, preemptions and evictions.",
     )
-    r.add_argument("trace", metavar="TRACE")
+    r.add_argument(
+        "trace", metavar="TRACE", help="a trace file, or gen:chat-branching (a generated shape)"
+    )
     r.add_argument("--format", choices=FORMATS, help="default: from the suffix")
     r.add_argument(
         "--executor", choices=["sim", "torch"], default="sim", help="sim: cost model" + DEFAULT
@@ -247,7 +268,20 @@ def add_replay(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     )
     r.add_argument("--hybrid", action="store_true", help="hybrid model (state checkpoints)")
     r.add_argument("--cost", metavar="K=V,...", help="cost-model parameters (see docs/replay.md)")
-    r.add_argument("--sweep", metavar="KEY=V1,V2", help=f"keys: {', '.join(SWEEP_KEYS)}")
+    r.add_argument(
+        "--sweep",
+        action="append",
+        metavar="KEY=V1,V2",
+        help=f"keys: {', '.join(SWEEP_KEYS)}; checkpoint-budget takes 'unbounded'; give it "
+        "again for another key (e.g. checkpoint budgets beside checkpoint memories)",
+    )
+    r.add_argument(
+        "--jobs",
+        type=int_in(1, 256),
+        default=1,
+        metavar="N",
+        help="run sweep points in N processes (progress: one line per point)" + DEFAULT,
+    )
     r.add_argument(
         "--checkpoint-budget",
         type=int_in(0, 1 << 20),
@@ -290,6 +324,23 @@ def add_replay(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         default=1.0,
         metavar="F",
         help="divide arrival times by F (what-if: F times the load)" + DEFAULT,
+    )
+    r.add_argument(
+        "--seed",
+        type=int_in(0, (1 << 63) - 1),
+        default=0,
+        help="seed of synthesised tokens and of gen:NAME shapes" + DEFAULT,
+    )
+    r.add_argument(
+        "--sharing",
+        choices=list(SHARING_MODELS),
+        help="Azure traces: the prefix-sharing model (default none: nothing shared; "
+        "code-edit: users editing files in repositories, docs/replay.md)",
+    )
+    r.add_argument(
+        "--shape-param",
+        metavar="K=V,...",
+        help="parameters of gen:NAME or of --sharing (docs/replay.md)",
     )
     r.add_argument("--skip-bad-lines", action="store_true", help="count bad lines, skip them")
     r.add_argument("--log", metavar="OUT", help="record the run to this event log")

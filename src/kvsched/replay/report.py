@@ -13,8 +13,19 @@ from typing import Any
 
 import numpy as np
 
+from kvsched.replay.sweep_table import (
+    UNBOUNDED_BUDGET,
+    axis_label,
+    gib,
+    point_label,
+    runs_at,
+    sweep_markdown,
+    sweep_points,
+)
+
 PLOTS = ("ttft.png", "cache.png", "queue.png")
 SWEEP_PLOT = "sweep.png"
+SWEEP_TABLE = "sweep.md"
 
 
 def _ms(seconds: float) -> str:
@@ -92,14 +103,15 @@ def format_sweep(key: str, runs: Sequence[dict[str, Any]]) -> str:
     """One line per run: the checkpoint policy (when compared), the sweep value (when
     swept), hit rate, TTFT and evictions (KV blocks and checkpoints)."""
     policies = any(m.get("checkpoint_policy") for m in runs)
-    head = f"  {'policy':<11}" if policies else ""
-    head += f"{key:>20}" if key else ""
+    width = max([20, len(key), *(len(_value_label(key, m)) for m in runs)]) if key else 0
+    head = f"  {'policy':<13}" if policies else ""
+    head += f"{key:>{width}}" if key else ""
     head += f"  {'hit rate':>9}  {'TTFT p50':>10}  {'TTFT p99':>10}"
     head += f"  {'KV evictions':>12}  {'ckpt evictions':>14}"
     lines = [head]
     for m in runs:
-        line = f"  {m.get('checkpoint_policy', ''):<11}" if policies else ""
-        line += f"{m['sweep_value']:>20,}" if key else ""
+        line = f"  {m.get('checkpoint_policy', ''):<13}" if policies else ""
+        line += f"{_value_label(key, m):>{width}}" if key else ""
         line += (
             f"  {_pct(m['token_hit_rate']):>9}  {_ms(m['ttft_p50_s']):>10}"
             f"  {_ms(m['ttft_p99_s']):>10}  {m['kv_block_evictions']:>12,}"
@@ -107,6 +119,13 @@ def format_sweep(key: str, runs: Sequence[dict[str, Any]]) -> str:
         )
         lines.append(line)
     return "\n".join(lines)
+
+
+def _value_label(key: str, m: dict[str, Any]) -> str:
+    """A run's sweep value in the text table (``KEY=`` in front under several keys)."""
+    own = m.get("sweep_key", key)
+    text = point_label(own, m["sweep_value"])
+    return f"{own}={text}" if "+" in key else text
 
 
 # ----------------------------------------------------------------------- files
@@ -354,16 +373,18 @@ def queue_figure(series: dict[str, np.ndarray], title: str, buckets: int = QUEUE
 def write_sweep(
     out_dir: str | Path, key: str, values: Sequence[int], runs: Sequence[dict[str, Any]], title: str
 ) -> list[Path]:
-    """sweep.json and sweep.png: hit rate, TTFT p50 and TTFT p99 against the swept value,
-    one line per checkpoint policy when policies are compared."""
+    """sweep.json, sweep.md (``sweep_table.sweep_markdown``) and sweep.png: hit rate, TTFT
+    p50 and TTFT p99 against the swept points, one line per checkpoint policy when policies
+    are compared."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     write_json(out / "sweep.json", {"key": key, "values": list(values), "runs": list(runs)})
+    (out / SWEEP_TABLE).write_text(sweep_markdown(title, key, values, runs))
     plt = _pyplot()
     fig = sweep_figure(key, values, runs, title)
     fig.savefig(out / SWEEP_PLOT, dpi=DPI)
     plt.close(fig)
-    return [out / "sweep.json", out / SWEEP_PLOT]
+    return [out / "sweep.json", out / SWEEP_TABLE, out / SWEEP_PLOT]
 
 
 _POLICY_COLOURS = ("#228833", "#4477aa", "#cc3311", "#aa3377", "#ccbb44", "#66ccee")
@@ -371,22 +392,24 @@ _MARKERS = ("o", "s", "^", "D", "v", "P")
 _LINES = ("-", "--", "-.", ":")
 
 
-def _gib(n: float) -> str:
-    return f"{n / (1 << 30):,.3g} GiB"
-
-
 def sweep_labels(key: str, values: Sequence[int], runs: Sequence[dict[str, Any]]) -> list[str]:
-    """The x tick labels of sweep.png: the swept values as given (sizes in GiB), and under a
+    """The x tick labels of sweep.png: the swept points as given (sizes in GiB, the
+    unbounded budget as "unbounded"; ``KEY=`` in front under several keys), and under a
     checkpoint budget the state memory it allows (when every policy has the same)."""
     if not key:
         return ["as configured"]
     labels = []
-    for v in values:
-        text = _gib(v) if key.endswith("memory") else f"{v:,}"
-        memory = {m.get("state_memory_bytes", -1) for m in runs if m.get("sweep_value") == v}
-        hybrid = all(m.get("hybrid") for m in runs if m.get("sweep_value") == v)
-        if key == "checkpoint-budget" and hybrid and len(memory) == 1 and -1 not in memory:
-            text += f"\n({_gib(float(memory.pop()))})"
+    for point in sweep_points(key, values, runs):
+        k, v = point
+        text = point_label(k, v)
+        if "+" in key:
+            text = f"{'budget' if k == 'checkpoint-budget' else k.split('-')[-1]}\n{text}"
+        here = runs_at(key, point, runs)
+        memory = {m.get("state_memory_bytes", -1) for m in here}
+        hybrid = all(m.get("hybrid") for m in here)
+        bounded = v != UNBOUNDED_BUDGET
+        if k == "checkpoint-budget" and hybrid and len(memory) == 1 and -1 not in memory:
+            text += f"\n({gib(float(memory.pop()))})" if bounded else ""
         labels.append(text)
     return labels
 
@@ -412,8 +435,11 @@ def sweep_figure(
     stay visible; one legend below the panels."""
     plt = _pyplot()
     policies = list(dict.fromkeys(m.get("checkpoint_policy", "") for m in runs))
-    fig, axes = plt.subplots(1, 3, figsize=(13, 4.6))
-    pos = {v: i for i, v in enumerate(values)}
+    points = sweep_points(key, values, runs) if key else [("", 0)]
+    # 13 inches holds 4 ticks a panel; each tick past 4 adds 0.9 inch a panel (3 panels)
+    fig, axes = plt.subplots(1, 3, figsize=(13 + 2.7 * max(0, len(points) - 4), 4.6))
+    pos = {p: i for i, p in enumerate(points)}
+    several = "+" in key
     panels = (
         (_hit_pct, "token hit rate (%)"),
         (_p50_ms, "TTFT p50 (ms)"),
@@ -423,7 +449,8 @@ def sweep_figure(
     for i, policy in enumerate(policies):
         mine = [m for m in runs if m.get("checkpoint_policy", "") == policy]
         x = [
-            pos.get(m.get("sweep_value", 0), 0) + (i - (len(policies) - 1) / 2) * nudge
+            pos.get((m.get("sweep_key", "") if several else key, m.get("sweep_value", 0)), 0)
+            + (i - (len(policies) - 1) / 2) * nudge
             for m in mine
         ]
         style = {
@@ -432,21 +459,32 @@ def sweep_figure(
             "linestyle": _LINES[i % len(_LINES)],
             "label": policy or "replay",
         }
+        keys = [m.get("sweep_key", "") if several else key for m in mine]
         for ax, (get, _label) in zip(axes, panels, strict=True):
-            ax.plot(x, [get(m) for m in mine], **style)
+            for n, group in enumerate(dict.fromkeys(keys)):  # no line from one key to the next
+                at = [j for j, k in enumerate(keys) if k == group]
+                label = style["label"] if n == 0 else "_nolegend_"
+                ax.plot([x[j] for j in at], [get(mine[j]) for j in at], **{**style, "label": label})
+    for j in range(1, len(points)):
+        if points[j][0] != points[j - 1][0]:  # a dashed rule between the keys of a sweep
+            for ax in axes:
+                ax.axvline(j - 0.5, color="#999999", linestyle="--", linewidth=0.8)
     hits = [100 * m["token_hit_rate"] for m in runs]
     ideal = runs[0].get("ideal_hit_rate") if runs else None
     if ideal is not None:
         axes[0].axhline(
-            100 * ideal, color="#555555", linestyle=":", label="sequential ideal (infinite cache)"
+            100 * ideal,
+            color="#555555",
+            linestyle=":",
+            label=f"unbounded ideal: sequential, infinite cache ({100 * ideal:.1f} %)",
         )
         hits.append(100 * ideal)
     labels = sweep_labels(key, values, runs)
     for ax, (get, ylabel) in zip(axes, panels, strict=True):
         top = _pct_top(hits) if ax is axes[0] else _top([get(m) for m in runs])
-        ax.set(ylabel=ylabel, ylim=(0, top), xlim=(-0.5, len(values) - 0.5))
-        ax.set_xticks(range(len(values)), labels)
-        ax.set_xlabel(key)
+        ax.set(ylabel=ylabel, ylim=(0, top), xlim=(-0.5, len(points) - 0.5))
+        ax.set_xticks(range(len(points)), labels)
+        ax.set_xlabel(axis_label(key))
         ax.grid(axis="y", alpha=0.3)
     handles, names = axes[0].get_legend_handles_labels()
     fig.legend(handles, names, loc="lower center", ncol=min(len(names), 5), frameon=False)

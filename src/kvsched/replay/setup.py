@@ -7,12 +7,14 @@ maps it to ``kvsched: error: ...`` and exit code 2); messages name the option at
 from __future__ import annotations
 
 import importlib
+from collections.abc import Sequence
 from typing import Any
 
 import attrs
 
 from kvsched.config import (
     BLOCK_SIZE,
+    CHECKPOINT_BUDGET,
     CHECKPOINT_POLICIES,
     PLACEMENTS,
     POLICY_ENGINE_SETTINGS,
@@ -24,6 +26,9 @@ from kvsched.events.log import EventLog
 from kvsched.gpu.sim import CostModel, SimulatedExecutor
 from kvsched.headers import FLAT_OF
 from kvsched.replay.driver import Executor
+from kvsched.replay.shapes import ChatBranching, ShapeError, parse_params
+from kvsched.replay.sharing import CodeEdit, sharing_model
+from kvsched.replay.sweep_table import UNBOUNDED_BUDGET
 from kvsched.replay.traces import Trace, TraceInfo, detect_format, log_config, read_trace
 from kvsched.replay.workload import speed_up
 
@@ -66,7 +71,8 @@ class SetupError(ValueError):
 
 
 def parse_sweep(spec: str) -> Sweep:
-    """``KEY=V1,V2,...`` (KEY one of ``SWEEP_KEYS``, positive integers) as (KEY, values)."""
+    """``KEY=V1,V2,...`` (KEY one of ``SWEEP_KEYS``, positive integers; sizes for
+    checkpoint-memory; ``unbounded`` for checkpoint-budget) as (KEY, values)."""
     key, sep, raw = spec.partition("=")
     key = key.strip()
     if not sep or key not in SWEEP_KEYS:
@@ -75,7 +81,11 @@ def parse_sweep(spec: str) -> Sweep:
         )
     try:
         read = parse_size if key == "checkpoint-memory" else lambda v: int(v.replace("_", ""))
-        values = [read(v) for v in raw.split(",") if v.strip()]
+        values = [
+            UNBOUNDED_BUDGET if key == "checkpoint-budget" and v.strip() == "unbounded" else read(v)
+            for v in raw.split(",")
+            if v.strip()
+        ]
     except ValueError:
         raise SetupError(f"--sweep {spec!r}: values must be integers (or sizes)") from None
     if not values or min(values) <= 0:
@@ -83,10 +93,30 @@ def parse_sweep(spec: str) -> Sweep:
     return key, values
 
 
+def parse_sweeps(specs: str | Sequence[str]) -> tuple[Sweep, ...]:
+    """One or more ``--sweep`` specs, each key at most once (a sweep may run checkpoint
+    budgets and checkpoint memories side by side: each point sets one, the other resets)."""
+    sweeps = tuple(parse_sweep(s) for s in ([specs] if isinstance(specs, str) else specs))
+    keys = [k for k, _ in sweeps]
+    if len(set(keys)) != len(keys):
+        raise SetupError(f"--sweep: each key once (got {', '.join(keys)}); list its values")
+    return sweeps
+
+
+_RESETS: dict[str, dict[str, int]] = {
+    "checkpoint-budget": {"checkpoint_memory": 0},
+    "checkpoint-memory": {"checkpoint_budget": CHECKPOINT_BUDGET},
+}
+"""What a sweep point of a key resets: a budget point counts checkpoints (no memory), a
+memory point leaves the count budget at its default (the config refuses both set)."""
+
+
 def sweep_config(config: SchedulerConfig, key: str, value: int) -> SchedulerConfig:
-    """``config`` with the sweep key ``key`` set to ``value``."""
+    """``config`` with the sweep key ``key`` set to ``value`` (a checkpoint-memory point
+    resets the count budget to its default, a budget point the memory to none)."""
+    reset = _RESETS.get(key, {})
     try:
-        return SchedulerConfig.from_dict({**config.to_dict(), SWEEP_KEYS[key]: value})
+        return SchedulerConfig.from_dict({**config.to_dict(), **reset, SWEEP_KEYS[key]: value})
     except ValueError as exc:
         raise SetupError(f"--sweep {key}={value}: {exc}") from None
 
@@ -133,11 +163,12 @@ class TraceReplay:
 
     trace: Trace
     cost: CostModel
-    sweep: Sweep | None = None
+    sweep: Sweep | None = None  # the first --sweep (all of them: sweeps)
     executor: str = "sim"
     model: str | None = None
     speedup: float = 1.0
     policies: tuple[str, ...] = ()  # checkpoint policies to compare (one run each per point)
+    sweeps: tuple[Sweep, ...] = ()  # every --sweep, in the order given
 
     def extra(self) -> dict[str, Any]:
         """What the metrics of each run add about the trace and the options."""
@@ -166,20 +197,25 @@ def load_trace_replay(
     limit: int | None = None,
     speedup: float = 1.0,
     cost: str | None = None,
-    sweep: str | None = None,
+    sweep: str | Sequence[str] | None = None,
     log: str | None = None,
     policies: str | None = None,
+    seed: int = 0,
+    sharing: str | None = None,
+    shape_params: str | None = None,
 ) -> TraceReplay:
     """Check the options (before reading anything where they allow) and read the trace.
 
     Raises SetupError for bad options and ``TraceError`` for a trace that cannot be read.
     """
     kind = detect_format(path, fmt)
+    shape = trace_shape(kind, sharing, shape_params)
     try:
         cost_model = CostModel.parse(cost or "")
     except ValueError as exc:
         raise SetupError(str(exc)) from None
-    parsed = parse_sweep(sweep) if sweep else None
+    sweeps = parse_sweeps(sweep) if sweep else ()
+    parsed = sweeps[0] if sweeps else None
     if parsed and log:
         raise SetupError("--log records one run: it cannot be combined with --sweep")
     compared = parse_policies(policies) if policies else ()
@@ -196,12 +232,37 @@ def load_trace_replay(
         vocab_size=TRACE_VOCAB,
         skip_bad_lines=skip_bad_lines,
         limit=limit,
+        seed=seed,
+        shape=shape,
     )
     if speedup != 1.0:
         if not speedup > 0:
             raise SetupError(f"--speedup must be positive, got {speedup}")
         trace = attrs.evolve(trace, workload=speed_up(trace.workload, speedup))
-    return TraceReplay(trace, cost_model, parsed, executor, model, speedup, compared)
+    return TraceReplay(trace, cost_model, parsed, executor, model, speedup, compared, sweeps)
+
+
+def trace_shape(
+    kind: str, sharing: str | None, params: str | None
+) -> ChatBranching | CodeEdit | None:
+    """The parameters of a generated shape (``gen:NAME``) or of an Azure trace's sharing
+    model (``--sharing``), from ``--shape-param``; SetupError names the option at fault."""
+    if sharing is not None and kind != "azure":
+        raise SetupError(f"--sharing {sharing}: a sharing model applies to Azure traces only")
+    if params and kind not in ("gen", "azure"):
+        raise SetupError("--shape-param: only a gen:NAME shape or --sharing has parameters")
+    if params and kind == "azure" and sharing is None:
+        raise SetupError("--shape-param sets a sharing model's parameters: give --sharing")
+    try:
+        if kind == "gen":
+            gen: ChatBranching = parse_params(ChatBranching, params, vocab_size=TRACE_VOCAB)
+            return gen
+        if kind == "azure" and sharing is not None:
+            return sharing_model(sharing, params, TRACE_VOCAB)
+    except ShapeError as exc:
+        option = "--sharing" if str(exc).startswith("--sharing") else "--shape-param"
+        raise SetupError(f"{option}: {exc}" if option == "--shape-param" else str(exc)) from None
+    return None
 
 
 ORACLE = "oracle"

@@ -9,7 +9,10 @@
   at its own block size when it hashes them.
 * **Azure** (``TIMESTAMP,ContextTokens,GeneratedTokens`` with 7 fractional digits): no prefix
   identity; every request gets its own tokens (keyed by its line), so nothing is shared.
+  With ``sharing`` (``--sharing code-edit``, ``replay/sharing.py``), an explicit, seeded
+  model of code-completion traffic assigns the tokens instead; arrivals and lengths are kept.
 * **log**: the ``RequestArrived`` inputs of a kvsched event log, at their logged times.
+* **gen** (``gen:NAME``, no file): a built-in generated shape (``replay/shapes.py``), seeded.
 
 Arrivals are ordered by (timestamp, line), so a replay is deterministic whatever the file's
 order. A malformed line raises ``TraceError`` naming the file and line; with
@@ -41,10 +44,12 @@ import attrs
 import numpy as np
 
 from kvsched.events import types as ev
+from kvsched.replay.shapes import ChatBranching, token_ideal
+from kvsched.replay.sharing import CodeEdit, code_edit_prompts
 from kvsched.replay.synth import MOONCAKE_BLOCK, BlockTokens, sequential_ideal, synth_tokens
 from kvsched.replay.workload import Turn, Workload
 
-TraceFormat = Literal["mooncake", "azure", "log"]
+TraceFormat = Literal["mooncake", "azure", "log", "gen"]
 FORMATS: tuple[str, ...] = ("mooncake", "azure", "log")
 MAX_PROMPT_TOKENS = 1 << 20
 MAX_OUTPUT_TOKENS = 1 << 20
@@ -52,6 +57,7 @@ MAX_HASH_IDS = -(-MAX_PROMPT_TOKENS // MOONCAKE_BLOCK)
 MAX_HASH_ID = (1 << 63) - 1
 MAX_TIMESTAMP_MS = 10**12
 _SUFFIXES = {".jsonl": "mooncake", ".csv": "azure", ".kvlog": "log"}
+GEN_PREFIX = "gen:"  # a TRACE named gen:NAME is a built-in generated shape, not a file
 
 
 class TraceError(ValueError):
@@ -90,7 +96,12 @@ class Trace:
 
 
 def detect_format(path: str | Path, fmt: str | None = None) -> str:
-    """The trace format: ``fmt`` when given (checked), else from the file's suffix."""
+    """The trace format: ``fmt`` when given (checked), else "gen" for ``gen:NAME``, else from
+    the file's suffix."""
+    if str(path).startswith(GEN_PREFIX):
+        if fmt not in (None, "gen"):
+            raise TraceError(f"{path}: a generated shape has no --format (drop it)")
+        return "gen"
     if fmt is not None:
         if fmt not in FORMATS:
             raise TraceError(f"{path}: unknown trace format {fmt!r} (known: {', '.join(FORMATS)})")
@@ -113,19 +124,28 @@ def read_trace(
     skip_bad_lines: bool = False,
     limit: int | None = None,
     seed: int = 0,
+    shape: ChatBranching | CodeEdit | None = None,
 ) -> Trace:
-    """Read a trace into a workload (requests ordered by (timestamp, line))."""
+    """Read a trace into a workload (requests ordered by (timestamp, line)); ``shape``: the
+    parameters of a generated shape (``gen:NAME``) or the sharing model of an Azure trace."""
     kind = detect_format(path, fmt)
     if kind == "log":
         return read_log_trace(path, limit=limit)
-    reader = read_mooncake if kind == "mooncake" else read_azure
-    return reader(
+    if kind == "gen":
+        from kvsched.replay.gentrace import generated_trace
+
+        gen = shape if isinstance(shape, ChatBranching) else ChatBranching(vocab_size=vocab_size)
+        return generated_trace(str(path), gen, seed, block_size, limit)
+    sharing = {"sharing": shape} if kind == "azure" and isinstance(shape, CodeEdit) else {}
+    reader: Any = read_mooncake if kind == "mooncake" else read_azure
+    return reader(  # type: ignore[no-any-return]
         path,
         block_size=block_size,
         vocab_size=vocab_size,
         skip_bad_lines=skip_bad_lines,
         limit=limit,
         seed=seed,
+        **sharing,
     )
 
 
@@ -370,7 +390,10 @@ def read_azure(
     skip_bad_lines: bool = False,
     limit: int | None = None,
     seed: int = 0,
+    sharing: CodeEdit | None = None,
 ) -> Trace:
+    """An Azure CSV trace: its own tokens per request (nothing shared), or with ``sharing``
+    the tokens of that sharing model (``replay/sharing.py``)."""
     col = _Collector(path, skip_bad_lines)
     rows: list[tuple[int, int, tuple[int, int]]] = []
     lines = _open_lines(path)
@@ -395,9 +418,13 @@ def read_azure(
     ordered = _order(rows)
     t0 = ordered[0][0] if ordered else 0
     turns: list[Turn] = []
+    shared = code_edit_prompts(sharing, [r[2][0] for r in ordered], seed) if sharing else None
     for seq_id, (at, line, (n_in, n_out)) in enumerate(ordered):
-        # No prefix identity: the request's own tokens, keyed by its line.
-        prompt = synth_tokens(np.asarray([line]), n_in, vocab_size, seed + 0x5EED)[0]
+        # No prefix identity: the request's own tokens, keyed by its line (or the model's).
+        if shared is None:
+            prompt = synth_tokens(np.asarray([line]), n_in, vocab_size, seed + 0x5EED)[0]
+        else:
+            prompt = shared[seq_id]
         turns.append(Turn(ev.RequestArrived(seq_id, prompt, n_out), arrival_s=(at - t0) / 1e7))
     info = TraceInfo(
         str(path),
@@ -408,9 +435,10 @@ def read_azure(
         col.out_of_order,
         max((a + b for _, _, (a, b) in rows), default=0),
         sum(a + b for _, _, (a, b) in rows),
-        0.0,
+        token_ideal(shared, block_size) if shared is not None else 0.0,
     )
-    return Trace(Workload(f"azure:{Path(path).name}", tuple(turns)), info)
+    name = f"azure:{Path(path).name}" + (" sharing code-edit" if sharing else "")
+    return Trace(Workload(name, tuple(turns)), info)
 
 
 # ----------------------------------------------------------------------- event log
