@@ -118,10 +118,10 @@ class Checkpoints:
         default=CHECKPOINT_POLICIES["kvsched"]["placement"], converter=tuple
     )
     eviction: str = "value"
-    interval: int = 4096  # tokens between "interval" checkpoints (whole blocks)
+    interval: int = 4096  # tokens between "interval" saves (half a chunk: docs/checkpoints.md)
     decode_interval: int = 0  # tokens between "decode" checkpoints (0: none)
     # A save less than this many blocks past the state the sequence restored is not made: a
-    # hit on it would save less prefill than its state slot (and frozen block) are worth.
+    # hit on it would save less prefill than its slot is worth (docs/checkpoints.md).
     min_gain_blocks: int = 1
     # The executor can save a state in the middle of a chunk (plan.state_save_within); when it
     # cannot, "branch" and "prompt_tail" end a chunk there instead and "interval" is not used.

@@ -120,8 +120,10 @@ _RULES_BY_GROUP = tuple(
     (group, frozenset(k for k, g in _DEEPER.items() if g == group))
     for group in dict.fromkeys(_DEEPER.values())
 )
-# A branch checkpoint's frequency at birth: a request already shared its prefix (4, not 2:
-# chosen on the Mooncake trace, docs/benchmarks.md).
+# A branch checkpoint's frequency at birth: a request already shared its prefix, so it starts
+# above an unshared checkpoint's 1. 4: the smallest value on the plateau of the synthetic trace
+# and a branching chat (2 loses on both, 8 is level); docs/checkpoints.md, "How each constant
+# is chosen".
 BRANCH_BIRTH = 4
 
 
