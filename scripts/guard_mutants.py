@@ -144,7 +144,7 @@ TRANSLATION = "tests/integrations/vllm/test_vllm_translation.py"
 EXISTS = "if os.path.isfile(path) and not overwrite:"
 NONEMPTY = "if where.is_dir() and any(where.iterdir()) and not overwrite:"
 SWEPT = 'getattr(args, key.replace("-", "_"), None)'
-MEMORY = 'memory = key == "checkpoint-memory" or args.checkpoint_memory is not None'
+MEMORY = 'memory = "checkpoint-memory" in keys or args.checkpoint_memory is not None'
 PREFIX_OK = "if check != _crc32(prefix[:8]) or offset > size:"
 EXCEPTS = """    except BrokenPipeError:
         return _stdout_closed()
