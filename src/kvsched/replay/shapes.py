@@ -198,22 +198,28 @@ def generated(name: str, spec: str | None, seed: int, vocab_size: int) -> Worklo
     return chat_branching(parse_params(ChatBranching, spec, vocab_size=vocab_size), seed)
 
 
+def block_names(prompt: np.ndarray, block_size: int) -> list[bytes]:
+    """The names of a prompt's whole blocks: a digest of each block's tokens and its parent's
+    name, so equal names mean equal prefixes."""
+    raw = np.ascontiguousarray(prompt, dtype=np.int32).tobytes()
+    names, parent = [], b""
+    for i in range(len(prompt) // block_size):
+        parent = hashlib.blake2b(
+            parent + raw[4 * i * block_size : 4 * (i + 1) * block_size], digest_size=16
+        ).digest()
+        names.append(parent)
+    return names
+
+
 def token_ideal(prompts: list[np.ndarray], block_size: int) -> float:
     """Token hit rate with an infinite cache, one request at a time, in arrival order: each
     prompt hits the longest run of whole blocks an earlier prompt began with, never its last
-    token (the definition of ``synth.sequential_ideal``, on tokens instead of hash ids). A
-    block is named by a digest of its tokens and its parent's name, so a name is its prefix."""
+    token (the definition of ``synth.sequential_ideal``, on tokens instead of hash ids)."""
     seen: set[bytes] = set()
     hit = total = 0
     for prompt in prompts:
         n = len(prompt)
-        raw = np.ascontiguousarray(prompt, dtype=np.int32).tobytes()
-        names, parent = [], b""
-        for i in range(n // block_size):
-            parent = hashlib.blake2b(
-                parent + raw[4 * i * block_size : 4 * (i + 1) * block_size], digest_size=16
-            ).digest()
-            names.append(parent)
+        names = block_names(prompt, block_size)
         k, limit = 0, min(len(names), (n - 1) // block_size)
         while k < limit and names[k] in seen:
             k += 1
