@@ -498,3 +498,16 @@ def test_vllm_make_stats_reports_kvscheds_prefix_hits_with_each_output(qwen3: Pa
     assert (got.requests, got.queries, got.hits) == (3, 3 * 512, 3 * 448)
     assert step().prefix_cache_stats.requests == 0  # the next interval
     sched.shutdown()
+
+
+def test_vllm_scheduler_refuses_to_start_under_an_untested_vllm_release(monkeypatch):
+    import vllm
+
+    from kvsched.integrations.vllm import Scheduler
+    from kvsched.integrations.vllm.config import TESTED_VLLM, UnsupportedConfig
+
+    monkeypatch.setattr(vllm, "__version__", "0.99.0")
+    monkeypatch.delenv("KVSCHED_VLLM_ALLOW_UNTESTED", raising=False)
+    vllm_config = type("VllmConfig", (), {"additional_config": {}})()
+    with pytest.raises(UnsupportedConfig, match=f"tested against vLLM {TESTED_VLLM}.*0\\.99\\.0"):
+        Scheduler(vllm_config, None, None, 16)

@@ -84,10 +84,12 @@ def test_vllm_configurations_the_adapter_cannot_serve_are_refused_with_the_reaso
 def test_vllm_adapter_options_come_from_additional_config_before_the_environment(monkeypatch):
     monkeypatch.setenv(cfg.LOG_ENV, "/tmp/env.kvlog")
     monkeypatch.delenv(cfg.OVERWRITE_ENV, raising=False)
+    monkeypatch.delenv(cfg.UNTESTED_ENV, raising=False)
     vc = _vllm_config()
-    assert cfg.options(vc) == {"log": "/tmp/env.kvlog", "overwrite_log": False}
+    flags = {"overwrite_log": False, "allow_untested_vllm": False}
+    assert cfg.options(vc) == {"log": "/tmp/env.kvlog", **flags}
     vc.additional_config = {"kvsched": {"log": "/tmp/mine.kvlog"}}
-    assert cfg.options(vc) == {"log": "/tmp/mine.kvlog", "overwrite_log": False}
+    assert cfg.options(vc) == {"log": "/tmp/mine.kvlog", **flags}
     vc.additional_config = {"kvsched": {"lgo": "x"}}
     with pytest.raises(cfg.UnsupportedConfig, match="unknown kvsched options"):
         cfg.options(vc)
@@ -262,3 +264,33 @@ def test_a_hybrid_cache_too_small_for_the_states_is_refused():
             _kv_cache(FullAttentionSpec, MambaSpec, num_blocks=10),
             544,
         )
+
+
+def test_vllm_release_the_adapter_is_tested_against_starts_with_or_without_a_build_label():
+    assert cfg.check_vllm_version(cfg.TESTED_VLLM, False) is None
+    assert cfg.check_vllm_version(cfg.TESTED_VLLM + "+cpu", False) is None
+
+
+def test_vllm_other_release_is_refused_at_start_up_naming_both_releases_and_the_opt_in():
+    with pytest.raises(cfg.UnsupportedConfig) as refused:
+        cfg.check_vllm_version("0.33.1", False)
+    message = str(refused.value)
+    assert cfg.TESTED_VLLM in message and "0.33.1" in message
+    assert "allow_untested_vllm" in message and cfg.UNTESTED_ENV in message
+
+
+def test_vllm_other_release_starts_with_a_warning_when_allowed_by_option_or_environment(
+    monkeypatch,
+):
+    monkeypatch.delenv(cfg.UNTESTED_ENV, raising=False)
+    vc = _vllm_config()
+    assert cfg.options(vc)["allow_untested_vllm"] is False
+    vc.additional_config = {"kvsched": {"allow_untested_vllm": True}}
+    allowed = cfg.options(vc)["allow_untested_vllm"]
+    warning = cfg.check_vllm_version("0.31.2", allowed)
+    assert warning is not None and "0.31.2" in warning and cfg.TESTED_VLLM in warning
+    monkeypatch.setenv(cfg.UNTESTED_ENV, "1")
+    assert cfg.options(_vllm_config())["allow_untested_vllm"] is True
+    vc.additional_config = {"kvsched": {"allow_untested_vllm": "yes"}}
+    with pytest.raises(cfg.UnsupportedConfig, match="allow_untested_vllm must be"):
+        cfg.options(vc)

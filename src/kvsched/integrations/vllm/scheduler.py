@@ -24,6 +24,7 @@ from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
+import vllm
 from vllm.distributed.kv_events import (
     KVEventBatch,
 )
@@ -73,8 +74,11 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # (vLLM is untyped h
         self.log_stats = log_stats
         self.connector = None  # read directly by vLLM's engine core
         self.ec_connector = None
-        self.config = cfg.scheduler_config(vllm_config, kv_cache_config, block_size)
         opts = cfg.options(vllm_config)
+        untested = cfg.check_vllm_version(vllm.__version__, opts["allow_untested_vllm"])
+        if untested:
+            logger.warning("kvsched: %s", untested)
+        self.config = cfg.scheduler_config(vllm_config, kv_cache_config, block_size)
         self.log_path: str | None = opts.get("log")
         self._vllm_hashes = opts.get("block_hashes") == "vllm"
         if self.log_path:
