@@ -307,8 +307,18 @@ ROUND_2 = [
       'out["overwrite_log"] = bool(os.environ.get(OVERWRITE_ENV))', TRANSLATION),
     m(
         "integrations/vllm/config.py",
-        'elif not isinstance(out["overwrite_log"], bool):',
-        'elif out["overwrite_log"] is None:',
+        "if not isinstance(out[flag], bool):",
+        "if out[flag] is None:",
+        TRANSLATION,
+    ),
+    m("integrations/vllm/config.py", 'release = found.split("+", 1)[0]', "release = found",
+      TRANSLATION),
+    m("integrations/vllm/config.py", "    if allow_untested:\n", "    if not allow_untested:\n",
+      TRANSLATION),
+    m(
+        "integrations/vllm/requests.py",
+        "if detection is not None and detection.max_pattern_size > 0:",
+        "if detection is not None:",
         TRANSLATION,
     ),
     m(

@@ -142,6 +142,8 @@ def test_vllm_mixed_workload_is_token_identical_under_kvsched_and_hits_the_prefi
         requests["stop-token"]["tokens"][-1] == stop and len(requests["stop-token"]["tokens"]) <= 6
     )
     assert requests["after-reset"]["cached"] == 0  # reset_prefix_cache emptied the cache
+    late = requests["min-tokens"]["tokens"]  # the stop token is masked for 10 tokens
+    assert len(late) >= 10 and stop not in late[:10]
     assert mine["kvsched"]["hit_tokens"] >= 3 * 320 + 96 + 160
 
 
@@ -362,7 +364,10 @@ def server(qwen3: Path, tmp_path_factory: pytest.TempPathFactory) -> Any:
 @pytest.mark.parametrize(
     ("field", "reason"),
     [
-        ({"min_tokens": 2}, "min_tokens is not supported by the kvsched adapter"),
+        (
+            {"repetition_detection": {"max_pattern_size": 2, "min_count": 3}},
+            "repetition detection is not supported by the kvsched adapter",
+        ),
         ({"prompt_logprobs": 1}, "prompt logprobs are not supported by the kvsched adapter"),
     ],
 )
@@ -399,13 +404,16 @@ def test_vllm_openai_server_runs_under_kvsched_and_its_log_verifies(server: Any,
 OFFLINE = """
 import json, sys
 from vllm import LLM, SamplingParams, TokensPrompt
+from vllm.sampling_params import RepetitionDetectionParams
 llm = LLM(sys.argv[1], scheduler_cls="kvsched.integrations.vllm.Scheduler",
           logits_processors=["kvsched.integrations.vllm:RequestCheck"], enforce_eager=True,
           block_size=32, max_model_len=512, max_num_batched_tokens=256, max_num_seqs=8,
           dtype="float32",
           skip_tokenizer_init=True)
 got = {}
-for name, over in [("min_tokens", {"min_tokens": 2}), ("prompt_logprobs", {"prompt_logprobs": 1})]:
+repeats = RepetitionDetectionParams(max_pattern_size=2, min_count=3)
+for name, over in [("repetition", {"repetition_detection": repeats}),
+                   ("prompt_logprobs", {"prompt_logprobs": 1})]:
     try:
         llm.generate([TokensPrompt(prompt_token_ids=list(range(5, 40)))],
                      SamplingParams(max_tokens=4, **over), use_tqdm=False)
@@ -435,8 +443,8 @@ def test_vllm_offline_generate_raises_the_adapters_refusal_with_the_reason(qwen3
     assert proc.returncode == 0, proc.stderr[-4000:]
     line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT"))
     got = json.loads(line[len("RESULT") :])
-    want = "VLLMValidationError: min_tokens is not supported by the kvsched adapter"
-    assert want in (got["min_tokens"] or "")
+    want = "VLLMValidationError: repetition detection is not supported by the kvsched adapter"
+    assert want in (got["repetition"] or "")
     assert "prompt logprobs are not supported" in (got["prompt_logprobs"] or "")
 
 

@@ -214,7 +214,10 @@ def test_a_vllm_request_keeps_vllms_block_digests_when_the_adapter_is_told_to():
         ({"lora_request": object()}, "LoRA"),
         ({"mm_features": [object()]}, "multimodal"),
         ({"sampling_params": None}, "pooling"),
-        ({"sampling_params": _params(min_tokens=2)}, "min_tokens"),
+        (
+            {"sampling_params": _params(repetition_detection=NS(max_pattern_size=2))},
+            "repetition detection",
+        ),
         ({"structured_output_request": object()}, "structured outputs"),
         ({"sampling_params": _params(prompt_logprobs=1)}, "prompt logprobs"),
         ({"sampling_params": _params(structured_outputs=object())}, "structured outputs"),
@@ -294,3 +297,12 @@ def test_vllm_other_release_starts_with_a_warning_when_allowed_by_option_or_envi
     vc.additional_config = {"kvsched": {"allow_untested_vllm": "yes"}}
     with pytest.raises(cfg.UnsupportedConfig, match="allow_untested_vllm must be"):
         cfg.options(vc)
+
+
+def test_vllm_requests_with_min_tokens_are_served_and_keep_vllms_stop_order():
+    request = _request(sampling_params=_params(min_tokens=3, eos_token_id=9))
+    assert refusal(request) is None
+    rule = stop_rule(request, max_model_len=64)
+    assert stop_reason(rule, 9, 1) == ("stop", None)  # (vLLM checks eos before min_tokens)
+    off = _params(repetition_detection=NS(max_pattern_size=0))  # 0: detection is off
+    assert refusal(_request(sampling_params=off)) is None

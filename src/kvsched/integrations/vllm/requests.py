@@ -48,8 +48,9 @@ def params_refusal(params: Any) -> str | None:
         return "structured outputs are not supported by the kvsched adapter"
     if params.prompt_logprobs is not None:
         return "prompt logprobs are not supported by the kvsched adapter"
-    if params.min_tokens:
-        return "min_tokens is not supported by the kvsched adapter"
+    detection = getattr(params, "repetition_detection", None)
+    if detection is not None and detection.max_pattern_size > 0:
+        return "repetition detection is not supported by the kvsched adapter"
     return None
 
 
@@ -82,7 +83,10 @@ def arrival(
 
 
 class StopRule(NamedTuple):
-    """vLLM's stop check for one request, read once at arrival."""
+    """vLLM's stop check for one request, read once at arrival. ``min_tokens`` needs nothing
+    here: vLLM 0.32's ``check_stop`` tests eos, stop tokens and length before it (it only
+    delays repetition detection, which the adapter refuses), and the sampler's min-tokens
+    logits processor keeps eos and stop tokens from being sampled before it."""
 
     eos: int  # -1: none (``ignore_eos``)
     stop_tokens: frozenset[int]

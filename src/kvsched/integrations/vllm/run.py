@@ -5,6 +5,7 @@
 
 Workloads (token ids, greedy, ``ignore_eos``):
 * ``mixed``: prompts sharing a long prefix (one first, the rest after it is cached), a
+  stop token (with sample logprobs) and the same stop token under ``min_tokens``, a
   three-turn conversation (each turn the previous prompt, its answer and new tokens), a prompt
   longer than the per-step token budget (chunked prefill), a request with ``n=3`` (seeded
   sampling; attention models only) and a request aborted mid-decode.
@@ -147,6 +148,15 @@ def mixed(
     stop = out["prefix-0"]["tokens"][5]
     _generate(
         llm, {"stop-token": prefix + _tokens(16, 100)}, 16, out, stop_token_ids=[stop], logprobs=2
+    )
+    # min_tokens: the same stop token, masked by the sampler for the first 10 tokens.
+    _generate(
+        llm,
+        {"min-tokens": prefix + _tokens(16, 100)},
+        16,
+        out,
+        stop_token_ids=[stop],
+        min_tokens=10,
     )
     assert llm.reset_prefix_cache(), "reset_prefix_cache refused with nothing running"
     _generate(llm, {"after-reset": prefix + _tokens(16, 104)}, 8, out)  # must miss

@@ -128,8 +128,9 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # (vLLM is untyped h
         logger.info("kvsched scheduler: %s; event log: %s", self.config, self.log_path)
         if not cfg.has_request_check(vllm_config):
             logger.warning(
-                "kvsched: requests the adapter refuses (prompt logprobs, min_tokens, structured "
-                "outputs) will fail with an internal error; add --logits-processors %s "
+                "kvsched: requests the adapter refuses (prompt logprobs, structured outputs, "
+                "repetition detection) will fail with an internal error; add "
+                "--logits-processors %s "
                 "(LLM(logits_processors=[...])) to refuse them up front with the reason",
                 "kvsched.integrations.vllm:RequestCheck",
             )
