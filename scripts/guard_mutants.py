@@ -141,6 +141,7 @@ CHECKS, INIT, FRAMING = "cli/checks.py", "cli/__init__.py", "events/framing.py"
 TRACES, LOG = "tests/replay/test_traces.py", "tests/events/test_log.py"
 WATCH, REPORT = "tests/stream/test_watch.py", "tests/replay/test_report.py"
 TRANSLATION = "tests/integrations/vllm/test_vllm_translation.py"
+HOLD = "tests/policy/test_admission_hold.py"
 EXISTS = "if os.path.isfile(path) and not overwrite:"
 NONEMPTY = "if where.is_dir() and any(where.iterdir()) and not overwrite:"
 SWEPT = 'getattr(args, key.replace("-", "_"), None)'
@@ -348,6 +349,13 @@ ROUND_2 = [
         "batched = length",
         TRANSLATION,
     ),
+    # held admissions (AdmissionsHeld, vLLM's PAUSED_NEW)
+    m("policy/admission.py", "        if state.serving.admissions_held:\n",
+      "        if False:\n", HOLD),
+    m("reducers/state.py", "(not held or bool(self.transfers.ready_loads()))",
+      "(True or bool(self.transfers.ready_loads()))", HOLD),
+    m("reducers/work.py", "self.admissions_held = bool(e.held)", "self.admissions_held = True",
+      HOLD),
 ]  # fmt: skip
 
 # Round 2, the vLLM adapter's slips that need vLLM: run with --vllm in .venv-vllm.

@@ -165,6 +165,8 @@ class EngineMachine(RuleBasedStateMachine):
         self.inputs, self.outcome = [], []
         self.clock += 0.01
         self.drained = any(isinstance(d, ev.Drained) for d in result.decisions)
+        if self.engine.state.serving.admissions_held:  # (held from this step's inputs on)
+            assert not any(isinstance(d, ev.SequenceAdmitted) for d in result.decisions)
         self.runner.fail = fail
         execute_step(self.runner, result, self.outcome, self.clock)  # (sleep and wake too)
         for o in self.outcome:  # only injected faults: never a plan run on a sleeping executor
@@ -216,6 +218,10 @@ class EngineMachine(RuleBasedStateMachine):
     @rule()
     def wake(self) -> None:
         self.inputs.append(ev.WakeRequested())
+
+    @rule(held=st.booleans())
+    def hold_admissions(self, held: bool) -> None:
+        self.inputs.append(ev.AdmissionsHeld(held=held))
 
     @invariant()
     def owners_are_consistent(self) -> None:

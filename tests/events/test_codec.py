@@ -55,6 +55,7 @@ SAMPLES: dict[type[ev.Event], ev.Event] = {
     ev.SessionEnded: ev.SessionEnded(11),
     ev.DrainRequested: ev.DrainRequested(),
     ev.WakeRequested: ev.WakeRequested(),
+    ev.AdmissionsHeld: ev.AdmissionsHeld(held=False),
     ev.StepExecuted: ev.StepExecuted(9, i64(1, 2**40, 3), i32(4, 5, 6), 0.0125),
     ev.StepFailed: ev.StepFailed(9, "CUDA error: out of memory"),
     ev.KVLookupAnswered: ev.KVLookupAnswered(4, 12, pending=True),

@@ -56,6 +56,13 @@ class WakeRequested(Event, frozen=True, tag="wake"):
     pass
 
 
+class AdmissionsHeld(Event, frozen=True, tag="hold"):
+    """``held``: admit nothing from the waiting queue until ``AdmissionsHeld(held=False)``;
+    running sequences, and loads already admitted, go on (vLLM's ``PAUSED_NEW``)."""
+
+    held: bool = True
+
+
 class StepExecuted(Event, frozen=True, tag="executed"):
     """Outcome of a step: the tokens sampled for the sequences that sampled."""
 

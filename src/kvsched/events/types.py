@@ -52,6 +52,7 @@ from kvsched.events.decisions import (
 )
 from kvsched.events.inputs import (
     SLEEP_LEVELS,
+    AdmissionsHeld,
     DrainRequested,
     KVLoadFailed,
     KVLoadFinished,
@@ -90,6 +91,7 @@ __all__ = [
     "SLEEP_LEVELS",
     "UNINDEXED",
     "AbortDeferred",
+    "AdmissionsHeld",
     "BlocksAllocated",
     "BlocksCached",
     "BlocksEvicted",
@@ -146,6 +148,7 @@ INPUT_TYPES: tuple[type[Event], ...] = (
     SessionEnded,
     DrainRequested,
     WakeRequested,
+    AdmissionsHeld,
     StepExecuted,
     StepFailed,
     KVLookupAnswered,

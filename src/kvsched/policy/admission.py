@@ -221,6 +221,8 @@ class Admission:
         stop_on_failure = self.config.order != "ttft"
         if self._soft and not self._settle_ready(state, budget, emit, stop_on_failure):
             return
+        if state.serving.admissions_held:
+            return  # (ready loads above hold their blocks: they settle even while held)
         for seq in ordered:
             if table.num_running >= self.config.max_batch and not self._soft:
                 return  # (a load takes no row: while every row runs, loads still start)

@@ -226,9 +226,11 @@ class EngineState:
     @property
     def has_work(self) -> bool:
         """Something to schedule or to save (a finished sequence's state), or transfers to
-        wait for."""
+        wait for. While admissions are held, only ready loads of the waiting are work."""
         t = self.seqs
-        serving = not self.sleeping and (bool(t.waiting) or t.num_running > 0)
+        held = self.serving.admissions_held
+        admitting = bool(t.waiting) and (not held or bool(self.transfers.ready_loads()))
+        serving = not self.sleeping and (admitting or t.num_running > 0)
         saving = bool(self.ckpts.reserved)
         return serving or saving or self.transfers.busy or self.serving.drain_pending
 

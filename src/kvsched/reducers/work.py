@@ -106,8 +106,8 @@ class StepWork:
 
 class Serving:
     """The step counter and clock, sleep (after a drain) at its level and a deferred drain
-    with the level it will sleep at, and the count of consecutive decode-only steps
-    (alternate turn mode)."""
+    with the level it will sleep at, whether admissions are held (``AdmissionsHeld``), and
+    the count of consecutive decode-only steps (alternate turn mode)."""
 
     def __init__(self) -> None:
         self.step = 0
@@ -117,6 +117,7 @@ class Serving:
         self.drain_pending = False
         self.drain_level = 0  # while a drain is deferred: the level it sleeps at
         self.decode_turns = 0
+        self.admissions_held = False
 
     def folds(self) -> Folds:
         return {
@@ -126,7 +127,11 @@ class Serving:
             ev.DrainDeferred: self._on_drain_deferred,
             ev.PrefillScheduled: self._on_prefill,
             ev.DecodeScheduled: self._on_decode,
+            ev.AdmissionsHeld: self._on_hold,
         }
+
+    def _on_hold(self, e: ev.AdmissionsHeld) -> None:
+        self.admissions_held = bool(e.held)
 
     def _on_step_started(self, e: ev.StepStarted) -> None:
         self.step, self.clock = e.step, e.clock
@@ -161,5 +166,5 @@ class Serving:
     def snapshot(self) -> tuple[object, ...]:
         return (
             self.step, self.clock, self.sleeping, self.sleep_level, self.drain_pending,
-            self.drain_level, self.decode_turns,
+            self.drain_level, self.decode_turns, self.admissions_held,
         )

@@ -519,3 +519,70 @@ def test_vllm_scheduler_refuses_to_start_under_an_untested_vllm_release(monkeypa
     vllm_config = type("VllmConfig", (), {"additional_config": {}})()
     with pytest.raises(UnsupportedConfig, match=f"tested against vLLM {TESTED_VLLM}.*0\\.99\\.0"):
         Scheduler(vllm_config, None, None, 16)
+
+
+PAUSE = """
+import json, sys
+from vllm import LLM, SamplingParams, TokensPrompt
+from vllm.v1.core.sched.interface import PauseState
+kw = {"scheduler_cls": "kvsched.integrations.vllm.Scheduler"} if sys.argv[2] == "kvsched" else {}
+llm = LLM(sys.argv[1], enforce_eager=True, block_size=32, max_model_len=512,
+          max_num_batched_tokens=256, max_num_seqs=8, dtype="float32", skip_tokenizer_init=True,
+          **kw)
+engine = llm.llm_engine
+scheduler = engine.engine_core.engine_core.scheduler
+params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=10)
+def add(name, seed):
+    prompt = [5 + (seed * 37 + i * 11) % 400 for i in range(60)]
+    engine.add_request(name, TokensPrompt(prompt_token_ids=prompt), params)
+lengths, trace = {}, []
+def step(label):
+    for r in engine.step():
+        lengths[r.request_id] = len(r.outputs[0].token_ids)
+    trace.append([label, dict(sorted(lengths.items())), scheduler.get_num_unfinished_requests()])
+add("running", 1)
+for _ in range(3):
+    step("before")
+add("queued-1", 2)
+add("queued-2", 3)
+scheduler.set_pause_state(PauseState.PAUSED_NEW)
+for _ in range(4):
+    step("paused")
+scheduler.set_pause_state(PauseState.UNPAUSED)
+while engine.has_unfinished_requests():
+    step("after")
+print("RESULT" + json.dumps(trace))
+"""
+
+
+def _pause_trace(model: Path, scheduler: str) -> list[Any]:
+    import os
+
+    env = {
+        **os.environ,
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+    }
+    proc = subprocess.run(
+        [sys.executable, "-c", PAUSE, str(model), scheduler],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT"))
+    return list(json.loads(line[len("RESULT") :]))
+
+
+def test_vllm_paused_new_admits_nothing_queued_and_drains_what_runs_as_vllms_scheduler(
+    qwen3: Path,
+):
+    ref, mine = _pause_trace(qwen3, "vllm"), _pause_trace(qwen3, "kvsched")
+    assert mine == ref  # step by step: who produced tokens, and the unfinished count
+    paused = [lengths for label, lengths, _ in mine if label == "paused"]
+    assert all("queued-1" not in s and "queued-2" not in s for s in paused)
+    assert paused[-1]["running"] > paused[0]["running"]  # what runs goes on
+    final = mine[-1][1]
+    assert final == {"queued-1": 10, "queued-2": 10, "running": 10}

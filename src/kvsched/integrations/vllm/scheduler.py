@@ -388,7 +388,13 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # (vLLM is untyped h
     # ------------------------------------------------------------------ queries
 
     def get_num_unfinished_requests(self) -> int:
-        return 0 if self._pause == PauseState.PAUSED_ALL else len(self.requests)
+        """vLLM's count: none under PAUSED_ALL; under PAUSED_NEW only what runs (the queued
+        requests stay queued, so a pause that waits for a drain ends)."""
+        if self._pause == PauseState.PAUSED_ALL:
+            return 0
+        if self._pause == PauseState.PAUSED_NEW:
+            return int(self.engine.state.seqs.num_running)
+        return len(self.requests)
 
     def has_finished_requests(self) -> bool:
         # Folds still owed to kvsched (an outcome, aborts) count: the engine keeps stepping
@@ -447,6 +453,11 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # (vLLM is untyped h
         return self._pause
 
     def set_pause_state(self, pause_state: PauseState) -> None:
+        """PAUSED_NEW (and PAUSED_ALL) hold kvsched's admissions from the next step on
+        (``AdmissionsHeld``, in the log); UNPAUSED lifts the hold."""
+        held = pause_state != PauseState.UNPAUSED
+        if held != (self._pause != PauseState.UNPAUSED):
+            self._inputs.append(ev.AdmissionsHeld(held=held))
         self._pause = pause_state
 
     def get_kv_event_publisher_config(self) -> Any:

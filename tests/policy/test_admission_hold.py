@@ -1,0 +1,60 @@
+"""Held admissions (``AdmissionsHeld``, vLLM's ``PAUSED_NEW``): what runs goes on, nothing
+waiting is admitted until the hold is lifted."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvsched.events import types as ev
+from kvsched.events.codec import decode_events, encode
+
+from .helpers import Harness, admitted, of_type, request
+
+
+def test_while_admissions_are_held_a_running_sequence_decodes_and_nothing_waiting_is_admitted():
+    h = Harness()
+    h.step([request(0, 40, max_tokens=6)])
+    result = h.step([ev.AdmissionsHeld(), request(1, 40, max_tokens=3)])
+    assert admitted(result) == []
+    for _ in range(3):
+        result = h.step()
+        assert admitted(result) == []
+        assert of_type(result.decisions, ev.DecodeScheduled)  # sequence 0 goes on
+    assert 1 in h.state.seqs.waiting
+
+
+def test_a_held_engine_with_only_waiting_sequences_has_no_work_until_the_hold_is_lifted():
+    h = Harness()
+    h.step([ev.AdmissionsHeld(), request(0, 40, max_tokens=2)])
+    assert not h.engine.has_work and 0 in h.state.seqs.waiting
+    result = h.step([ev.AdmissionsHeld(held=False)])
+    assert admitted(result) == [0]
+    h.run_until_idle()
+    assert h.state.stats.requests_finished == 1
+
+
+def test_a_sequence_preempted_while_admissions_are_held_is_not_readmitted_until_lifted():
+    h = Harness()
+    h.step([request(0, 40, max_tokens=8)])
+    h.step([ev.AdmissionsHeld()])
+    h.step([ev.DrainRequested()])  # preempts it: it waits again
+    h.step([ev.WakeRequested()])
+    assert all(admitted(h.step()) == [] for _ in range(3))
+    assert admitted(h.step([ev.AdmissionsHeld(held=False)])) == [0]
+
+
+@pytest.mark.parametrize("held", [True, False])
+def test_a_hold_round_trips_through_the_log_codec(held: bool):
+    event = ev.AdmissionsHeld(held=held)
+    assert decode_events(encode([event])) == [event]
+
+
+def test_holding_twice_is_one_hold_and_a_lift_without_a_hold_changes_nothing():
+    h = Harness()
+    h.step([ev.AdmissionsHeld(held=False)])
+    h.step([ev.AdmissionsHeld(), ev.AdmissionsHeld()])
+    assert h.state.serving.admissions_held
+    h.step([ev.AdmissionsHeld(held=False)])
+    assert not h.state.serving.admissions_held
+    assert np.array_equal(h.state.pool.ref, np.zeros_like(h.state.pool.ref))
