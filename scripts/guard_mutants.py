@@ -142,6 +142,7 @@ TRACES, LOG = "tests/replay/test_traces.py", "tests/events/test_log.py"
 WATCH, REPORT = "tests/stream/test_watch.py", "tests/replay/test_report.py"
 TRANSLATION = "tests/integrations/vllm/test_vllm_translation.py"
 HOLD = "tests/policy/test_admission_hold.py"
+SKIP = "tests/policy/test_skip_prefix_hit.py"
 EXISTS = "if os.path.isfile(path) and not overwrite:"
 NONEMPTY = "if where.is_dir() and any(where.iterdir()) and not overwrite:"
 SWEPT = 'getattr(args, key.replace("-", "_"), None)'
@@ -332,10 +333,14 @@ ROUND_2 = [
       TRANSLATION),
     m(
         "integrations/vllm/requests.py",
-        "if params.prompt_logprobs is not None:",
-        "if params.prompt_logprobs:",
+        'skip_prefix_hit=bool(getattr(request, "skip_reading_prefix_cache", False)),',
+        "skip_prefix_hit=False,",
         TRANSLATION,
     ),
+    m("policy/matching.py", "if not self.config.enable_prefix_caching or seq.skip_hit:",
+      "if not self.config.enable_prefix_caching:", SKIP),
+    m("policy/transfers.py", "or self._no_state_slot or seq.skip_hit:",
+      "or self._no_state_slot:", SKIP),
     m(
         "integrations/vllm/requests.py",
         "request.max_tokens < 1:",

@@ -31,6 +31,10 @@ class RequestArrived(Event, frozen=True, tag="arrived"):
     # tokens (whole blocks) this request's state is where the hit of request ``next user``
     # (a later request's id) will end. Empty: no known future.
     reuse: tuple[tuple[int, int], ...] = ()
+    # Read no cached prefix (local or from the store): the prompt is computed whole, as
+    # vLLM's ``skip_reading_prefix_cache`` (set for prompt logprobs); its blocks are still
+    # cached for others. A field with a default, omitted at it (no schema change).
+    skip_prefix_hit: bool = False
 
 
 class RequestAborted(Event, frozen=True, tag="aborted"):

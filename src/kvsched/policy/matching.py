@@ -36,7 +36,7 @@ class Matcher:
 
     def find_prefix(self, state: EngineState, seq: Seq) -> Match:
         """Tentative match: the longest usable cached prefix (nothing is emitted)."""
-        if not self.config.enable_prefix_caching:
+        if not self.config.enable_prefix_caching or seq.skip_hit:
             return NO_MATCH
         if state.hybrid:
             return self._find_checkpoint(state, seq)

@@ -44,7 +44,7 @@ class Transfers:
         """Start the store lookup of a sequence that has none; True while it is pending."""
         load = state.transfers.load_of(seq.seq_id)
         if load is None:
-            if seq.want_experts or self._no_state_slot:
+            if seq.want_experts or self._no_state_slot or seq.skip_hit:
                 return False  # the store keeps no routed-expert ids, or no slot a state
             first, end = self.lookup_range(state, seq)
             if first >= end:

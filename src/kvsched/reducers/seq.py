@@ -36,6 +36,7 @@ class Seq:
     state: SeqState = SeqState.WAITING
     row: int = FREE_ROW
     want_experts: bool = False  # the request asked for its routed-expert ids
+    skip_hit: bool = False  # it reads no cached prefix (RequestArrived.skip_prefix_hit)
     experts: np.ndarray | None = None  # [capacity, K] int16 routed-expert ids per token
     n_experts: int = 0  # leading tokens whose expert ids are known
     pinned_ckpt: int = -1  # hybrid: checkpoint restored at admission, pinned while running

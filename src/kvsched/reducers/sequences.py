@@ -179,6 +179,7 @@ class SequenceTable(BlockTables):
             cache_salt=e.cache_salt,
             eos_token_id=e.eos_token_id,
             want_experts=e.return_routed_experts,
+            skip_hit=e.skip_prefix_hit,
             temperature=e.temperature,
             seed=e.seed,
             mm_spans=spans,

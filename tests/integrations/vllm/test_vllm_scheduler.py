@@ -142,6 +142,10 @@ def test_vllm_mixed_workload_is_token_identical_under_kvsched_and_hits_the_prefi
         requests["stop-token"]["tokens"][-1] == stop and len(requests["stop-token"]["tokens"]) <= 6
     )
     assert requests["after-reset"]["cached"] == 0  # reset_prefix_cache emptied the cache
+    logprobs = requests["prompt-logprobs"]  # every prompt position computed, no hit
+    assert logprobs["cached"] == ref["requests"]["prompt-logprobs"]["cached"] == 0
+    want = ref["requests"]["prompt-logprobs"]["prompt_logprobs"]
+    assert logprobs["prompt_logprobs"] == want and len(want) >= 320
     late = requests["min-tokens"]["tokens"]  # the stop token is masked for 10 tokens
     assert len(late) >= 10 and stop not in late[:10]
     assert mine["kvsched"]["hit_tokens"] >= 3 * 320 + 96 + 160
@@ -368,7 +372,6 @@ def server(qwen3: Path, tmp_path_factory: pytest.TempPathFactory) -> Any:
             {"repetition_detection": {"max_pattern_size": 2, "min_count": 3}},
             "repetition detection is not supported by the kvsched adapter",
         ),
-        ({"prompt_logprobs": 1}, "prompt logprobs are not supported by the kvsched adapter"),
     ],
 )
 def test_vllm_server_answers_a_request_kvsched_refuses_with_400_and_the_reason(
@@ -412,8 +415,7 @@ llm = LLM(sys.argv[1], scheduler_cls="kvsched.integrations.vllm.Scheduler",
           skip_tokenizer_init=True)
 got = {}
 repeats = RepetitionDetectionParams(max_pattern_size=2, min_count=3)
-for name, over in [("repetition", {"repetition_detection": repeats}),
-                   ("prompt_logprobs", {"prompt_logprobs": 1})]:
+for name, over in [("repetition", {"repetition_detection": repeats})]:
     try:
         llm.generate([TokensPrompt(prompt_token_ids=list(range(5, 40)))],
                      SamplingParams(max_tokens=4, **over), use_tqdm=False)
@@ -445,7 +447,6 @@ def test_vllm_offline_generate_raises_the_adapters_refusal_with_the_reason(qwen3
     got = json.loads(line[len("RESULT") :])
     want = "VLLMValidationError: repetition detection is not supported by the kvsched adapter"
     assert want in (got["repetition"] or "")
-    assert "prompt logprobs are not supported" in (got["prompt_logprobs"] or "")
 
 
 def test_vllm_scheduler_refuses_to_start_over_an_existing_log_unless_told_to_overwrite(

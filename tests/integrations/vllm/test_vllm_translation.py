@@ -219,7 +219,6 @@ def test_a_vllm_request_keeps_vllms_block_digests_when_the_adapter_is_told_to():
             "repetition detection",
         ),
         ({"structured_output_request": object()}, "structured outputs"),
-        ({"sampling_params": _params(prompt_logprobs=1)}, "prompt logprobs"),
         ({"sampling_params": _params(structured_outputs=object())}, "structured outputs"),
     ],
 )
@@ -228,10 +227,13 @@ def test_vllm_requests_with_unsupported_features_are_refused_with_the_reason(ove
     assert refusal(_request()) is None
 
 
-def test_vllm_prompt_logprobs_0_is_refused_like_any_other_number():
-    # 0 asks for the prompt tokens' own logprobs (no alternatives): still prompt logprobs
-    request = _request(sampling_params=_params(prompt_logprobs=0))
-    assert "prompt logprobs" in (refusal(request) or "")
+def test_vllm_a_request_that_skips_reading_the_prefix_cache_arrives_asking_for_no_hit():
+    # vLLM sets skip_reading_prefix_cache for prompt logprobs (0 included): every prompt
+    # position must be computed
+    request = _request(sampling_params=_params(prompt_logprobs=0), skip_reading_prefix_cache=True)
+    assert refusal(request) is None
+    assert arrival(request, seq_id=1, t0=0.0).skip_prefix_hit is True
+    assert arrival(_request(), seq_id=2, t0=0.0).skip_prefix_hit is False
 
 
 def test_vllm_request_for_a_single_token_is_served_and_for_none_is_refused():

@@ -49,17 +49,24 @@ def error_output(request: Request, reason: str) -> EngineCoreOutput:
     )
 
 
-def token_output(request: Request, token: int, finish: Any, logprobs: Any) -> EngineCoreOutput:
+def token_output(
+    request: Request, token: int, finish: Any, logprobs: Any, prompt: tuple[Any, Any] = (None, None)
+) -> EngineCoreOutput:
     """One sampled token's output, with the finish, logprobs, events and prefill stats the
-    request has (a plain decode token takes the short constructor)."""
+    request has, and ``prompt``: the model runner's prompt logprobs (tensors, token-id
+    logprobs), which come with the step that ends the prefill (a plain decode token takes
+    the short constructor)."""
     events, prefill = request.take_events(), request.take_prefill_stats()
-    if finish is None and logprobs is None and events is None and prefill is None:
+    plain = prompt[0] is None and prompt[1] is None
+    if finish is None and logprobs is None and events is None and prefill is None and plain:
         return EngineCoreOutput(request.request_id, [token])  # the common decode token
     return EngineCoreOutput(
         request_id=request.request_id,
         new_token_ids=[token],
         finish_reason=finish,
         new_logprobs=logprobs,
+        new_prompt_logprobs_tensors=prompt[0],
+        prompt_token_id_logprobs=prompt[1],
         stop_reason=request.stop_reason,
         events=events,
         prefill_stats=prefill,

@@ -46,8 +46,6 @@ def params_refusal(params: Any) -> str | None:
     request with ``n > 1`` is split there into ``n`` requests, each served."""
     if getattr(params, "structured_outputs", None) is not None:
         return "structured outputs are not supported by the kvsched adapter"
-    if params.prompt_logprobs is not None:
-        return "prompt logprobs are not supported by the kvsched adapter"
     detection = getattr(params, "repetition_detection", None)
     if detection is not None and detection.max_pattern_size > 0:
         return "repetition detection is not supported by the kvsched adapter"
@@ -65,6 +63,8 @@ def arrival(
 ) -> ev.RequestArrived:
     """The kvsched arrival of a vLLM request. vLLM's priority is "lower value first",
     kvsched's "higher first": the sign flips. ``eos_token_id`` is -1 under ``ignore_eos``.
+    ``skip_reading_prefix_cache`` (vLLM sets it for prompt logprobs, so that every prompt
+    position is computed) becomes ``skip_prefix_hit``.
     ``use_block_hashes``: the prompt's blocks keep vLLM's digests (``vllm_block_hashes``)."""
     params = request.sampling_params
     eos = params.eos_token_id
@@ -79,6 +79,7 @@ def arrival(
         temperature=float(params.temperature),
         seed=int(params.seed) if params.seed is not None else 0,
         block_hashes=vllm_block_hashes(request) if use_block_hashes else b"",
+        skip_prefix_hit=bool(getattr(request, "skip_reading_prefix_cache", False)),
     )
 
 

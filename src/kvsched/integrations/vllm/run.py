@@ -5,7 +5,8 @@
 
 Workloads (token ids, greedy, ``ignore_eos``):
 * ``mixed``: prompts sharing a long prefix (one first, the rest after it is cached), a
-  stop token (with sample logprobs) and the same stop token under ``min_tokens``, a
+  stop token (with sample logprobs) and the same stop token under ``min_tokens``, prompt
+  logprobs of a prompt whose prefix is cached, a
   three-turn conversation (each turn the previous prompt, its answer and new tokens), a prompt
   longer than the per-step token budget (chunked prefill), a request with ``n=3`` (seeded
   sampling; attention models only) and a request aborted mid-decode.
@@ -110,6 +111,12 @@ def _generate(
     )
     for name, r in zip(prompts, results, strict=True):
         out[name] = {"tokens": list(r.outputs[0].token_ids), "cached": r.num_cached_tokens or 0}
+        if r.prompt_logprobs:  # per prompt position: (token, logprob) pairs (first: none)
+            out[name]["prompt_logprobs"] = [
+                sorted((int(t), round(float(p.logprob), 4)) for t, p in lp.items())
+                for lp in r.prompt_logprobs
+                if lp
+            ]
 
 
 def _aborted(llm: Any, out: dict[str, Any]) -> None:
@@ -158,6 +165,8 @@ def mixed(
         stop_token_ids=[stop],
         min_tokens=10,
     )
+    # prompt logprobs: vLLM reads no cached prefix for it (skip_reading_prefix_cache)
+    _generate(llm, {"prompt-logprobs": prefix + _tokens(16, 101)}, 4, out, prompt_logprobs=0)
     assert llm.reset_prefix_cache(), "reset_prefix_cache refused with nothing running"
     _generate(llm, {"after-reset": prefix + _tokens(16, 104)}, 8, out)  # must miss
     history = _tokens(first, 2)

@@ -128,7 +128,7 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # (vLLM is untyped h
         logger.info("kvsched scheduler: %s; event log: %s", self.config, self.log_path)
         if not cfg.has_request_check(vllm_config):
             logger.warning(
-                "kvsched: requests the adapter refuses (prompt logprobs, structured outputs, "
+                "kvsched: requests the adapter refuses (structured outputs, "
                 "repetition detection) will fail with an internal error; add "
                 "--logits-processors %s "
                 "(LLM(logits_processors=[...])) to refuse them up front with the reason",
@@ -345,6 +345,8 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # (vLLM is untyped h
         sampled, index = mro.sampled_token_ids, mro.req_id_to_index
         req_of, requests, stops = self._req_of, self.requests, self._stops
         with_logprobs = mro.logprobs is not None
+        prompt_tensors = mro.prompt_logprobs_dict or {}
+        prompt_ids = getattr(mro, "prompt_token_id_logprobs_dict", None) or {}
         seq_ids = plan.seq_ids[plan.sample]
         tokens: list[int] = []
         for seq_id in seq_ids.tolist():
@@ -363,7 +365,9 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # (vLLM is untyped h
             logprobs = None
             if with_logprobs and request.sampling_params.logprobs is not None:
                 logprobs = mro.logprobs.slice_request(index[name], 1)
-            outputs[request.client_index].append(token_output(request, token, finish, logprobs))
+            prompt = (prompt_tensors.get(name), prompt_ids.get(name))
+            out = token_output(request, token, finish, logprobs, prompt)
+            outputs[request.client_index].append(out)
         if self.mamba is not None:  # the forward ran: saved states now sit in their blocks
             for slot, ckpt in plan.state_save.tolist():
                 self.mamba.saved(slot, ckpt)
