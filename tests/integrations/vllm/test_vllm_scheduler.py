@@ -426,7 +426,9 @@ print("RESULT" + json.dumps(got))
 """
 
 
-def test_vllm_offline_generate_raises_the_adapters_refusal_with_the_reason(qwen3: Path):
+def _script_result(script: str, *args: str) -> Any:
+    """Run a vLLM script in its own process (in-process engine core) and return the JSON
+    it prints after ``RESULT``."""
     import os
 
     env = {
@@ -436,7 +438,7 @@ def test_vllm_offline_generate_raises_the_adapters_refusal_with_the_reason(qwen3
         "VLLM_CPU_OMP_THREADS_BIND": "nobind",
     }
     proc = subprocess.run(
-        [sys.executable, "-c", OFFLINE, str(qwen3)],
+        [sys.executable, "-c", script, *args],
         capture_output=True,
         text=True,
         timeout=TIMEOUT,
@@ -444,7 +446,11 @@ def test_vllm_offline_generate_raises_the_adapters_refusal_with_the_reason(qwen3
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT"))
-    got = json.loads(line[len("RESULT") :])
+    return json.loads(line[len("RESULT") :])
+
+
+def test_vllm_offline_generate_raises_the_adapters_refusal_with_the_reason(qwen3: Path):
+    got = _script_result(OFFLINE, str(qwen3))
     want = "VLLMValidationError: repetition detection is not supported by the kvsched adapter"
     assert want in (got["repetition"] or "")
 
@@ -557,24 +563,7 @@ print("RESULT" + json.dumps(trace))
 
 
 def _pause_trace(model: Path, scheduler: str) -> list[Any]:
-    import os
-
-    env = {
-        **os.environ,
-        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-        "VLLM_CPU_KVCACHE_SPACE": "1",
-        "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-    }
-    proc = subprocess.run(
-        [sys.executable, "-c", PAUSE, str(model), scheduler],
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT,
-        env=env,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT"))
-    return list(json.loads(line[len("RESULT") :]))
+    return list(_script_result(PAUSE, str(model), scheduler))
 
 
 def test_vllm_paused_new_admits_nothing_queued_and_drains_what_runs_as_vllms_scheduler(
