@@ -368,8 +368,8 @@ SCHEDULER_TESTS = "tests/integrations/vllm/test_vllm_scheduler.py"
 VLLM_ROUND_2 = [
     m(
         "integrations/vllm/scheduler.py",
-        'cfg.check_log_path(self.log_path, opts["overwrite_log"])',
-        'cfg.check_log_path(self.log_path, opts.get("overwrite", False))',
+        'cfg.check_log_path(path, opts["overwrite_log"])',
+        'cfg.check_log_path(path, opts.get("overwrite", False))',
         SCHEDULER_TESTS, "-k", "existing_log",
     ),
     # (survives, left: RequestCheck raising ValueError; LLM.generate still reported

@@ -34,6 +34,7 @@ from vllm.v1.engine import EngineCoreOutputs
 from vllm.v1.metrics.stats import PrefixCacheStats, SchedulerStats
 from vllm.v1.request import Request, RequestStatus
 
+from kvsched.config import SchedulerConfig
 from kvsched.engine import Engine, StepResult, create_log
 from kvsched.events import types as ev
 from kvsched.integrations.vllm import config as cfg
@@ -57,6 +58,31 @@ _STATUS = {
 }
 
 
+def _start(
+    vllm_config: Any, kv_cache_config: Any, block_size: int
+) -> tuple[dict[str, Any], SchedulerConfig, Engine]:
+    """The adapter's options, kvsched's config and its engine (writing the event log the
+    options name), after the start-up checks: the vLLM release, the config, the log path."""
+    opts = cfg.options(vllm_config)
+    untested = cfg.check_vllm_version(vllm.__version__, opts["allow_untested_vllm"])
+    if untested:
+        logger.warning("kvsched: %s", untested)
+    config = cfg.scheduler_config(vllm_config, kv_cache_config, block_size)
+    path = opts.get("log")
+    if path:
+        cfg.check_log_path(path, opts["overwrite_log"])
+    log = create_log(path, config) if path else None
+    engine = Engine(config, log=log, check_invariants=bool(opts.get("check_invariants")))
+    if not cfg.has_request_check(vllm_config):
+        logger.warning(
+            "kvsched: requests the adapter refuses (structured outputs, repetition detection) "
+            "will fail with an internal error; add --logits-processors %s "
+            "(LLM(logits_processors=[...])) to refuse them up front with the reason",
+            "kvsched.integrations.vllm:RequestCheck",
+        )
+    return opts, config, engine
+
+
 class Scheduler(SchedulerInterface):  # type: ignore[misc]  # (vLLM is untyped here)
     def __init__(
         self,
@@ -74,19 +100,9 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # (vLLM is untyped h
         self.log_stats = log_stats
         self.connector = None  # read directly by vLLM's engine core
         self.ec_connector = None
-        opts = cfg.options(vllm_config)
-        untested = cfg.check_vllm_version(vllm.__version__, opts["allow_untested_vllm"])
-        if untested:
-            logger.warning("kvsched: %s", untested)
-        self.config = cfg.scheduler_config(vllm_config, kv_cache_config, block_size)
+        opts, self.config, self.engine = _start(vllm_config, kv_cache_config, block_size)
         self.log_path: str | None = opts.get("log")
         self._vllm_hashes = opts.get("block_hashes") == "vllm"
-        if self.log_path:
-            cfg.check_log_path(self.log_path, opts["overwrite_log"])
-        log = create_log(self.log_path, self.config) if self.log_path else None
-        self.engine = Engine(
-            self.config, log=log, check_invariants=bool(opts.get("check_invariants"))
-        )
         self.max_model_len = self.config.model.max_context
         attn_group, mamba_groups = cfg.groups(kv_cache_config)
         self.mamba: MambaLayout | None = None
@@ -126,14 +142,6 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # (vLLM is untyped h
             vllm_config, kv_cache_config, block_size
         )
         logger.info("kvsched scheduler: %s; event log: %s", self.config, self.log_path)
-        if not cfg.has_request_check(vllm_config):
-            logger.warning(
-                "kvsched: requests the adapter refuses (structured outputs, "
-                "repetition detection) will fail with an internal error; add "
-                "--logits-processors %s "
-                "(LLM(logits_processors=[...])) to refuse them up front with the reason",
-                "kvsched.integrations.vllm:RequestCheck",
-            )
 
     # ------------------------------------------------------------------ requests in
 
