@@ -45,7 +45,7 @@ class Transfers:
         load = state.transfers.load_of(seq.seq_id)
         if load is None:
             if seq.want_experts or self._no_state_slot or seq.skip_hit:
-                return False  # the store keeps no routed-expert ids, or no slot a state
+                return False  # no expert ids in the store, no slot for a state, or no hit wanted
             first, end = self.lookup_range(state, seq)
             if first >= end:
                 return False  # the local cache serves every block the store could
