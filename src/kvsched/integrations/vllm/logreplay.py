@@ -11,7 +11,9 @@ block ids) is the replay's, under the named policy. Requests that arrive in one 
 (``fidelity.BATCH_GAP_S``), as the offline workloads submit them. Cached tokens are those of
 each sequence's first admission (``SequenceFinished`` / ``SequenceAborted``, vLLM's
 ``num_cached_tokens``), in the run's log and in the replay alike; the tests compare the
-replay with the run's ``num_cached_tokens`` request by request.
+replay with the run's ``num_cached_tokens`` request by request. Other inputs (aborts,
+``reset_prefix_cache``'s drain, ``AdmissionsHeld`` from a pause) are not replayed: this is a
+what-if under another policy, not a re-execution (``kvsched verify`` re-executes a log).
 """
 
 from __future__ import annotations
