@@ -576,3 +576,31 @@ def test_vllm_paused_new_admits_nothing_queued_and_drains_what_runs_as_vllms_sch
     assert paused[-1]["running"] > paused[0]["running"]  # what runs goes on
     final = mine[-1][1]
     assert final == {"queued-1": 10, "queued-2": 10, "running": 10}
+
+
+STOP_STRINGS = """
+import json, sys
+from vllm import LLM, SamplingParams, TokensPrompt
+kw = {"scheduler_cls": "kvsched.integrations.vllm.Scheduler"} if sys.argv[2] == "kvsched" else {}
+llm = LLM(sys.argv[1], enforce_eager=True, block_size=32, max_model_len=512,
+          max_num_batched_tokens=256, max_num_seqs=8, dtype="float32", **kw)
+prompt = TokensPrompt(prompt_token_ids=[5 + (i * 13) % 400 for i in range(50)])
+plain = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=12)
+(free,) = llm.generate([prompt], plain, use_tqdm=False)
+tokens = list(free.outputs[0].token_ids)
+stop = llm.get_tokenizer().decode([tokens[4]]).strip()  # the 5th token's text
+params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=12, stop=[stop])
+(cut,) = llm.generate([prompt], params, use_tqdm=False)
+out = cut.outputs[0]
+print("RESULT" + json.dumps({"free": tokens, "stop": stop, "tokens": list(out.token_ids),
+                             "text": out.text, "reason": out.finish_reason,
+                             "stop_reason": out.stop_reason}))
+"""
+
+
+def test_vllm_stop_strings_end_a_request_as_under_vllms_own_scheduler(qwen3: Path):
+    ref = _script_result(STOP_STRINGS, str(qwen3), "vllm")
+    mine = _script_result(STOP_STRINGS, str(qwen3), "kvsched")
+    assert mine == ref
+    assert mine["reason"] == "stop" and mine["stop_reason"] == mine["stop"]
+    assert len(mine["tokens"]) < len(mine["free"]) == 12  # cut at the stop string
