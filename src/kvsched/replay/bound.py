@@ -31,7 +31,7 @@ import attrs
 import numpy as np
 
 from kvsched.replay.shapes import block_names
-from kvsched.replay.traces import Trace, TraceError, detect_format, read_trace
+from kvsched.replay.traces import Trace, TraceError
 
 WINDOWS = (64, 128, 256, 512, 1024)
 
@@ -60,7 +60,7 @@ class _Walk:
     known: int = 0
     total: int = 0
     spec: list[tuple[int, int]] = attrs.field(factory=list)  # (gap in requests, tokens)
-    producers: list[int] = attrs.field(factory=list)  # the producer of each speculative hit
+    producers: set[int] = attrs.field(factory=set)  # requests a speculative hit's state is of
 
     def add(self, index: int, prompt: np.ndarray) -> None:
         names = block_names(prompt, self.block_size)
@@ -75,7 +75,7 @@ class _Walk:
             if k > j:
                 producer = self.made[names[k - 1]]
                 self.spec.append((index - producer, (k - j) * self.block_size))
-                self.producers.append(producer)
+                self.producers.add(producer)
             self.hit_ends.setdefault(names[k - 1], []).append(index)
         for name in names:
             self.made.setdefault(name, index)
@@ -115,7 +115,7 @@ def reuse_bound(
         within,
         peak,
         mean,
-        len(set(walk.producers)),
+        len(walk.producers),
     )
 
 
@@ -152,15 +152,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--sharing", default=None, help="Azure traces: a sharing model")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    from kvsched.replay.setup import SetupError, trace_shape
+    from kvsched.replay.setup import load_trace_replay
 
     try:
-        kind = detect_format(args.trace)
-        shape = trace_shape(kind, args.sharing, None)
-        trace = read_trace(args.trace, block_size=args.block_size, seed=args.seed, shape=shape)
-        bound = reuse_bound(trace_prompts(trace), args.block_size)
-    except (TraceError, SetupError, ValueError, OSError) as exc:
-        print(f"bound: {exc}", file=sys.stderr)
+        setup = load_trace_replay(
+            args.trace, block_size=args.block_size, seed=args.seed, sharing=args.sharing
+        )
+        bound = reuse_bound(trace_prompts(setup.trace), args.block_size)
+    except (TraceError, ValueError, OSError) as exc:  # (SetupError is a ValueError)
+        print(f"kvsched: error: {exc}", file=sys.stderr)
         return 2
     print(format_bound(args.trace, bound))
     return 0

@@ -49,8 +49,11 @@ def error_output(request: Request, reason: str) -> EngineCoreOutput:
     )
 
 
+NO_PROMPT: tuple[Any, Any] = (None, None)  # no prompt logprobs in a token's output
+
+
 def token_output(
-    request: Request, token: int, finish: Any, logprobs: Any, prompt: tuple[Any, Any] = (None, None)
+    request: Request, token: int, finish: Any, logprobs: Any, prompt: tuple[Any, Any] = NO_PROMPT
 ) -> EngineCoreOutput:
     """One sampled token's output, with the finish, logprobs, events and prefill stats the
     request has, and ``prompt``: the model runner's prompt logprobs (tensors, token-id

@@ -40,6 +40,7 @@ from kvsched.events import types as ev
 from kvsched.integrations.vllm import config as cfg
 from kvsched.integrations.vllm.mamba import GroupTables, MambaLayout
 from kvsched.integrations.vllm.outputs import (
+    NO_PROMPT,
     AdapterMismatch,
     check_plan,
     error_output,
@@ -355,6 +356,7 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # (vLLM is untyped h
         with_logprobs = mro.logprobs is not None
         prompt_tensors = mro.prompt_logprobs_dict or {}
         prompt_ids = getattr(mro, "prompt_token_id_logprobs_dict", None) or {}
+        with_prompt = bool(prompt_tensors or prompt_ids)  # (rare: prompt logprobs asked)
         seq_ids = plan.seq_ids[plan.sample]
         tokens: list[int] = []
         for seq_id in seq_ids.tolist():
@@ -373,7 +375,9 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # (vLLM is untyped h
             logprobs = None
             if with_logprobs and request.sampling_params.logprobs is not None:
                 logprobs = mro.logprobs.slice_request(index[name], 1)
-            prompt = (prompt_tensors.get(name), prompt_ids.get(name))
+            prompt = NO_PROMPT
+            if with_prompt:
+                prompt = (prompt_tensors.get(name), prompt_ids.get(name))
             out = token_output(request, token, finish, logprobs, prompt)
             outputs[request.client_index].append(out)
         if self.mamba is not None:  # the forward ran: saved states now sit in their blocks
