@@ -265,6 +265,9 @@ class Publisher(Closing):
 # --------------------------------------------------------------------------- subscriber
 
 
+_POLL_SLICE_S: Final = 0.1  # the longest a subscriber waits before Python handles a signal
+
+
 class Subscriber(Closing):
     """Follows a stream: iterate it for messages, in order, up to and including the end."""
 
@@ -298,11 +301,10 @@ class Subscriber(Closing):
             raise WireError(f"cannot connect subscriber to {endpoint}: {exc}") from exc
 
     def __iter__(self) -> Iterator[Message]:
-        timeout_ms = None if self.timeout_s is None else max(0, round(self.timeout_s * 1000))
         while not self.ended:
             if self._closed:
                 raise WireError(f"subscriber to {self.endpoint} is closed")
-            if timeout_ms is not None and not self._socket.poll(timeout_ms, zmq.POLLIN):
+            if not self._wait(self.timeout_s):
                 raise WireTimeout(
                     f"no message from {self.endpoint} within {self.timeout_s} s "
                     f"(after {self.received} messages)"
@@ -310,6 +312,20 @@ class Subscriber(Closing):
             message = decode_frames(self._socket.recv_multipart(), self.endpoint)
             self._track(message)
             yield message
+
+    def _wait(self, timeout_s: float | None) -> bool:
+        """Whether a message arrived within ``timeout_s`` (None: wait as long as it takes).
+        The wait is cut into short polls: a signal (Ctrl-C) that the OS hands to one of
+        ZeroMQ's threads only runs its Python handler when the main thread leaves the poll."""
+        deadline = None if timeout_s is None else time.monotonic() + max(0.0, timeout_s)
+        while True:
+            slice_s = _POLL_SLICE_S
+            if deadline is not None:
+                slice_s = min(slice_s, max(0.0, deadline - time.monotonic()))
+            if self._socket.poll(round(slice_s * 1000), zmq.POLLIN):
+                return True
+            if deadline is not None and time.monotonic() >= deadline:
+                return False
 
     def _track(self, message: Message) -> None:
         seq = message.seq
