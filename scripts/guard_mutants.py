@@ -365,13 +365,26 @@ ROUND_2 = [
 
 # Round 2, the vLLM adapter's slips that need vLLM: run with --vllm in .venv-vllm.
 SCHEDULER_TESTS = "tests/integrations/vllm/test_vllm_scheduler.py"
+HARNESS_TESTS = "tests/integrations/vllm/test_vllm_harness.py"
+GRAMMAR_TESTS = "tests/integrations/vllm/test_vllm_grammar.py"
 VLLM_ROUND_2 = [
     m(
-        "integrations/vllm/scheduler.py",
+        "integrations/vllm/startup.py",
         'cfg.check_log_path(path, opts["overwrite_log"])',
         'cfg.check_log_path(path, opts.get("overwrite", False))',
         SCHEDULER_TESTS, "-k", "existing_log",
     ),
+    # the asynchronous call order: no step planned while an earlier one's outcome is out
+    m("integrations/vllm/scheduler.py", "if any(r is not None for r in self._awaiting):",
+      "if False:", HARNESS_TESTS, "-k", "async_call_order"),
+    m("integrations/vllm/scheduler.py", "        if not self._awaiting:\n",
+      "        if False:\n", HARNESS_TESTS, "-k", "did_not_schedule"),
+    # structured outputs: a request waits for its grammar; its rows get the bitmask
+    m("integrations/vllm/scheduler.py", "        if request.use_structured_output:\n",
+      "        if False:\n", GRAMMAR_TESTS, "-k", "once_its_grammar"),
+    m("integrations/vllm/scheduler.py",
+      "        return self.grammars.bitmask(self.requests, self._grammar_rows)",
+      "        return None", GRAMMAR_TESTS, "-k", "token_identical"),
     # (survives, left: RequestCheck raising ValueError; LLM.generate still reported
     # VLLMValidationError with the reason in vLLM 0.32, so no observable change was found)
 ]  # fmt: skip

@@ -458,25 +458,25 @@ def test_vllm_offline_generate_raises_the_adapters_refusal_with_the_reason(qwen3
 def test_vllm_scheduler_refuses_to_start_over_an_existing_log_unless_told_to_overwrite(
     qwen3: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ):
-    from kvsched.integrations.vllm import bench
+    from kvsched.integrations.vllm import harness
     from kvsched.integrations.vllm.config import UnsupportedConfig
 
     monkeypatch.delenv("KVSCHED_VLLM_LOG_OVERWRITE", raising=False)
     log = tmp_path / "previous.kvlog"
     log.write_bytes(b"an earlier run's log")
-    vllm_config, kv = bench._configs(4, str(qwen3))
+    vllm_config, kv = harness.configs(str(qwen3), blocks=100, max_seqs=4, batched=8196)
     vllm_config.additional_config = {"kvsched": {"log": str(log)}}
     with pytest.raises(UnsupportedConfig, match=r"already exists.*overwrite_log"):
-        bench._make("kvsched", vllm_config, kv)
+        harness.make("kvsched", vllm_config, kv)
     assert log.read_bytes() == b"an earlier run's log"  # untouched
 
     vllm_config.additional_config = {"kvsched": {"log": str(log), "overwrite_log": True}}
-    bench._make("kvsched", vllm_config, kv).shutdown()
+    harness.make("kvsched", vllm_config, kv).shutdown()
     assert log.read_bytes() != b"an earlier run's log"
 
     monkeypatch.setenv("KVSCHED_VLLM_LOG_OVERWRITE", "1")
     vllm_config.additional_config = {"kvsched": {"log": str(log)}}
-    bench._make("kvsched", vllm_config, kv).shutdown()
+    harness.make("kvsched", vllm_config, kv).shutdown()
 
 
 def test_vllm_run_hybrid_with_its_default_budgets_serves(qwen3_next: Path, tmp_path: Path):
@@ -490,10 +490,10 @@ def test_vllm_run_hybrid_with_its_default_budgets_serves(qwen3_next: Path, tmp_p
 def test_vllm_make_stats_reports_kvscheds_prefix_hits_with_each_output(qwen3: Path):
     """With ``log_stats``, each ``update_from_output`` carries the interval's prefix-cache
     counters (kvsched's ``PrefixMatched`` of first admissions) to vLLM's stat loggers."""
-    from kvsched.integrations.vllm import bench
+    from kvsched.integrations.vllm import bench, harness
 
-    vllm_config, kv = bench._configs(4, str(qwen3))
-    sched = bench._make("kvsched", vllm_config, kv)
+    vllm_config, kv = harness.configs(str(qwen3), blocks=100, max_seqs=4, batched=8196)
+    sched = harness.make("kvsched", vllm_config, kv)
     sched.log_stats = True
     first, *rest = bench._requests(4)
     for r in rest:  # the same 512-token prompt as ``first``: 7 of its 8 blocks can hit

@@ -28,56 +28,10 @@ BLOCK = 64
 
 
 def _configs(running: int, model_dir: str) -> tuple[Any, Any]:
-    import torch
-    from vllm.engine.arg_utils import EngineArgs
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+    from kvsched.integrations.vllm.harness import configs
 
-    args = EngineArgs(
-        model=model_dir,
-        skip_tokenizer_init=True,
-        enforce_eager=True,
-        block_size=BLOCK,
-        max_model_len=4096,
-        max_num_seqs=running,
-        max_num_batched_tokens=8192 + running,
-        enable_prefix_caching=True,
-        dtype="float32",
-    )
-    vllm_config = args.create_engine_config()
     blocks = running * (PROMPT // BLOCK + 8) + 1
-    vllm_config.cache_config.num_gpu_blocks = blocks  # what the engine sets after profiling
-    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=64, dtype=torch.float32)
-    kv = KVCacheConfig(
-        num_blocks=blocks,
-        kv_cache_tensors=[],
-        kv_cache_groups=[KVCacheGroupSpec(layer_names=["l0", "l1"], kv_cache_spec=spec)],
-    )
-    return vllm_config, kv
-
-
-def _make(kind: str, vllm_config: Any, kv: Any) -> Any:
-    if kind == "kvsched":
-        from kvsched.integrations.vllm.scheduler import Scheduler
-    else:
-        from vllm.v1.core.sched.scheduler import Scheduler  # type: ignore[no-redef]
-    return Scheduler(
-        vllm_config=vllm_config,
-        kv_cache_config=kv,
-        structured_output_manager=_NoGrammar(),
-        block_size=BLOCK,
-        hash_block_size=BLOCK,
-        log_stats=False,
-    )
-
-
-class _NoGrammar:
-    """The structured-output manager's surface vLLM's scheduler touches (none requested)."""
-
-    def grammar_init(self, request: Any) -> None:
-        return None
-
-    def accept_tokens(self, request: Any, tokens: Any) -> bool:
-        return True
+    return configs(model_dir, blocks, max_seqs=running, batched=8192 + running, block_size=BLOCK)
 
 
 def _requests(running: int) -> list[Any]:
@@ -130,7 +84,9 @@ def _step(sched: Any) -> tuple[int, float]:
 
 
 def measure(kind: str, running: int, samples: int, vllm_config: Any, kv: Any) -> dict[Any, Any]:
-    sched = _make(kind, vllm_config, kv)
+    from kvsched.integrations.vllm.harness import make
+
+    sched = make(kind, vllm_config, kv)
     for r in _requests(running):
         sched.add_request(r)
     for _ in range(1000):  # prefill until every request decodes (not timed)

@@ -25,7 +25,23 @@ plans explicit copies: ``state_restore`` (checkpoint -> runtime, before the forw
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
+
+
+def layout(
+    config: Any, mamba_groups: list[int], block_size: int, num_ids: int
+) -> MambaLayout | None:
+    """The layout of a hybrid model's state slots in vLLM's ``num_ids`` block ids (None for
+    an attention model)."""
+    if not mamba_groups:
+        return None
+    mamba = MambaLayout(
+        config.num_blocks - 1, config.num_state_slots, len(mamba_groups), block_size
+    )
+    assert mamba.num_ids <= num_ids
+    return mamba
 
 
 class MambaLayout:

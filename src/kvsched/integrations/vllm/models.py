@@ -15,10 +15,21 @@ from typing import Any
 VOCAB = 512
 
 
-def _save_tokenizer(path: Path) -> None:
+# The last ids of the JSON tokenizer: single characters, enough to write JSON objects, arrays,
+# strings of a few letters and integers.
+JSON_CHARS = '{}[]":, 0123456789abcdefxyz-'
+
+
+def _save_tokenizer(path: Path, json_chars: bool = False) -> None:
+    """A word-level tokenizer of the tiny vocabulary: token ``i`` reads ``t{i}``; with
+    ``json_chars`` the last ids read the characters of ``JSON_CHARS`` instead (for
+    structured outputs: a grammar can then write JSON)."""
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    vocab = {f"t{i}": i for i in range(VOCAB)}
+    words = [f"t{i}" for i in range(VOCAB)]
+    if json_chars:
+        words[VOCAB - len(JSON_CHARS) :] = list(JSON_CHARS)
+    vocab = {word: i for i, word in enumerate(words)}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="t0"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.save(str(path / "tokenizer.json"))
@@ -81,8 +92,9 @@ def _qwen3_next(**over: Any) -> Any:
     )
 
 
-def build(kind: str, path: str | Path, seed: int = 0) -> Path:
-    """Write a ``kind`` ("qwen3" or "qwen3-next") model with seeded random weights."""
+def build(kind: str, path: str | Path, seed: int = 0, json_chars: bool = False) -> Path:
+    """Write a ``kind`` ("qwen3" or "qwen3-next") model with seeded random weights (and,
+    with ``json_chars``, the tokenizer whose last ids are JSON characters)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -96,5 +108,5 @@ def build(kind: str, path: str | Path, seed: int = 0) -> Path:
         model.lm_head.weight.normal_(0.0, 0.5)
     dtype = torch.bfloat16 if kind == "qwen3-next" else torch.float32
     model.to(dtype).save_pretrained(path)
-    _save_tokenizer(path)
+    _save_tokenizer(path, json_chars)
     return path

@@ -30,8 +30,6 @@ def refusal(request: Any) -> str | None:
         return "multimodal inputs are not supported by the kvsched adapter"
     if request.lora_request is not None:
         return "LoRA requests are not supported by the kvsched adapter"
-    if getattr(request, "structured_output_request", None) is not None:
-        return "structured outputs are not supported by the kvsched adapter"
     reason = params_refusal(params)
     if reason is not None:
         return reason
@@ -44,8 +42,6 @@ def params_refusal(params: Any) -> str | None:
     """Why the adapter cannot serve a request with these ``SamplingParams`` (None: it can).
     vLLM's front end asks this before the request reaches the engine (``RequestCheck``); a
     request with ``n > 1`` is split there into ``n`` requests, each served."""
-    if getattr(params, "structured_outputs", None) is not None:
-        return "structured outputs are not supported by the kvsched adapter"
     detection = getattr(params, "repetition_detection", None)
     if detection is not None and detection.max_pattern_size > 0:
         return "repetition detection is not supported by the kvsched adapter"
@@ -117,3 +113,49 @@ def stop_reason(rule: StopRule, token: int, num_output: int) -> tuple[str, int |
     if num_output >= rule.max_output:
         return "length", None
     return None
+
+
+class Registry:
+    """Every vLLM request kvsched holds, until kvsched retires its sequence: vLLM name <->
+    kvsched id, its stop rule, whether it has a structured output."""
+
+    def __init__(self, max_model_len: int, t0: float, use_block_hashes: bool) -> None:
+        self.max_model_len = max_model_len
+        self.t0 = t0  # (arrival times are relative to the adapter's start)
+        self.use_block_hashes = use_block_hashes
+        self.seq_of: dict[str, int] = {}
+        self.req_of: dict[int, Any] = {}
+        self.stops: dict[int, StopRule] = {}
+        self.structured: set[int] = set()  # live sequences with a structured output
+        self.cached: dict[int, int] = {}  # num_cached_tokens given to vLLM per sequence
+        self._next_id = 0
+
+    def arrive(self, request: Any) -> ev.RequestArrived:
+        """A new kvsched id for ``request``; its ``RequestArrived``."""
+        self._next_id += 1
+        seq_id = self._next_id
+        if request.use_structured_output:
+            self.structured.add(seq_id)
+        self.seq_of[request.request_id] = seq_id
+        self.stops[seq_id] = stop_rule(request, self.max_model_len)
+        self.req_of[seq_id] = request
+        return arrival(request, seq_id, self.t0, self.use_block_hashes)
+
+    def forget(self, seq_id: int) -> Any:
+        """Drop a retired sequence; returns its request."""
+        request = self.req_of.pop(seq_id)
+        self.stops.pop(seq_id, None)
+        self.structured.discard(seq_id)
+        if self.seq_of.get(request.request_id) == seq_id:  # (a name may be reused later)
+            del self.seq_of[request.request_id]
+        return request
+
+    def cached_mismatch(self, seq_ids: list[int], *counts: Any) -> str | None:
+        """Why retired sequences' cached-token counts (``counts``: one column per kind, local,
+        checkpoint, external) differ from those vLLM was given at admission; None if equal."""
+        for i, seq_id in enumerate(seq_ids):
+            total = sum(int(c[i]) for c in counts)
+            given = self.cached.pop(seq_id, 0)
+            if total != given:
+                return f"sequence {seq_id}: {total} cached tokens retired, {given} given to vLLM"
+        return None

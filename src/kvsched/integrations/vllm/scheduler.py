@@ -19,12 +19,11 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
 from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
-import vllm
 from vllm.distributed.kv_events import (
     KVEventBatch,
 )
@@ -34,11 +33,13 @@ from vllm.v1.engine import EngineCoreOutputs
 from vllm.v1.metrics.stats import PrefixCacheStats, SchedulerStats
 from vllm.v1.request import Request, RequestStatus
 
-from kvsched.config import SchedulerConfig
-from kvsched.engine import Engine, StepResult, create_log
+from kvsched.engine import StepResult
 from kvsched.events import types as ev
 from kvsched.integrations.vllm import config as cfg
-from kvsched.integrations.vllm.mamba import GroupTables, MambaLayout
+from kvsched.integrations.vllm import startup
+from kvsched.integrations.vllm.grammar import Grammars
+from kvsched.integrations.vllm.mamba import GroupTables
+from kvsched.integrations.vllm.mamba import layout as mamba_layout
 from kvsched.integrations.vllm.outputs import (
     NO_PROMPT,
     AdapterMismatch,
@@ -48,7 +49,9 @@ from kvsched.integrations.vllm.outputs import (
     scheduler_stats,
     token_output,
 )
-from kvsched.integrations.vllm.requests import StopRule, arrival, refusal, stop_reason, stop_rule
+from kvsched.integrations.vllm.requests import Registry, refusal, stop_reason
+from kvsched.integrations.vllm.startup import Unserved
+from kvsched.plan import StepPlan
 
 logger = logging.getLogger(__name__)
 
@@ -56,35 +59,11 @@ _STATUS = {
     "stop": RequestStatus.FINISHED_STOPPED,
     "stop_token": RequestStatus.FINISHED_STOPPED,
     "length": RequestStatus.FINISHED_LENGTH_CAPPED,
+    "error": RequestStatus.FINISHED_ERROR,  # (a token its grammar rejects)
 }
 
 
-def _start(
-    vllm_config: Any, kv_cache_config: Any, block_size: int
-) -> tuple[dict[str, Any], SchedulerConfig, Engine]:
-    """The adapter's options, kvsched's config and its engine (writing the event log the
-    options name), after the start-up checks: the vLLM release, the config, the log path."""
-    opts = cfg.options(vllm_config)
-    untested = cfg.check_vllm_version(vllm.__version__, opts["allow_untested_vllm"])
-    if untested:
-        logger.warning("kvsched: %s", untested)
-    config = cfg.scheduler_config(vllm_config, kv_cache_config, block_size)
-    path = opts.get("log")
-    if path:
-        cfg.check_log_path(path, opts["overwrite_log"])
-    log = create_log(path, config) if path else None
-    engine = Engine(config, log=log, check_invariants=bool(opts.get("check_invariants")))
-    if not cfg.has_request_check(vllm_config):
-        logger.warning(
-            "kvsched: requests the adapter refuses (structured outputs, repetition detection) "
-            "will fail with an internal error; add --logits-processors %s "
-            "(LLM(logits_processors=[...])) to refuse them up front with the reason",
-            "kvsched.integrations.vllm:RequestCheck",
-        )
-    return opts, config, engine
-
-
-class Scheduler(SchedulerInterface):  # type: ignore[misc]  # (vLLM is untyped here)
+class Scheduler(Unserved, SchedulerInterface):  # type: ignore[misc]  # (vLLM is untyped here)
     def __init__(
         self,
         vllm_config: Any,
@@ -101,42 +80,33 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # (vLLM is untyped h
         self.log_stats = log_stats
         self.connector = None  # read directly by vLLM's engine core
         self.ec_connector = None
-        opts, self.config, self.engine = _start(vllm_config, kv_cache_config, block_size)
+        opts, self.config, self.engine = startup.start(vllm_config, kv_cache_config, block_size)
         self.log_path: str | None = opts.get("log")
-        self._vllm_hashes = opts.get("block_hashes") == "vllm"
         self.max_model_len = self.config.model.max_context
         attn_group, mamba_groups = cfg.groups(kv_cache_config)
-        self.mamba: MambaLayout | None = None
-        if mamba_groups:
-            self.mamba = MambaLayout(
-                self.config.num_blocks - 1,
-                self.config.num_state_slots,
-                len(mamba_groups),
-                block_size,
-            )
-            assert self.mamba.num_ids <= kv_cache_config.num_blocks
+        num_ids = kv_cache_config.num_blocks
+        self.mamba = mamba_layout(self.config, mamba_groups, block_size, num_ids)
         num_groups = len(kv_cache_config.kv_cache_groups)
         self._tables = GroupTables(attn_group, mamba_groups, num_groups, self.mamba)
         self._zeroing = bool(getattr(kv_cache_config, "needs_kv_cache_zeroing", False))
         self._fresh_blocks: list[int] = []
-        self.t0 = time.time()
         self.clock0 = time.monotonic()
         self._pause = PauseState.UNPAUSED
         # request bookkeeping (vLLM names are strings, kvsched ids integers)
         self.requests: dict[str, Request] = {}  # unfinished, as vLLM sees them
-        self._seq_of: dict[str, int] = {}
-        self._req_of: dict[int, Request] = {}  # until kvsched retires the sequence
-        self._stops: dict[int, StopRule] = {}
-        self._next_id = 0
+        self.reg = Registry(self.max_model_len, time.time(), opts.get("block_hashes") == "vllm")
+        self.grammars = Grammars(structured_output_manager)
+        self._grammar_rows: list[str] = []  # the last step's structured rows that sample
         self._inputs: list[ev.Event] = []  # the next step's inputs (outcome first)
         self._sent: dict[int, int] = {}  # blocks the worker holds per sequence; absent: new
         self._resumed: set[int] = set()  # preempted: the worker gets its whole table again
         self._prev_scheduled: Any = set()  # names scheduled in the last step
         self._finished_ids: set[str] = set()  # for the next SchedulerOutput
         self._expected: dict[int, str] = {}  # finishes vLLM reported, kvsched retires next
-        self._cached: dict[int, int] = {}  # num_cached_tokens given to vLLM per sequence
         self._errors: list[tuple[Request, str]] = []  # refused: reported at the next update
-        self._last: StepResult | None = None
+        # Steps scheduled whose output vLLM has not given back, oldest first (None: an empty
+        # step, scheduled while an earlier one was out).
+        self._awaiting: deque[StepResult | None] = deque()
         self._prefix_stats = PrefixCacheStats()
         self._events: list[Any] = []
         self._kv_events, self._publish, self.kv_event_publisher = kv_events(
@@ -156,13 +126,11 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # (vLLM is untyped h
             request.status = RequestStatus.FINISHED_ERROR
             self._errors.append((request, reason))
             return
-        self._next_id += 1
-        seq_id = self._next_id
         self.requests[name] = request
-        self._seq_of[name] = seq_id
-        self._stops[seq_id] = stop_rule(request, self.max_model_len)
-        self._req_of[seq_id] = request
-        self._inputs.append(arrival(request, seq_id, self.t0, self._vllm_hashes))
+        if request.use_structured_output:
+            self.grammars.hold(request)  # (kvsched gets it once its grammar is compiled)
+        else:
+            self._inputs.append(self.reg.arrive(request))
 
     def finish_requests(
         self, request_ids: str | Iterable[str] | None, finished_status: Any
@@ -178,21 +146,31 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # (vLLM is untyped h
             if request is None:
                 continue
             request.status = finished_status
-            self._inputs.append(ev.RequestAborted(self._seq_of[name], "vllm finish_requests"))
+            if self.grammars.drop(name) is None:  # (one still compiling: kvsched never saw it)
+                seq_id = self.reg.seq_of[name]
+                self._inputs.append(ev.RequestAborted(seq_id, "vllm finish_requests"))
             done.append(request)
         return done
 
     # ------------------------------------------------------------------ one step
 
     def schedule(self, throttle_prefills: bool = False) -> SchedulerOutput:
+        """One kvsched step as vLLM's ``SchedulerOutput``. Under vLLM's asynchronous order
+        (step N+1 scheduled before step N's output is given back) a step whose predecessor's
+        outcome is still out is empty: kvsched plans a step only after folding the last."""
+        if any(r is not None for r in self._awaiting):
+            self._awaiting.append(None)
+            return SchedulerOutput.make_empty()
+        if self.grammars.waiting:
+            self._settle_grammars()
         inputs, self._inputs = self._inputs, []
         result = self.engine.step(inputs, time.monotonic() - self.clock0)
-        self._last = result
+        self._awaiting.append(result)
         preempted = self._fold_decisions(result)
         plan = result.plan
         new_reqs, cached = [], CachedRequestData.make_empty()
         num_scheduled: dict[str, int] = {}
-        tables, req_of, sent_of = plan.block_tables, self._req_of, self._sent
+        tables, req_of, sent_of = plan.block_tables, self.reg.req_of, self._sent
         prev, resumed = self._prev_scheduled, self._resumed
         running = RequestStatus.RUNNING
         req_ids, new_block_ids = cached.req_ids, cached.new_block_ids
@@ -248,6 +226,10 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # (vLLM is untyped h
             preempted_req_ids=preempted,
             new_block_ids_to_zero=self._fresh_blocks if self._zeroing else None,
         )
+        if self.reg.structured:  # the structured rows that sample: get_grammar_bitmask's
+            rows = plan.seq_ids[plan.sample].tolist()
+            self._grammar_rows = [req_of[i].request_id for i in rows if i in self.reg.structured]
+            out.has_structured_output_requests = bool(self._grammar_rows)
         self._fresh_blocks = []
         self._finished_ids = set()
         self._prev_scheduled = num_scheduled.keys()
@@ -257,7 +239,7 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # (vLLM is untyped h
         """What this step's decisions mean for vLLM's side; returns the preempted names."""
         preempted: set[str] = set()
         if self._publish:
-            self._events += self._kv_events.translate(result.decisions, self._req_of.__getitem__)
+            self._events += self._kv_events.translate(result.decisions, self.reg.req_of.__getitem__)
         for d in result.decisions:
             if isinstance(d, ev.SequenceFinished):
                 self._check_cached(
@@ -271,12 +253,12 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # (vLLM is untyped h
                 )
                 self._retire(d.seq_id, "aborted")
             elif isinstance(d, ev.RequestRejected):
-                request = self._forget(d.seq_id)
+                request = self.reg.forget(d.seq_id)
                 self.requests.pop(request.request_id, None)
                 request.status = RequestStatus.FINISHED_ERROR
                 self._errors.append((request, d.reason))
             elif isinstance(d, ev.SequencePreempted):
-                request = self._req_of[d.seq_id]
+                request = self.reg.req_of[d.seq_id]
                 request.status = RequestStatus.PREEMPTED
                 request.num_computed_tokens = 0
                 request.num_preemptions += 1
@@ -286,12 +268,12 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # (vLLM is untyped h
             elif isinstance(d, ev.BlocksAllocated) and self._zeroing:
                 self._fresh_blocks += d.blocks.tolist()
             elif isinstance(d, ev.PrefixMatched) and d.num_query_tokens:
-                request = self._req_of[d.seq_id]
+                request = self.reg.req_of[d.seq_id]
                 self._prefix_stats.record(d.num_query_tokens, d.num_tokens, False)
                 # vLLM's num_cached_tokens: the sequence's cached-token counts, as its
                 # SequenceFinished reports them (no external KV under vLLM: no connector).
                 local, ckpt, _ = self.engine.state.seq(d.seq_id).cached_tokens
-                self._cached[d.seq_id] = local + ckpt
+                self.reg.cached[d.seq_id] = local + ckpt
                 if request.prefill_stats is not None:
                     request.prefill_stats.set(request.num_prompt_tokens, local + ckpt, 0)
         if self._expected:
@@ -300,20 +282,29 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # (vLLM is untyped h
             )
         return preempted
 
+    def _settle_grammars(self) -> None:
+        """Requests whose grammar is compiled go to kvsched; a failed one ends in error."""
+        ready, failed = self.grammars.settle()
+        for request in ready:
+            self._inputs.append(self.reg.arrive(request))
+        for request, reason in failed:
+            del self.requests[request.request_id]
+            request.status = RequestStatus.FINISHED_ERROR
+            self._errors.append((request, reason))
+
+    def get_grammar_bitmask(self, scheduler_output: Any) -> Any:
+        if not scheduler_output.has_structured_output_requests:
+            return None
+        return self.grammars.bitmask(self.requests, self._grammar_rows)
+
     def _check_cached(self, seq_ids: list[int], *counts: Any) -> None:
-        """A retired sequence's cached-token counts are those vLLM was given at admission."""
-        if not self.config.legacy.report_cached_tokens:
-            return
-        for i, seq_id in enumerate(seq_ids):
-            total = sum(int(c[i]) for c in counts)
-            given = self._cached.pop(seq_id, 0)
-            if total != given:
-                raise AdapterMismatch(
-                    f"sequence {seq_id}: {total} cached tokens retired, {given} given to vLLM"
-                )
+        if self.config.legacy.report_cached_tokens:
+            mismatch = self.reg.cached_mismatch(seq_ids, *counts)
+            if mismatch:
+                raise AdapterMismatch(mismatch)
 
     def _retire(self, seq_id: int, reason: str) -> None:
-        request = self._forget(seq_id)
+        request = self.reg.forget(seq_id)
         expected = self._expected.pop(seq_id, None)
         if reason != "aborted" and expected is None:
             raise AdapterMismatch(f"kvsched finished {request.request_id} ({reason}); vLLM did not")
@@ -321,18 +312,17 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # (vLLM is untyped h
         self._resumed.discard(seq_id)
         self._finished_ids.add(request.request_id)
 
-    def _forget(self, seq_id: int) -> Request:
-        request = self._req_of.pop(seq_id)
-        self._stops.pop(seq_id, None)
-        if self._seq_of.get(request.request_id) == seq_id:  # (a name may be reused later)
-            del self._seq_of[request.request_id]
-        return request
-
     # ------------------------------------------------------------------ outcome
 
     def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> dict[Any, Any]:
         outputs: dict[int, list[Any]] = defaultdict(list)
-        self._record_outcome(scheduler_output, model_runner_output, outputs)
+        if not self._awaiting:
+            raise AdapterMismatch("update_from_output for a step kvsched did not schedule")
+        step = self._awaiting.popleft()
+        if step is not None:
+            self._record_outcome(step.plan, model_runner_output, outputs)
+        elif model_runner_output.sampled_token_ids:
+            raise AdapterMismatch("tokens sampled in a step kvsched scheduled empty")
         for request, reason in self._errors:
             outputs[request.client_index].append(error_output(request, reason))
         self._errors = []
@@ -345,14 +335,13 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # (vLLM is untyped h
             result.setdefault(0, EngineCoreOutputs()).scheduler_stats = stats
         return result
 
-    def _record_outcome(self, so: Any, mro: Any, outputs: dict[int, list[Any]]) -> None:
+    def _record_outcome(self, plan: StepPlan, mro: Any, outputs: dict[int, list[Any]]) -> None:
         """Each sampled token: into the next step's ``StepExecuted`` and, unless its request
         was aborted meanwhile, onto the vLLM request with an output (and vLLM's stop rule)."""
-        plan = self._last.plan if self._last is not None else None
-        if plan is None or plan.is_empty:
+        if plan.is_empty:
             return
         sampled, index = mro.sampled_token_ids, mro.req_id_to_index
-        req_of, requests, stops = self._req_of, self.requests, self._stops
+        req_of, requests, stops = self.reg.req_of, self.requests, self.reg.stops
         with_logprobs = mro.logprobs is not None
         prompt_tensors = mro.prompt_logprobs_dict or {}
         prompt_ids = getattr(mro, "prompt_token_id_logprobs_dict", None) or {}
@@ -371,6 +360,8 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # (vLLM is untyped h
                 continue  # aborted after it was scheduled: the token is folded, not returned
             request.append_output_token_ids(token)
             stop = stop_reason(stops[seq_id], token, request.num_output_tokens)
+            if seq_id in self.reg.structured and not self.grammars.accept(request, token):
+                stop = ("error", None)  # (as vLLM: never, under the bitmask it was given)
             finish = None if stop is None else self._finish(request, seq_id, *stop)
             logprobs = None
             if with_logprobs and request.sampling_params.logprobs is not None:
@@ -395,7 +386,7 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # (vLLM is untyped h
         request.status = _STATUS[kind]
         request.stop_reason = stop_token
         del self.requests[request.request_id]
-        if kind == "stop_token":
+        if kind in ("stop_token", "error"):
             self._inputs.append(ev.RequestAborted(seq_id, f"stop token {stop_token}"))
         else:
             self._expected[seq_id] = request.request_id
@@ -450,19 +441,7 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # (vLLM is untyped h
         self._inputs += [ev.DrainRequested(), ev.WakeRequested()]
         return True
 
-    # ------------------------------------------------------------------ unsupported / no-op
-
-    def get_grammar_bitmask(self, scheduler_output: Any) -> None:
-        return None
-
-    def update_draft_token_ids(self, draft_token_ids: Any) -> None:
-        return None
-
-    def update_draft_token_ids_in_output(self, draft_token_ids: Any, scheduler_output: Any) -> None:
-        return None
-
-    def reset_encoder_cache(self) -> None:
-        return None
+    # ------------------------------------------------------------------ pause, KV events, end
 
     @property
     def pause_state(self) -> PauseState:

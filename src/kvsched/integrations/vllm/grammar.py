@@ -1,0 +1,69 @@
+"""Structured outputs under kvsched: requests wait for their grammar, rows sample under it.
+
+vLLM compiles a request's grammar in the background (``StructuredOutputManager.grammar_init``,
+before ``add_request``). Its own scheduler keeps such a request in
+``WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR`` until the compilation ends. The adapter holds it
+here instead and gives it to kvsched only once its grammar is ready: that step's
+``RequestArrived``. kvsched's log therefore records a request when it became schedulable, and
+kvsched never plans a request that cannot sample. A grammar that fails to compile ends its
+request with an error, as in vLLM, and kvsched never sees that request.
+
+For each step, ``bitmask`` gives the model runner the grammar bitmask of the structured rows
+that sample (vLLM's ``get_grammar_bitmask``), and ``accept`` advances a request's grammar by
+the token it sampled.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm.v1.core.sched.output import GrammarOutput
+from vllm.v1.request import Request, RequestStatus
+
+__all__ = ["Grammars"]
+
+
+class Grammars:
+    """The requests whose grammar is still compiling, and the structured rows of a step."""
+
+    def __init__(self, manager: Any) -> None:
+        self.manager = manager  # vLLM's StructuredOutputManager (compiles, fills bitmasks)
+        self.waiting: dict[str, Request] = {}  # by vLLM name, in arrival order
+
+    def hold(self, request: Request) -> None:
+        request.status = RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR
+        self.waiting[request.request_id] = request
+
+    def drop(self, name: str) -> Request | None:
+        """Forget a request finished before its grammar was ready (vLLM's abort)."""
+        return self.waiting.pop(name, None)
+
+    def settle(self) -> tuple[list[Request], list[tuple[Request, str]]]:
+        """(requests whose grammar is now ready, in arrival order; requests whose grammar
+        failed to compile, with the reason). Both leave the waiting set."""
+        ready: list[Request] = []
+        failed: list[tuple[Request, str]] = []
+        for name, request in list(self.waiting.items()):
+            structured = request.structured_output_request
+            grammar = structured.grammar if structured is not None else None
+            if grammar is None:
+                continue  # still compiling
+            del self.waiting[name]
+            if isinstance(grammar, Exception):
+                failed.append((request, f"structured output grammar failed: {grammar}"))
+            else:
+                request.status = RequestStatus.WAITING
+                ready.append(request)
+        return ready, failed
+
+    def bitmask(self, requests: dict[str, Request], names: list[str]) -> GrammarOutput | None:
+        """The bitmask of the structured rows that sample this step (``names``, each a
+        request in ``requests``), or None when there are none."""
+        if not names:
+            return None
+        mask = self.manager.grammar_bitmask(requests, names, {})
+        return GrammarOutput(names, mask, [0] * len(names))
+
+    def accept(self, request: Request, token: int) -> bool:
+        """Advance the request's grammar by ``token``; False if the grammar rejects it."""
+        return bool(self.manager.accept_tokens(request, [token]))

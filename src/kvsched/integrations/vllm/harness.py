@@ -1,0 +1,274 @@
+"""A scheduler-level differential harness: one script of ``SchedulerInterface`` calls drives
+vLLM's own scheduler or kvsched's adapter, with synthetic model outputs, no model and no
+worker (needs vLLM).
+
+    trace = drive(make("kvsched", vllm_config, kv), script, order="async", vocab=...)
+
+A script is a list of ``Add`` / ``Steps`` / ``Abort`` / ``ResetCache``. The "model" is a pure
+function of (request, position): the token sampled after ``p`` tokens of request ``r`` is
+``token(r, p)`` whatever the schedule, as greedy decoding of a fixed model gives. Like vLLM's
+model runner, the driver counts each request's tokens (its prompt, then each token it samples;
+after a preemption, the tokens the scheduler sends again), and a row samples only when it
+computes all of them, so a chunk that ends earlier, or a recompute, samples nothing.
+
+Two call orders, as vLLM's engine core makes them:
+* ``sync`` (``EngineCore.step``): ``schedule()`` then ``update_from_output()`` of that step;
+* ``async`` (``EngineCore.step_with_batch_queue``, a queue of two): step N+1 is scheduled
+  before step N's output is given back, whenever the scheduler has requests.
+
+The trace holds, per engine step that ran work, the scheduled token count per request (and
+the draft tokens), and per request the tokens the client received and how it finished.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections import deque
+from collections.abc import Sequence
+from typing import Any
+
+import attrs
+
+__all__ = [
+    "Abort",
+    "Add",
+    "Driver",
+    "NoGrammar",
+    "ResetCache",
+    "Steps",
+    "Trace",
+    "configs",
+    "drive",
+    "make",
+    "token",
+    "vllm_request",
+]
+
+
+@attrs.frozen
+class Add:
+    """A request: its prompt, ``max_tokens``, and a stop token after ``stop_after`` outputs
+    (the token the model samples there, so the request ends early), if given."""
+
+    name: str
+    prompt: tuple[int, ...]
+    max_tokens: int
+    stop_after: int | None = None
+
+
+@attrs.frozen
+class Steps:
+    """``count`` engine steps (each one loop of the engine core)."""
+
+    count: int
+
+
+@attrs.frozen
+class Abort:
+    name: str
+
+
+@attrs.frozen
+class ResetCache:
+    """``reset_prefix_cache(reset_running_requests=True)``: running requests are preempted."""
+
+
+Op = Add | Steps | Abort | ResetCache
+
+
+def token(name: str, position: int, vocab: int) -> int:
+    """The synthetic model: the token sampled after ``position`` tokens of ``name``."""
+    return 3 + zlib.crc32(f"{name}:{position}".encode()) % (vocab - 3)
+
+
+@attrs.define
+class Trace:
+    steps: list[dict[str, int]] = attrs.Factory(list)  # per step that ran work
+    outputs: dict[str, list[int]] = attrs.Factory(dict)  # tokens each request received
+    finished: dict[str, str] = attrs.Factory(dict)  # how each request ended
+    preempted: set[str] = attrs.Factory(set)  # requests preempted at least once
+
+
+def configs(
+    model_dir: str, blocks: int, max_seqs: int, batched: int, block_size: int = 64
+) -> tuple[Any, Any]:
+    """A ``VllmConfig`` for a local model (weights never loaded) and a ``KVCacheConfig`` of
+    one full-attention group of ``blocks`` blocks (block 0 vLLM's null block)."""
+    import torch
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+
+    args = EngineArgs(
+        model=model_dir,
+        skip_tokenizer_init=True,
+        enforce_eager=True,
+        block_size=block_size,
+        max_model_len=4096,
+        max_num_seqs=max_seqs,
+        max_num_batched_tokens=batched,
+        enable_prefix_caching=True,
+        dtype="float32",
+    )
+    vllm_config = args.create_engine_config()
+    vllm_config.cache_config.num_gpu_blocks = blocks  # what the engine sets after profiling
+    spec = FullAttentionSpec(
+        block_size=block_size, num_kv_heads=1, head_size=64, dtype=torch.float32
+    )
+    kv = KVCacheConfig(
+        num_blocks=blocks,
+        kv_cache_tensors=[],
+        kv_cache_groups=[KVCacheGroupSpec(layer_names=["l0", "l1"], kv_cache_spec=spec)],
+    )
+    return vllm_config, kv
+
+
+def make(kind: str, vllm_config: Any, kv: Any) -> Any:
+    """vLLM's ``Scheduler`` ("vllm"), its ``AsyncScheduler`` ("vllm-async") or kvsched's
+    adapter ("kvsched") over these configs."""
+    cls: Any
+    if kind == "kvsched":
+        from kvsched.integrations.vllm.scheduler import Scheduler
+
+        cls = Scheduler
+    elif kind == "vllm-async":
+        from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+
+        cls = AsyncScheduler
+    elif kind == "vllm":
+        from vllm.v1.core.sched.scheduler import Scheduler as VllmScheduler
+
+        cls = VllmScheduler
+    else:
+        raise ValueError(f"unknown scheduler {kind!r}: vllm, vllm-async or kvsched")
+    block = kv.kv_cache_groups[0].kv_cache_spec.block_size
+    return cls(
+        vllm_config=vllm_config,
+        kv_cache_config=kv,
+        structured_output_manager=NoGrammar(),
+        block_size=block,
+        hash_block_size=block,
+        log_stats=False,
+    )
+
+
+class NoGrammar:
+    """The structured-output manager's surface vLLM's scheduler touches (none requested)."""
+
+    def grammar_init(self, request: Any) -> None:
+        return None
+
+    def accept_tokens(self, request: Any, tokens: Any) -> bool:
+        return True
+
+
+def vllm_request(op: Add, vocab: int, hasher: Any) -> Any:
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.request import Request
+
+    stop = []
+    if op.stop_after is not None:
+        stop = [token(op.name, len(op.prompt) + op.stop_after, vocab)]
+    params = SamplingParams(
+        temperature=0.0, ignore_eos=True, max_tokens=op.max_tokens, stop_token_ids=stop
+    )
+    return Request(op.name, list(op.prompt), params, None, block_hasher=hasher)
+
+
+class Driver:
+    """Plays the engine core and a model runner around one scheduler."""
+
+    def __init__(self, sched: Any, vocab: int) -> None:
+        self.sched = sched
+        self.vocab = vocab
+        self.trace = Trace()
+        self.known: dict[str, int] = {}
+        self.queue: deque[tuple[Any, Any]] = deque()
+
+    def run_model(self, so: Any) -> Any:
+        """The model runner's output for a scheduled step (the synthetic model)."""
+        from vllm.v1.outputs import ModelRunnerOutput
+
+        known = self.known  # the runner's token count per request: as it would hold it
+        computed = {}
+        for r in so.scheduled_new_reqs:
+            computed[r.req_id] = r.num_computed_tokens
+            known[r.req_id] = len(r.prompt_token_ids)
+        cached = so.scheduled_cached_reqs
+        computed.update(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
+        for name, tokens in (cached.all_token_ids or {}).items():
+            known[name] = len(tokens)  # (resent: a resumed request's sampled tokens are these)
+        names = list(so.num_scheduled_tokens)
+        sampled = []
+        for name in names:
+            end = computed[name] + so.num_scheduled_tokens[name]
+            if end >= known[name]:
+                sampled.append([token(name, end, self.vocab)])
+                known[name] = end + 1
+            else:
+                sampled.append([])
+        if names:
+            self.trace.steps.append(dict(so.num_scheduled_tokens))
+        self.trace.preempted |= set(so.preempted_req_ids or ())
+        return ModelRunnerOutput(
+            req_ids=names,
+            req_id_to_index={n: i for i, n in enumerate(names)},
+            sampled_token_ids=sampled,
+        )
+
+    def update(self, so: Any, mro: Any) -> None:
+        results = self.sched.update_from_output(so, mro)
+        for outs in results.values():
+            for out in outs.outputs:
+                self.trace.outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
+                if out.finish_reason is not None:
+                    self.trace.finished[out.request_id] = str(out.finish_reason)
+
+    def step_sync(self) -> None:
+        so = self.sched.schedule()
+        self.update(so, self.run_model(so))
+
+    def step_async(self) -> None:
+        """One call of ``step_with_batch_queue`` with a queue of two."""
+        if self.sched.has_requests():
+            so = self.sched.schedule()
+            self.queue.appendleft((so, self.run_model(so)))
+            ran = so.total_num_scheduled_tokens > 0
+            if len(self.queue) < 2 and (ran or self.sched.has_requests()):
+                return
+        elif not self.queue:
+            return
+        self.update(*self.queue.pop())
+
+    def drain(self) -> None:
+        """The async order's outputs still queued are given back (the engine's next calls)."""
+        while self.queue:
+            self.update(*self.queue.pop())
+
+
+def drive(sched: Any, script: Sequence[Op], order: str, vocab: int, block_size: int) -> Trace:
+    """Run ``script`` against ``sched`` in the ``sync`` or ``async`` call order."""
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.request import RequestStatus
+
+    if order not in ("sync", "async"):
+        raise ValueError(f"order must be 'sync' or 'async', not {order!r}")
+    init_none_hash(sha256)
+    hasher = get_request_block_hasher(block_size, sha256)
+    driver = Driver(sched, vocab)
+    step = driver.step_sync if order == "sync" else driver.step_async
+    for op in script:
+        if isinstance(op, Add):
+            sched.add_request(vllm_request(op, vocab, hasher))
+        elif isinstance(op, Abort):
+            sched.finish_requests(op.name, RequestStatus.FINISHED_ABORTED)
+            driver.trace.finished.setdefault(op.name, "abort")
+        elif isinstance(op, ResetCache):
+            if not sched.reset_prefix_cache(reset_running_requests=True):
+                raise RuntimeError("reset_prefix_cache refused with running requests reset")
+        else:
+            for _ in range(op.count):
+                step()
+    if order == "async":
+        driver.drain()
+    return driver.trace

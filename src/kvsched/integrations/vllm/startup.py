@@ -1,0 +1,62 @@
+"""The adapter's start-up (the checks before it serves: the vLLM release, the config, the
+event log, what vLLM runs that costs it) and the ``SchedulerInterface`` methods of features
+it does not serve (draft tokens, an encoder cache: refused at
+start-up or per request, so these are never asked for anything)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import vllm
+
+from kvsched.config import SchedulerConfig
+from kvsched.engine import Engine, create_log
+from kvsched.integrations.vllm import config as cfg
+
+logger = logging.getLogger("kvsched.integrations.vllm.scheduler")
+
+
+def start(
+    vllm_config: Any, kv_cache_config: Any, block_size: int
+) -> tuple[dict[str, Any], SchedulerConfig, Engine]:
+    """The adapter's options, kvsched's config and its engine (writing the event log the
+    options name), after the start-up checks: the vLLM release, the config, the log path."""
+    opts = cfg.options(vllm_config)
+    untested = cfg.check_vllm_version(vllm.__version__, opts["allow_untested_vllm"])
+    if untested:
+        logger.warning("kvsched: %s", untested)
+    config = cfg.scheduler_config(vllm_config, kv_cache_config, block_size)
+    path = opts.get("log")
+    if path:
+        cfg.check_log_path(path, opts["overwrite_log"])
+    log = create_log(path, config) if path else None
+    engine = Engine(config, log=log, check_invariants=bool(opts.get("check_invariants")))
+    if getattr(vllm_config.scheduler_config, "async_scheduling", False):
+        logger.warning(
+            "kvsched: vLLM runs async scheduling; kvsched plans a step only after folding the "
+            "last one's outcome, so a step scheduled while one is out is empty (no overlap, "
+            "every request re-sent to the runner each step): run with --no-async-scheduling "
+            "(LLM(async_scheduling=False)) for synchronous scheduling without the empty steps"
+        )
+    if not cfg.has_request_check(vllm_config):
+        logger.warning(
+            "kvsched: requests the adapter refuses (repetition detection) "
+            "will fail with an internal error; add --logits-processors %s "
+            "(LLM(logits_processors=[...])) to refuse them up front with the reason",
+            "kvsched.integrations.vllm:RequestCheck",
+        )
+    return opts, config, engine
+
+
+class Unserved:
+    """What the scheduler answers for features the adapter refuses (none reach it)."""
+
+    def update_draft_token_ids(self, draft_token_ids: Any) -> None:
+        return None
+
+    def update_draft_token_ids_in_output(self, draft_token_ids: Any, scheduler_output: Any) -> None:
+        return None
+
+    def reset_encoder_cache(self) -> None:
+        return None
