@@ -198,3 +198,12 @@ def test_the_vllm_kvsched_policy_caches_blocks_at_planning_as_the_adapter_does()
     assert config.checkpoints.eviction == "value" and config.checkpoints.aligned_only
     fields = checkpoint_fields(policy="vllm-kvsched")
     assert fields["cache_when_planned"] is True and fields["dedup_cached_blocks"] is False
+    assert fields["admit_after_preemption"] is False and not config.admit_after_preemption
+
+
+def test_vllms_no_admission_after_a_preemption_is_refused_with_the_ttft_orders_turns() -> None:
+    with pytest.raises(ConfigError, match=r"admit_after_preemption false.*order 'ttft'"):
+        SchedulerConfig(order="ttft", admit_after_preemption=False)
+    assert not SchedulerConfig(admit_after_preemption=False).admit_after_preemption
+    with pytest.raises(ConfigError, match="admit_after_preemption"):
+        SchedulerConfig(admit_after_preemption="no")  # type: ignore[arg-type]

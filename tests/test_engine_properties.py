@@ -382,7 +382,8 @@ class ValueEvictionMachine(EngineMachine):
 class EngineMachineUnderVllm(EngineMachine):
     """The machine in the configuration kvsched runs inside vLLM (``vllm-kvsched``: aligned
     states, chunk cuts instead of mid-chunk saves, value eviction, blocks cached at planning,
-    no dedup), with faults: no hit is taken without its state or its written KV."""
+    no dedup, no admission in a step that preempts), with faults: no hit is taken without its
+    state or its written KV."""
 
     DEDUP = False
 
@@ -399,7 +400,9 @@ class EngineMachineUnderVllm(EngineMachine):
     )
     def start(self, **kw) -> None:  # type: ignore[no-untyped-def]
         super().start(**kw)
-        self.config = attrs.evolve(self.config, cache_when_planned=True)
+        self.config = attrs.evolve(
+            self.config, cache_when_planned=True, admit_after_preemption=False
+        )
         self.engine = Engine(self.config, check_invariants=True)
 
 

@@ -276,6 +276,10 @@ class SchedulerConfig:
     # Full blocks enter the prefix index in the step whose plan computes them (vLLM's
     # allocate_slots), not after its outcome: a later request of the step may hit them.
     cache_when_planned: bool = False
+    # Whether waiting sequences are admitted in a step that preempted (kvsched: yes, all but
+    # the sequence preempted; vLLM admits nothing in such a step, keeping the room it made for
+    # the running ones).
+    admit_after_preemption: bool = True
     max_step_retries: int = 2  # a sequence in more failed steps than this is aborted
     # A decode that needs a new block takes blocks for this many more tokens too (lmdeploy:
     # 16), only from free blocks (never evicting cached ones); these spare blocks are given
@@ -299,6 +303,7 @@ class SchedulerConfig:
         in_range("max_step_retries", self.max_step_retries, 0, 1 << 20)
         in_range("decode_prealloc_tokens", self.decode_prealloc_tokens, 0, 1 << 20)
         is_bool("cache_when_planned", self.cache_when_planned)
+        is_bool("admit_after_preemption", self.admit_after_preemption)
         one_of("identity scheme", self.identity, IDENTITY_SCHEMES)
         one_of("order policy", self.order, ("fcfs", "priority", "ttft"))
         if not self.aging_s > 0:
@@ -338,6 +343,8 @@ class SchedulerConfig:
             raise refuse(
                 "checkpoints.budget", "checkpoints.memory (which sets the count)", "is ignored with"
             )
+        if not self.admit_after_preemption and self.turn_policy != "standard":
+            raise refuse("admit_after_preemption false", "order 'ttft'", "is not supported with")
 
     @property
     def turn_policy(self) -> str:

@@ -90,5 +90,9 @@ CHECKPOINT_POLICIES: dict[str, dict[str, Any]] = {
 
 # A named policy's SchedulerConfig fields beyond its checkpoint rules.
 POLICY_ENGINE_SETTINGS: dict[str, dict[str, Any]] = {
-    "vllm-kvsched": {"cache_when_planned": True, "dedup_cached_blocks": False},
+    "vllm-kvsched": {
+        "cache_when_planned": True,
+        "dedup_cached_blocks": False,
+        "admit_after_preemption": False,
+    },
 }

@@ -775,3 +775,22 @@ def test_a_prefix_match_decision_keeps_its_blocks_after_their_cache_path_is_reus
     evicted = [b for e in evictions for b in e.blocks]
     assert set(kept[1:]) <= set(evicted)  # the path slots of the hit's blocks 1 and 2 reused
     assert np.array_equal(hit.blocks, kept)
+
+
+@pytest.mark.parametrize("admit", [True, False], ids=["kvsched", "as-vllm"])
+def test_a_step_that_preempts_admits_waiting_sequences_unless_told_not_to_as_vllm(admit: bool):
+    # As above, sequence 0's decode preempts sequence 1. Request 2 (one block) arrives in
+    # that step and fits the room the preemption made: kvsched admits it at once; with
+    # admit_after_preemption off (vLLM's rule, the adapter's config) nothing is admitted in
+    # that step (later, it waits behind sequence 1, which is first in the queue).
+    h = Harness(
+        order="priority", max_prefill_tokens=64, num_blocks=7, max_batch=4,
+        admit_after_preemption=admit,
+    )  # fmt: skip
+    h.step([request(0, 31, max_tokens=4, priority=1)])
+    h.step([request(1, 90, max_tokens=2, priority=0, arrival_time=0.1)])
+    third = h.step([request(2, 10, max_tokens=2, priority=0, arrival_time=0.2)])
+    assert [d.seq_id for d in of_type(third.decisions, ev.SequencePreempted)] == [1]
+    assert admitted(third) == ([2] if admit else [])
+    h.run_until_idle()
+    assert h.state.stats.requests_finished == 3

@@ -82,7 +82,9 @@ def _bench_vllm(args: argparse.Namespace) -> int:
         )
     rows = []
     for running in args.running:
-        rows += run_vllm_bench(running=running, samples=args.samples, rounds=args.rounds)
+        rows += run_vllm_bench(
+            running=running, samples=args.samples, rounds=args.rounds, order=args.order
+        )
     for row in rows:
         print(json.dumps(row) if args.json else "  ".join(f"{k}={v}" for k, v in row.items()))
     return 0
@@ -158,6 +160,13 @@ def add_bench(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg
         help="running sequences, one row each" + DEFAULT,
     )
     vllm.add_argument("--samples", type=COUNT, default=100, help="timed steps" + DEFAULT)
+    vllm.add_argument(
+        "--order",
+        choices=["sync", "async"],
+        default="sync",
+        help="vLLM's call order: synchronous, or async scheduling (vLLM's AsyncScheduler "
+        "against the adapter; a sample is one step with work)" + DEFAULT,
+    )
     vllm.add_argument(
         "--rounds", type=int_in(1, 1000), default=3, help="interleaved rounds" + DEFAULT
     )

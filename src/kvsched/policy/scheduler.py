@@ -280,6 +280,7 @@ class Policy:
                 self.drain(state, emit, state.serving.drain_level)
             return
         table = state.seqs
+        preempted = state.stats.preemptions
         rows = table.schedulable_rows()
         decode_mask = table.awaiting_decode(rows)
         decode_rows, chunk_rows = rows[decode_mask], rows[~decode_mask]
@@ -297,8 +298,9 @@ class Policy:
             else:  # continue running chunked prefills, then admit in the configured order
                 if len(chunk_rows):
                     self.admission.schedule_chunks(state, chunk_rows, budget, emit)
-                ordered = self.order.order(state, TurnState.STANDARD)
-                self.admission.admit_waiting(state, budget, emit, ordered)
+                if self.config.admit_after_preemption or state.stats.preemptions == preempted:
+                    ordered = self.order.order(state, TurnState.STANDARD)
+                    self.admission.admit_waiting(state, budget, emit, ordered)
         if budget.seq_ids and not self.config.cache_when_planned:  # (else: each emitted)
             seq_ids = np.asarray(budget.seq_ids, dtype=I64)
             starts, ends = np.asarray(budget.starts, I64), np.asarray(budget.ends, I64)

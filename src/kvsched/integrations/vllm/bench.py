@@ -9,6 +9,11 @@ per request — everything each scheduler does for the step, vLLM's block hashin
 tokens (``Request.append_output_token_ids``) in both, kvsched's own identity hashing, input
 checks, decisions, plan and translation in the adapter's. The two schedulers alternate by
 round; quote the ratio of the same round.
+
+``order="async"`` runs vLLM's asynchronous call order (``EngineCore.step_with_batch_queue``,
+a queue of two): vLLM's ``AsyncScheduler`` against the adapter. A sample is then the scheduler
+time of the engine iterations it takes to schedule one step with work: one iteration for
+vLLM's, two for the adapter (an empty step, then the next one after the last outcome).
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import gc
 import os
 import tempfile
 import time
+from collections import deque
 from typing import Any
 
 import numpy as np
@@ -83,14 +89,54 @@ def _step(sched: Any) -> tuple[int, float]:
     return len(so.num_scheduled_tokens), (t1 - t0 + t3 - t2) * 1e3
 
 
-def measure(kind: str, running: int, samples: int, vllm_config: Any, kv: Any) -> dict[Any, Any]:
+class _AsyncLoop:
+    """vLLM's engine core under async scheduling (a batch queue of two): each iteration
+    schedules a step, then gives back the output of the step scheduled before it."""
+
+    def __init__(self, sched: Any) -> None:
+        self.sched = sched
+        self.queue: deque[tuple[Any, Any]] = deque()
+
+    def iterate(self) -> tuple[int, float]:
+        """(requests in the step scheduled, the scheduler's ms in this iteration)."""
+        t0 = time.perf_counter()
+        so = self.sched.schedule()
+        t1 = time.perf_counter()
+        self.queue.appendleft((so, _output(so, self.sched)))  # the model's part: not timed
+        ms = (t1 - t0) * 1e3
+        if len(self.queue) == 2:
+            done, mro = self.queue.pop()
+            t2 = time.perf_counter()
+            self.sched.update_from_output(done, mro)
+            ms += (time.perf_counter() - t2) * 1e3
+        return len(so.num_scheduled_tokens), ms
+
+    def step(self) -> tuple[int, float]:
+        """Iterations until one schedules work: (its requests, the scheduler's ms in all of
+        them). vLLM's AsyncScheduler works in every iteration; kvsched's adapter, which plans
+        a step only after the last one's outcome, in every other (the rest are empty)."""
+        total = 0.0
+        for _ in range(3):
+            n, ms = self.iterate()
+            total += ms
+            if n:
+                return n, total
+        raise RuntimeError("three engine iterations without work")
+
+
+def measure(
+    kind: str, running: int, samples: int, vllm_config: Any, kv: Any, order: str = "sync"
+) -> dict[Any, Any]:
     from kvsched.integrations.vllm.harness import make
 
+    if order == "async" and kind == "vllm":
+        kind = "vllm-async"  # (vLLM's own scheduler under async scheduling)
     sched = make(kind, vllm_config, kv)
+    step = _AsyncLoop(sched).step if order == "async" else lambda: _step(sched)
     for r in _requests(running):
         sched.add_request(r)
     for _ in range(1000):  # prefill until every request decodes (not timed)
-        _step(sched)
+        step()
         if all(r.num_output_tokens > 0 for r in sched.requests.values()):
             break
     times = []
@@ -98,7 +144,7 @@ def measure(kind: str, running: int, samples: int, vllm_config: Any, kv: Any) ->
         gc.collect()
         gc.disable()
         try:
-            n, ms = _step(sched)
+            n, ms = step()
         finally:
             gc.enable()
         if n != running:
@@ -109,7 +155,7 @@ def measure(kind: str, running: int, samples: int, vllm_config: Any, kv: Any) ->
 
 
 def run_vllm_bench(
-    running: int = 1024, samples: int = 100, rounds: int = 3
+    running: int = 1024, samples: int = 100, rounds: int = 3, order: str = "sync"
 ) -> list[dict[str, Any]]:
     from kvsched.integrations.vllm.models import build
 
@@ -124,7 +170,8 @@ def run_vllm_bench(
                     {
                         "round": round_,
                         "running": running,
-                        **measure(kind, running, samples, vllm_config, kv),
+                        "order": order,
+                        **measure(kind, running, samples, vllm_config, kv, order),
                     }
                 )
     return out

@@ -176,6 +176,7 @@ def scheduler_config(vllm_config: Any, kv_cache_config: Any, block_size: int) ->
         # named policy PRESET, so `kvsched replay --checkpoint-policy vllm-kvsched` predicts
         # this run (docs/vllm.md, "kvsched's hybrid caching under vLLM").
         cache_when_planned=True,
+        admit_after_preemption=False,  # as vLLM: nothing is admitted in a step that preempts
         checkpoints=Checkpoints(budget=hybrid["checkpoint_budget"], **CHECKPOINT_POLICIES[PRESET])
         if hybrid["hybrid"]
         else Checkpoints(),
