@@ -175,3 +175,73 @@ def test_vllm_adapter_refuses_an_output_for_a_step_it_did_not_schedule(model: st
 def test_vllm_harness_refuses_an_unknown_call_order(model: str):
     with pytest.raises(ValueError, match="order must be"):
         h.drive(_adapter(model), [], "pipelined", VOCAB, BLOCK)
+
+
+HYBRID = """
+import json, os, sys
+from kvsched.integrations.vllm import harness as h
+from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
+import numpy as np
+model, blocks, log = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+vllm_config, kv = h.hybrid_configs(model, blocks, max_seqs=8)
+_, hash_block = resolve_kv_cache_block_sizes(kv, vllm_config)
+rng = np.random.default_rng(0)
+shared = tuple(rng.integers(3, 400, 2 * hash_block).tolist())
+def fresh(n):
+    return tuple(rng.integers(3, 400, n).tolist())
+script = [h.Add("a", shared + fresh(300), 20), h.Steps(2),
+          h.Add("b", shared + fresh(100), 15, stop_after=5), h.Add("c", fresh(900), 10),
+          h.Steps(3), h.Add("d", shared + fresh(50), 12), h.Steps(4), h.Abort("c"),
+          h.Add("e", fresh(200), 8), h.Steps(200)]
+got = {}
+for order in ("sync", "async"):
+    for kind in ("vllm" if order == "sync" else "vllm-async", "kvsched"):
+        if kind == "kvsched":
+            vllm_config.additional_config = {"kvsched": {
+                "log": f"{log}.{order}", "check_invariants": True}}
+        sched = h.make(kind, vllm_config, kv)
+        t = h.drive(sched, script, order, 512, hash_block)
+        sched.shutdown()
+        got[f"{order}/{kind}"] = {"steps": t.steps, "outputs": t.outputs,
+                                  "finished": t.finished, "preempted": sorted(t.preempted)}
+got["prompts"] = {op.name: len(op.prompt) for op in script if isinstance(op, h.Add)}
+print("RESULT" + json.dumps(got))
+"""
+
+
+@pytest.mark.parametrize("blocks", [400, 40], ids=["roomy", "tight"])
+def test_vllm_adapter_on_a_hybrid_model_gives_vllms_outputs_in_both_orders_and_its_steps(
+    tmp_path: Path, tmp_path_factory: pytest.TempPathFactory, blocks: int
+):
+    """Tiny Qwen3-Next (three mamba groups and one attention group, 640-token blocks, vLLM's
+    own hybrid configs), shared prefixes, a stop, an abort: in the synchronous order the
+    adapter schedules every step as vLLM's Scheduler; in both orders the outputs equal
+    vLLM's (Scheduler, AsyncScheduler); both logs verify."""
+    import json
+    import os
+
+    model = build("qwen3-next", tmp_path_factory.mktemp("qwen3-next") / "model")
+    log = tmp_path / "hybrid.kvlog"
+    env = {
+        **os.environ,
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+        "VLLM_LOGGING_LEVEL": "ERROR",
+    }
+    cmd = [sys.executable, "-c", HYBRID, str(model), str(blocks), str(log)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT"))
+    got = json.loads(line[len("RESULT") :])
+    assert got["sync/kvsched"]["steps"] == got["sync/vllm"]["steps"]
+    for order, ref in (("sync", "vllm"), ("async", "vllm-async")):
+        mine, theirs = got[f"{order}/kvsched"], got[f"{order}/{ref}"]
+        assert mine["finished"] == theirs["finished"]
+        assert set(mine["finished"]) == set(got["prompts"])
+        for name, tokens in mine["outputs"].items():
+            start = got["prompts"][name]
+            assert tokens == [h.token(name, start + i, VOCAB) for i in range(len(tokens))]
+            if theirs["finished"][name] != "abort":
+                assert tokens == theirs["outputs"][name], (order, name)
+        _verifies(Path(f"{log}.{order}"))

@@ -22,6 +22,7 @@ the draft tokens), and per request the tokens the client received and how it fin
 
 from __future__ import annotations
 
+import copy
 import zlib
 from collections import deque
 from collections.abc import Sequence
@@ -39,6 +40,7 @@ __all__ = [
     "Trace",
     "configs",
     "drive",
+    "hybrid_configs",
     "make",
     "token",
     "vllm_request",
@@ -122,6 +124,32 @@ def configs(
     return vllm_config, kv
 
 
+def hybrid_configs(model_dir: str, blocks: int, max_seqs: int) -> tuple[Any, Any]:
+    """vLLM's own ``VllmConfig`` and ``KVCacheConfig`` for a hybrid model in ``align`` mode
+    with ``blocks`` KV cache blocks: vLLM sizes a hybrid model's groups and state pages only
+    once the model is built, so this builds an offline engine (in this process, under vLLM's
+    own scheduler) and keeps its configs. One per process."""
+    from vllm import LLM
+
+    llm = LLM(
+        model_dir,
+        enforce_eager=True,
+        max_model_len=4096,
+        max_num_batched_tokens=4096,
+        max_num_seqs=max_seqs,
+        enable_prefix_caching=True,  # (a hybrid model's states then cache in "align" mode)
+        seed=0,
+        skip_tokenizer_init=True,
+        num_gpu_blocks_override=blocks,
+    )
+    _ENGINES.append(llm)  # (alive: its engine's shutdown would clear the configs' sizes)
+    sched = llm.llm_engine.engine_core.engine_core.scheduler
+    return sched.vllm_config, sched.kv_cache_config
+
+
+_ENGINES: list[Any] = []
+
+
 def make(kind: str, vllm_config: Any, kv: Any) -> Any:
     """vLLM's ``Scheduler`` ("vllm"), its ``AsyncScheduler`` ("vllm-async") or kvsched's
     adapter ("kvsched") over these configs."""
@@ -140,13 +168,15 @@ def make(kind: str, vllm_config: Any, kv: Any) -> Any:
         cls = VllmScheduler
     else:
         raise ValueError(f"unknown scheduler {kind!r}: vllm, vllm-async or kvsched")
-    block = kv.kv_cache_groups[0].kv_cache_spec.block_size
+    from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
+
+    block, hash_block = resolve_kv_cache_block_sizes(kv, vllm_config)
     return cls(
         vllm_config=vllm_config,
-        kv_cache_config=kv,
+        kv_cache_config=copy.deepcopy(kv),  # (a scheduler may change it: each its own)
         structured_output_manager=NoGrammar(),
         block_size=block,
-        hash_block_size=block,
+        hash_block_size=hash_block,
         log_stats=False,
     )
 
@@ -246,7 +276,8 @@ class Driver:
 
 
 def drive(sched: Any, script: Sequence[Op], order: str, vocab: int, block_size: int) -> Trace:
-    """Run ``script`` against ``sched`` in the ``sync`` or ``async`` call order."""
+    """Run ``script`` against ``sched`` in the ``sync`` or ``async`` call order
+    (``block_size``: vLLM's block-hash size, that of the requests' ``block_hashes``)."""
     from vllm.utils.hashing import sha256
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
     from vllm.v1.request import RequestStatus
