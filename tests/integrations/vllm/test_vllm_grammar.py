@@ -117,6 +117,7 @@ def test_vllm_a_structured_request_reaches_kvsched_once_its_grammar_is_compiled(
     assert request.status == RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR
     assert sched.engine.state.seqs.waiting == {}  # kvsched has not seen it
     assert sched.get_num_unfinished_requests() == 1
+    assert sched.get_request_counts() == (0, 1)  # (waiting, as vLLM counts it)
     compiling.set_result(object())
     so, grammar, results = step(sched)
     assert so.num_scheduled_tokens == {"a": 37}

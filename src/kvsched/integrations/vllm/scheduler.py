@@ -409,8 +409,8 @@ class Scheduler(Unserved, SchedulerInterface):  # type: ignore[misc]  # (vLLM is
         return bool(self._finished_ids or self._inputs or self._errors or self._expected)
 
     def get_request_counts(self) -> tuple[int, int]:
-        t = self.engine.state.seqs
-        return t.num_running, len(t.waiting)
+        t = self.engine.state.seqs  # (waiting: also those whose grammar compiles, as vLLM's)
+        return t.num_running, len(t.waiting) + len(self.grammars.waiting)
 
     def get_kv_cache_usage(self) -> float:
         pool = self.engine.state.pool
