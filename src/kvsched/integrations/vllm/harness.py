@@ -9,7 +9,9 @@ function of (request, position): the token sampled after ``p`` tokens of request
 ``token(r, p)`` whatever the schedule, as greedy decoding of a fixed model gives. Like vLLM's
 model runner, the driver counts each request's tokens (its prompt, then each token it samples;
 after a preemption, the tokens the scheduler sends again), and a row samples only when it
-computes all of them, so a chunk that ends earlier, or a recompute, samples nothing.
+computes all of them, so a chunk that ends earlier, or a recompute, samples nothing. It also
+holds the scheduler to the runner's rule: a request the last step did not schedule comes back
+with all its tokens (``CachedRequestData.all_token_ids``, which the asynchronous runner reads).
 
 Two call orders, as vLLM's engine core makes them:
 * ``sync`` (``EngineCore.step``): ``schedule()`` then ``update_from_output()`` of that step;
@@ -212,6 +214,7 @@ class Driver:
         self.vocab = vocab
         self.trace = Trace()
         self.known: dict[str, int] = {}
+        self.batch: set[str] = set()  # the requests the runner's batch holds (last step's)
         self.queue: deque[tuple[Any, Any]] = deque()
 
     def run_model(self, so: Any) -> Any:
@@ -225,9 +228,17 @@ class Driver:
             known[r.req_id] = len(r.prompt_token_ids)
         cached = so.scheduled_cached_reqs
         computed.update(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
-        for name, tokens in (cached.all_token_ids or {}).items():
+        resent = cached.all_token_ids or {}
+        for name, tokens in resent.items():
             known[name] = len(tokens)  # (resent: a resumed request's sampled tokens are these)
+        missing = [n for n in cached.req_ids if n not in self.batch and n not in resent]
+        if missing:  # (vLLM's asynchronous runner reads them: KeyError on a GPU)
+            raise AssertionError(
+                f"requests {missing} absent from the last step come back "
+                "without their tokens (CachedRequestData.all_token_ids)"
+            )
         names = list(so.num_scheduled_tokens)
+        self.batch = set(names)  # the runner's persistent batch: what this step schedules
         sampled = []
         for name in names:
             end = computed[name] + so.num_scheduled_tokens[name]

@@ -160,6 +160,7 @@ class Scheduler(Unserved, SchedulerInterface):  # type: ignore[misc]  # (vLLM is
         outcome is still out is empty: kvsched plans a step only after folding the last."""
         if any(r is not None for r in self._awaiting):
             self._awaiting.append(None)
+            self._prev_scheduled = set()  # (the runner drops what a step does not schedule)
             return SchedulerOutput.make_empty()
         if self.grammars.waiting:
             self._settle_grammars()
