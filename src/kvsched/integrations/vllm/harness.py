@@ -237,6 +237,9 @@ class Driver:
                 f"requests {missing} absent from the last step come back "
                 "without their tokens (CachedRequestData.all_token_ids)"
             )
+        for name, ids in zip(cached.req_ids, cached.new_block_ids, strict=True):
+            if name in cached.resumed_req_ids and ids is None:  # (the runner asserts it)
+                raise AssertionError(f"request {name} resumed without its block table")
         names = list(so.num_scheduled_tokens)
         self.batch = set(names)  # the runner's persistent batch: what this step schedules
         sampled = []
