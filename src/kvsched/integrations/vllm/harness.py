@@ -18,8 +18,9 @@ Two call orders, as vLLM's engine core makes them:
 * ``async`` (``EngineCore.step_with_batch_queue``, a queue of two): step N+1 is scheduled
   before step N's output is given back, whenever the scheduler has requests.
 
-The trace holds, per engine step that ran work, the scheduled token count per request (and
-the draft tokens), and per request the tokens the client received and how it finished.
+The trace holds, per engine step that ran work, the scheduled token count per request, and
+per request the tokens the client received, how it finished and whether it was preempted.
+(No draft tokens yet: the adapter refuses speculative decoding.)
 """
 
 from __future__ import annotations
