@@ -245,3 +245,22 @@ def test_vllm_adapter_on_a_hybrid_model_gives_vllms_outputs_in_both_orders_and_i
             if theirs["finished"][name] != "abort":
                 assert tokens == theirs["outputs"][name], (order, name)
         _verifies(Path(f"{log}.{order}"))
+
+
+@pytest.mark.parametrize("blocks", [100, 7], ids=["roomy", "preempting"])
+def test_vllm_adapter_in_the_async_order_runs_vllms_synchronous_schedule(model: str, blocks: int):
+    """Every request arrives before the first step: in vLLM's asynchronous order the adapter's
+    steps with work (every other one) are exactly vLLM's Scheduler's steps in the
+    synchronous order, since each is planned after the last outcome."""
+    rng = np.random.default_rng(3)
+    shared = tuple(rng.integers(3, 400, 2 * BLOCK).tolist())
+    script: list[h.Op] = []
+    for i in range(5):  # (406 prompt tokens in all: one step's budget takes them whole)
+        prompt = (shared if i % 2 else ()) + tuple(rng.integers(3, 400, 10 + 10 * i).tolist())
+        script.append(h.Add(f"r{i}", prompt, 40 + 10 * i, stop_after=6 if i == 3 else None))
+    script.append(h.Steps(400))
+    ref = drive(model, "vllm", script, "sync", blocks)
+    mine = drive(model, "kvsched", script, "async", blocks)
+    assert mine.steps == ref.steps
+    assert mine.outputs == ref.outputs and mine.finished == ref.finished
+    assert bool(mine.preempted) == (blocks == 7)
