@@ -6,10 +6,7 @@ manager is replaced by a fake whose grammars the test completes)."""
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
-import sys
 from concurrent.futures import Future
 from typing import Any
 
@@ -28,26 +25,11 @@ from vllm.v1.engine import FinishReason
 from vllm.v1.request import Request, RequestStatus
 
 from kvsched.integrations.vllm import harness as h
-from kvsched.integrations.vllm.models import JSON_CHARS, VOCAB, build
+from kvsched.integrations.vllm.models import VOCAB, build, words
+
+from .test_vllm_scheduler import _script_result, _verifies
 
 BLOCK = 64
-
-
-def script_result(script: str, *args: str, env: dict[str, str] | None = None) -> Any:
-    """Run a vLLM script in its own process (in-process engine core); the JSON it prints
-    after ``RESULT``."""
-    env = {
-        **os.environ,
-        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-        "VLLM_CPU_KVCACHE_SPACE": "1",
-        "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-        **(env or {}),
-    }
-    cmd = [sys.executable, "-c", script, *args]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT"))
-    return json.loads(line[len("RESULT") :])
 
 
 class FakeManager:
@@ -201,9 +183,8 @@ print("RESULT" + json.dumps(got))
 
 def _texts(tokens: list[int]) -> str:
     """The characters a grammar saw: each token's text, concatenated (eos left out)."""
-    words = [f"t{i}" for i in range(VOCAB)]
-    words[VOCAB - len(JSON_CHARS) :] = list(JSON_CHARS)
-    return "".join(words[t] for t in tokens if t != 1)
+    texts = words(json_chars=True)
+    return "".join(texts[t] for t in tokens if t != 1)
 
 
 def test_vllm_structured_outputs_are_token_identical_to_vllms_own_scheduler(
@@ -213,8 +194,8 @@ def test_vllm_structured_outputs_are_token_identical_to_vllms_own_scheduler(
     JSON): the same tokens and finish reasons; the kvsched run's log verifies."""
     model = build("qwen3", tmp_path_factory.mktemp("qwen3-json") / "model", json_chars=True)
     log = tmp_path_factory.mktemp("log") / "structured.kvlog"
-    ref = script_result(STRUCTURED, str(model), "vllm")
-    mine = script_result(STRUCTURED, str(model), "kvsched", env={"KVSCHED_VLLM_LOG": str(log)})
+    ref = _script_result(STRUCTURED, str(model), "vllm")
+    mine = _script_result(STRUCTURED, str(model), "kvsched", env={"KVSCHED_VLLM_LOG": str(log)})
     assert mine == ref
     for tokens, reason in ref["json"]:
         if reason == "stop":
@@ -224,10 +205,4 @@ def test_vllm_structured_outputs_are_token_identical_to_vllms_own_scheduler(
     for tokens, reason in ref["regex"]:
         assert reason == "stop" and re.fullmatch("(t1[0-9]|t2[0-9]){3,6}", _texts(tokens))
     assert {_texts(tokens) for tokens, _ in ref["choice"]} <= {"t7t8", "t9", "t10t11t12"}
-    verify = subprocess.run(
-        [sys.executable, "-m", "kvsched.cli", "verify", str(log)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert verify.returncode == 0 and "0 divergences" in verify.stdout, verify.stdout
+    _verifies(log)

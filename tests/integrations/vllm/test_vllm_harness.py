@@ -4,8 +4,6 @@ kvsched's adapter, in vLLM's synchronous and asynchronous call orders (no model 
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -19,8 +17,10 @@ pytest.importorskip(
 )
 
 from kvsched.integrations.vllm import harness as h
-from kvsched.integrations.vllm.models import build
+from kvsched.integrations.vllm.models import VOCAB, build
 from kvsched.integrations.vllm.outputs import AdapterMismatch
+
+from .test_vllm_scheduler import _script_result, _verifies
 
 BLOCK = 64
 
@@ -82,20 +82,6 @@ def assert_same_outputs(ref: h.Trace, mine: h.Trace, script: list[h.Op], vocab: 
         assert got == [h.token(name, prompts[name] + i, vocab) for i in range(len(got))], name
         if ref.finished[name] != "abort":
             assert got == ref.outputs[name], name
-
-
-def _verifies(log: Path) -> None:
-    proc = subprocess.run(
-        [sys.executable, "-m", "kvsched.cli", "verify", str(log)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "0 divergences" in proc.stdout
-
-
-from kvsched.integrations.vllm.models import VOCAB  # noqa: E402
 
 
 @pytest.mark.parametrize("blocks", [100, 7], ids=["roomy", "preempting"])
@@ -217,23 +203,10 @@ def test_vllm_adapter_on_a_hybrid_model_gives_vllms_outputs_in_both_orders_and_i
     own hybrid configs), shared prefixes, a stop, an abort: in the synchronous order the
     adapter schedules every step as vLLM's Scheduler; in both orders the outputs equal
     vLLM's (Scheduler, AsyncScheduler); both logs verify."""
-    import json
-    import os
-
     model = build("qwen3-next", tmp_path_factory.mktemp("qwen3-next") / "model")
     log = tmp_path / "hybrid.kvlog"
-    env = {
-        **os.environ,
-        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-        "VLLM_CPU_KVCACHE_SPACE": "1",
-        "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-        "VLLM_LOGGING_LEVEL": "ERROR",
-    }
-    cmd = [sys.executable, "-c", HYBRID, str(model), str(blocks), str(log)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT"))
-    got = json.loads(line[len("RESULT") :])
+    quiet = {"VLLM_LOGGING_LEVEL": "ERROR"}
+    got = _script_result(HYBRID, str(model), str(blocks), str(log), env=quiet)
     assert got["sync/kvsched"]["steps"] == got["sync/vllm"]["steps"]
     for order, ref in (("sync", "vllm"), ("async", "vllm-async")):
         mine, theirs = got[f"{order}/kvsched"], got[f"{order}/{ref}"]

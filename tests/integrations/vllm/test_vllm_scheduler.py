@@ -426,9 +426,9 @@ print("RESULT" + json.dumps(got))
 """
 
 
-def _script_result(script: str, *args: str) -> Any:
-    """Run a vLLM script in its own process (in-process engine core) and return the JSON
-    it prints after ``RESULT``."""
+def _script_result(script: str, *args: str, env: dict[str, str] | None = None) -> Any:
+    """Run a vLLM script in its own process (in-process engine core; ``env``: more
+    environment variables) and return the JSON it prints after ``RESULT``."""
     import os
 
     env = {
@@ -436,6 +436,7 @@ def _script_result(script: str, *args: str) -> Any:
         "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
         "VLLM_CPU_KVCACHE_SPACE": "1",
         "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+        **(env or {}),
     }
     proc = subprocess.run(
         [sys.executable, "-c", script, *args],

@@ -25,7 +25,6 @@ per request the tokens the client received, how it finished and whether it was p
 
 from __future__ import annotations
 
-import copy
 import zlib
 from collections import deque
 from collections.abc import Sequence
@@ -176,7 +175,7 @@ def make(kind: str, vllm_config: Any, kv: Any) -> Any:
     block, hash_block = resolve_kv_cache_block_sizes(kv, vllm_config)
     return cls(
         vllm_config=vllm_config,
-        kv_cache_config=copy.deepcopy(kv),  # (a scheduler may change it: each its own)
+        kv_cache_config=kv,
         structured_output_manager=NoGrammar(),
         block_size=block,
         hash_block_size=hash_block,

@@ -20,16 +20,21 @@ VOCAB = 512
 JSON_CHARS = '{}[]":, 0123456789abcdefxyz-'
 
 
-def _save_tokenizer(path: Path, json_chars: bool = False) -> None:
-    """A word-level tokenizer of the tiny vocabulary: token ``i`` reads ``t{i}``; with
+def words(json_chars: bool = False) -> list[str]:
+    """Each token's text in the tiny vocabulary: token ``i`` reads ``t{i}``; with
     ``json_chars`` the last ids read the characters of ``JSON_CHARS`` instead (for
     structured outputs: a grammar can then write JSON)."""
+    texts = [f"t{i}" for i in range(VOCAB)]
+    if json_chars:
+        texts[VOCAB - len(JSON_CHARS) :] = list(JSON_CHARS)
+    return texts
+
+
+def _save_tokenizer(path: Path, json_chars: bool = False) -> None:
+    """A word-level tokenizer of the tiny vocabulary (``words``)."""
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    words = [f"t{i}" for i in range(VOCAB)]
-    if json_chars:
-        words[VOCAB - len(JSON_CHARS) :] = list(JSON_CHARS)
-    vocab = {word: i for i, word in enumerate(words)}
+    vocab = {word: i for i, word in enumerate(words(json_chars))}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="t0"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.save(str(path / "tokenizer.json"))

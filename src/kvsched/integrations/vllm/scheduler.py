@@ -50,7 +50,6 @@ from kvsched.integrations.vllm.outputs import (
     token_output,
 )
 from kvsched.integrations.vllm.requests import Registry, refusal, stop_reason
-from kvsched.integrations.vllm.startup import Unserved
 from kvsched.plan import StepPlan
 
 logger = logging.getLogger(__name__)
@@ -63,7 +62,7 @@ _STATUS = {
 }
 
 
-class Scheduler(Unserved, SchedulerInterface):  # type: ignore[misc]  # (vLLM is untyped here)
+class Scheduler(startup.Unserved, SchedulerInterface):  # type: ignore[misc]  # (vLLM is untyped here)
     def __init__(
         self,
         vllm_config: Any,
