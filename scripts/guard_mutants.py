@@ -379,8 +379,8 @@ VLLM_ROUND_2 = [
       "if False:", HARNESS_TESTS, "-k", "async_call_order"),
     m("integrations/vllm/scheduler.py", "        if not self._awaiting:\n",
       "        if False:\n", HARNESS_TESTS, "-k", "did_not_schedule"),
-    m("integrations/vllm/scheduler.py", "            self._prev_scheduled = set()  # (the",
-      "            pass  # (the", HARNESS_TESTS, "-k", "async_call_order"),
+    m("integrations/vllm/worker.py", "        self._prev = set()\n",
+      "        pass\n", HARNESS_TESTS, "-k", "async_call_order"),
     # structured outputs: a request waits for its grammar; its rows get the bitmask
     m("integrations/vllm/scheduler.py", "        if request.use_structured_output:\n",
       "        if False:\n", GRAMMAR_TESTS, "-k", "once_its_grammar"),

@@ -18,7 +18,7 @@ from tests.mtp_images import IMAGES, SpansWhole, with_image
 from tests.planted import assert_machine_catches
 from tests.policy.helpers import preset
 
-from kvsched.config import CHECKPOINT_POLICIES, PLACEMENTS, ModelSpec, SchedulerConfig, Speculation
+from kvsched.config import CHECKPOINT_POLICIES, PLACEMENTS, ModelSpec, SchedulerConfig
 from kvsched.engine import Engine
 from kvsched.events import types as ev
 from kvsched.events.codec import SCHEMA_VERSION
@@ -26,6 +26,8 @@ from kvsched.gpu.fingerprint import FingerprintExecutor
 from kvsched.plan import StepPlan
 from kvsched.reducers.blocks import BlockPool
 from kvsched.reducers.errors import RefChange
+from kvsched.reducers.rows import RowTable
+from kvsched.reducers.sequences import SequenceTable
 from kvsched.replay.driver import execute_step
 from kvsched.statemachines import CkptState
 
@@ -283,6 +285,28 @@ EngineMachineWithPrivateCopies.TestCase.settings = EngineMachine.TestCase.settin
 TestEngineStateMachineWithPrivateCopies = EngineMachineWithPrivateCopies.TestCase
 
 
+class EngineMachineWithDrafts(EngineMachine):
+    """The same machine with speculative decoding: the executor proposes three drafts after
+    each sampled token (the tokens it will sample, half of the time), each decode verifies
+    them in positions that take blocks, and rejected ones roll back (a hybrid model's drafts
+    are not verified). A stale draft's KV read as context is a recorded mismatch."""
+
+    @initialize(**ENGINE_CONFIGS)
+    def start(self, **kw) -> None:  # type: ignore[no-untyped-def]
+        super().start(**kw)
+        speculation = attrs.evolve(self.config.speculation, max_drafts=3)
+        self.config = attrs.evolve(self.config, speculation=speculation)
+        self.engine = Engine(self.config, check_invariants=True)
+        slots = self.config.num_state_slots if self.config.hybrid else 0
+        bs, blocks = self.config.block_size, self.config.num_blocks
+        self.executor = FingerprintExecutor(VOCAB, blocks, bs, slots, drafts=3)
+        self.runner = _Faulty(self.executor)
+
+
+EngineMachineWithDrafts.TestCase.settings = EngineMachine.TestCase.settings
+TestEngineStateMachineWithDrafts = EngineMachineWithDrafts.TestCase
+
+
 class EngineMachineWithMTPAndImages(EngineMachine):
     """The same machine with MTP (a hit's last cached block recomputed privately while the
     sequence holds the cached one) and requests with multimodal spans: no forward starts
@@ -291,7 +315,8 @@ class EngineMachineWithMTPAndImages(EngineMachine):
     @initialize(**ENGINE_CONFIGS, mtp=st.sampled_from([1, 2]))
     def start(self, mtp: int, **kw) -> None:  # type: ignore[no-untyped-def]
         super().start(**kw)
-        self.config = attrs.evolve(self.config, speculation=Speculation(tokens=mtp))
+        speculation = attrs.evolve(self.config.speculation, tokens=mtp)
+        self.config = attrs.evolve(self.config, speculation=speculation)
         self.engine = Engine(self.config, check_invariants=True)
         self.executor = SpansWhole(self.executor, self.engine.state)
         self.runner = _Faulty(self.executor)
@@ -408,3 +433,23 @@ class EngineMachineUnderVllm(EngineMachine):
 
 EngineMachineUnderVllm.TestCase.settings = EngineMachine.TestCase.settings
 TestEngineStateMachineUnderVllm = EngineMachineUnderVllm.TestCase
+
+
+def test_drafts_scheduled_without_blocks_for_their_positions_are_caught(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    original = RowTable.blocks_short
+
+    def short_of_one_token(self: RowTable, rows: np.ndarray, drafts: np.ndarray) -> np.ndarray:
+        return original(self, rows, np.zeros_like(drafts))
+
+    machine = EngineMachineWithDrafts
+    assert_machine_catches(monkeypatch, machine, RowTable, "blocks_short", short_of_one_token)
+
+
+def test_rejected_drafts_left_as_computed_are_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    def never_roll_back(self: SequenceTable, rows: list[int]) -> None:
+        return None
+
+    machine = EngineMachineWithDrafts
+    assert_machine_catches(monkeypatch, machine, SequenceTable, "_settle_drafts", never_roll_back)

@@ -241,9 +241,15 @@ class Speculation:
     """MTP: a hit's last cached block(s) are recomputed for the draft model (Legacy.mtp_overlap)."""
 
     tokens: int = 0  # speculative tokens per step (0: no MTP)
+    # Speculative decoding: at most this many of the draft tokens an executor proposes for a
+    # sequence (StepExecuted.drafts) are verified in its next decode, besides its newest
+    # token; the drafts' positions take KV blocks like any token's. 0: drafts are ignored.
+    # Attention models only (a hybrid model's state per draft position is not modelled).
+    max_drafts: int = 0
 
     def __attrs_post_init__(self) -> None:
         in_range("speculation.tokens", self.tokens, 0, 64)
+        in_range("speculation.max_drafts", self.max_drafts, 0, 64)
 
 
 # The sub-configs by field name, and the flat names of their fields in log headers before

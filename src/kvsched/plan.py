@@ -69,6 +69,10 @@ class StepPlan:
     # chunked gated-delta scan does every 64 tokens).
     state_save_before: np.ndarray = attrs.field(factory=lambda: _empty(2))  # int32 [k, 2]
     state_save_within: np.ndarray = attrs.field(factory=lambda: _empty(3))  # int32 [k, 3]
+    # Speculative decoding: the draft tokens each row verifies (int32 [n]; empty when no row
+    # does): a decode row computes its newest token and these drafts (``input_ids``), and
+    # samples after each of them.
+    num_drafts: np.ndarray = attrs.field(factory=lambda: np.zeros(0, np.int32))
 
     @property
     def num_seqs(self) -> int:

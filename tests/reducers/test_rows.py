@@ -112,7 +112,7 @@ def test_the_per_row_queries_answer_from_the_columns_and_return_copies() -> None
     assert t.block_counts(rows).tolist() == [3, 2] and t.nblocks_at(int(rows[0])) == 3
     assert t.token_limits(rows).tolist() == [43, 24]
     assert t.outputs_done(rows).tolist() == [False, False]
-    assert t.is_eos(rows, np.array([0, 5])).tolist() == [False, False]
+    assert t.is_eos(rows).tolist() == [False, False]
     # 20 computed tokens fill 1 of sequence 2's 2 blocks: its next position (20) is in block 1
     assert t.rows_needing_blocks(rows).tolist() == []
     assert t.still_held(rows).tolist() == rows.tolist()

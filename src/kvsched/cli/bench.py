@@ -71,6 +71,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def _bench_vllm(args: argparse.Namespace) -> int:
+    if args.drafts and args.order == "async":
+        return fail("kvsched bench vllm: --drafts is measured in the synchronous order only")
     try:  # vLLM first: nothing is written (the bench's model) without it
         importlib.import_module("vllm")
         from kvsched.integrations.vllm.bench import run_vllm_bench
@@ -83,7 +85,11 @@ def _bench_vllm(args: argparse.Namespace) -> int:
     rows = []
     for running in args.running:
         rows += run_vllm_bench(
-            running=running, samples=args.samples, rounds=args.rounds, order=args.order
+            running=running,
+            samples=args.samples,
+            rounds=args.rounds,
+            order=args.order,
+            drafts=args.drafts,
         )
     for row in rows:
         print(json.dumps(row) if args.json else "  ".join(f"{k}={v}" for k, v in row.items()))
@@ -166,6 +172,13 @@ def add_bench(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg
         default="sync",
         help="vLLM's call order: synchronous, or async scheduling (vLLM's AsyncScheduler "
         "against the adapter; a sample is one step with work)" + DEFAULT,
+    )
+    vllm.add_argument(
+        "--drafts",
+        type=int_in(0, 16),
+        default=0,
+        help="speculative decoding: ngram draft tokens per decode (synchronous order only; "
+        "the model accepts the first)" + DEFAULT,
     )
     vllm.add_argument(
         "--rounds", type=int_in(1, 1000), default=3, help="interleaved rounds" + DEFAULT

@@ -113,7 +113,11 @@ class PrefillScheduled(Event, frozen=True, tag="prefill"):
 
 
 class DecodeScheduled(Event, frozen=True, tag="decode"):
+    """Compute each sequence's newest token and, speculative decoding, the first
+    ``num_drafts[i]`` of the draft tokens last proposed for it (None: none)."""
+
     seq_ids: np.ndarray
+    num_drafts: np.ndarray | None = None  # int32
 
 
 class SequencePreempted(Event, frozen=True, tag="preempted"):

@@ -68,7 +68,12 @@ class AdmissionsHeld(Event, frozen=True, tag="hold"):
 
 
 class StepExecuted(Event, frozen=True, tag="executed"):
-    """Outcome of a step: the tokens sampled for the sequences that sampled."""
+    """Outcome of a step: the tokens sampled for the sequences that sampled.
+
+    Speculative decoding (fields with defaults, omitted when unused): ``counts[i]`` is how
+    many tokens sequence ``seq_ids[i]`` produced (its accepted drafts and one more; empty:
+    one each: None), ``tokens`` holds them in that order. ``draft_counts[i]`` draft tokens are
+    proposed for its next step, the ``drafts`` in that order (None: none)."""
 
     step: int
     seq_ids: np.ndarray  # int64
@@ -77,6 +82,9 @@ class StepExecuted(Event, frozen=True, tag="executed"):
     # MoE: routed-expert ids of every computed token, in plan token order, flattened
     # [num_tokens * routed_experts_per_token] (int16); empty when not recorded.
     routed_experts: np.ndarray = msgspec.field(default_factory=lambda: np.zeros(0, np.int16))
+    counts: np.ndarray | None = None  # int32
+    draft_counts: np.ndarray | None = None  # int32
+    drafts: np.ndarray | None = None  # int32
 
 
 class StepFailed(Event, frozen=True, tag="step_failed"):

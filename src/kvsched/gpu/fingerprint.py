@@ -79,9 +79,16 @@ class FingerprintExecutor:
         block_size: int,
         num_state_slots: int = 0,
         cost: CostModel | None = None,
+        drafts: int = 0,
+        acceptance: float = 0.5,
     ) -> None:
         if vocab_size < 2 or num_blocks < 1 or block_size < 1 or num_state_slots < 0:
             raise ValueError("vocab_size >= 2, num_blocks >= 1, block_size >= 1 required")
+        # Speculative decoding: ``drafts`` proposed after each sampled token, each the token
+        # this model will sample there (it is deterministic) with probability ``acceptance``
+        # (a hash of the prefix), else another one; drafts a plan schedules are verified.
+        self.drafts, self.acceptance = drafts, acceptance
+        self._h: list[np.ndarray] = []  # (with drafts: h of every position each row computed)
         self.vocab_size = vocab_size
         self.block_size = block_size
         self.num_state_slots = num_state_slots
@@ -120,9 +127,69 @@ class FingerprintExecutor:
         last = self._forward(plan)
         self._after(plan)
         rows = np.nonzero(plan.sample)[0]
-        tokens = self._sample(plan, rows, last[rows])
         seq_ids = np.asarray(plan.seq_ids[rows], dtype=np.int64).copy()
+        if self.drafts or len(plan.num_drafts):
+            return self._speculate(plan, rows, seq_ids)
+        tokens = self._sample(plan, rows, last[rows])
         return StepExecuted(plan.step, seq_ids, tokens, self.cost.step_time(plan))
+
+    def _speculate(self, plan: StepPlan, rows: np.ndarray, seq_ids: np.ndarray) -> StepExecuted:
+        """Verify each sampled row's drafts (the token after each position it computed, while
+        the draft there agrees) and propose the next ones."""
+        out: list[int] = []
+        counts: list[int] = []
+        proposed: list[int] = []
+        verified = plan.num_drafts if len(plan.num_drafts) else np.zeros(plan.num_seqs, np.int32)
+        bounds = np.concatenate(([0], np.cumsum(plan.ends - plan.starts)))
+        for i in rows.tolist():
+            h, start, d = self._h[i], int(plan.starts[i]), int(verified[i])
+            first = len(h) - 1 - d  # h index of the row's newest token
+            guesses = plan.input_ids[bounds[i] + first + 1 : bounds[i + 1]].tolist()
+            made: list[int] = []
+            for j in range(d + 1):
+                end = start + first + j + 1
+                digest = self._digest_to(plan, i, end)
+                made.append(self._token(h[first + j], digest))
+                if j == d or guesses[j] != made[-1]:
+                    break
+            out += made
+            counts.append(len(made))
+            proposed += self._propose(h[first + len(made) - 1], digest, made[-1], end)
+        return StepExecuted(
+            plan.step, seq_ids, np.asarray(out, np.int32), self.cost.step_time(plan),
+            counts=np.asarray(counts, np.int32),
+            draft_counts=np.full(len(rows), self.drafts, np.int32),
+            drafts=np.asarray(proposed, np.int32),
+        )
+
+    def _token(self, h: np.uint64, digest: np.uint64) -> int:
+        """The token sampled after a position (``_sample``'s rule for one row)."""
+        with np.errstate(over="ignore"):
+            key = _mix(np.asarray([h ^ _mix(np.asarray([digest]))[0]], dtype=np.uint64))
+            return int(key[0] % np.uint64(self.vocab_size - 1)) + 1
+
+    def _digest_to(self, plan: StepPlan, i: int, end: int) -> np.uint64:
+        """The row's context digest over positions [0, end)."""
+        pos = np.arange(end, dtype=np.int64)
+        blocks = plan.block_tables[i, pos // self.block_size]
+        terms = _context_terms(self.kv[blocks, pos % self.block_size], pos)
+        with np.errstate(over="ignore"):
+            return np.uint64(terms.sum(dtype=np.uint64))
+
+    def _propose(self, h: np.uint64, digest: np.uint64, token: int, pos: int) -> list[int]:
+        """``drafts`` tokens after ``token`` (at ``pos``): the ones this model will sample
+        there, if its KV is written as planned, each kept with probability ``acceptance``."""
+        drafts = []
+        for _ in range(self.drafts):
+            h = prefix_hashes(np.asarray([token]), np.asarray([pos]), int(h))[0]
+            with np.errstate(over="ignore"):
+                digest = digest + _context_terms(np.asarray([h]), np.asarray([pos]))[0]
+            token = self._token(h, digest)
+            coin = int(_mix(np.asarray([h ^ _DIGEST_SALT], dtype=np.uint64))[0] % 1000)
+            other = token % (self.vocab_size - 1) + 1
+            drafts.append(token if coin < 1000 * self.acceptance else other)
+            pos += 1
+        return drafts
 
     def _check(self, plan: StepPlan) -> None:
         """Plan bugs that would index outside the cache raise (as the torch executor's do),
@@ -209,6 +276,7 @@ class FingerprintExecutor:
         bounds = np.concatenate(([0], np.cumsum(plan.ends - plan.starts)))
         last = np.zeros(plan.num_seqs, dtype=np.uint64)
         within = self._within(plan)
+        self._h = []
         for i in range(plan.num_seqs):
             lo, hi = int(bounds[i]), int(bounds[i + 1])
             start, end = int(plan.starts[i]), int(plan.ends[i])
@@ -225,6 +293,8 @@ class FingerprintExecutor:
             if self._slot(plan, i):
                 self.state[self._slot(plan, i)] = h[-1]
             last[i] = h[-1]
+            if self.drafts or len(plan.num_drafts):
+                self._h.append(h)
         return last
 
     def _slot(self, plan: StepPlan, i: int) -> int:

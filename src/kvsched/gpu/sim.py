@@ -135,6 +135,15 @@ def check_sleep_level(level: int) -> int:
 
 
 class SimulatedExecutor:
+    """Samples each token as a pure function of (seed, sequence, position).
+
+    Speculative decoding (``drafts`` > 0): after each sampled token it proposes ``drafts``
+    draft tokens, each the true token with probability ``acceptance`` (a hash of the seed,
+    sequence and position, so runs repeat), and verifies the drafts a plan schedules as a
+    target model would: the drafts that equal the true tokens, up to the first that does not,
+    are accepted, and one true token follows. The tokens produced are therefore the same with
+    drafts as without; only the work per step changes."""
+
     def __init__(
         self,
         vocab_size: int,
@@ -142,12 +151,19 @@ class SimulatedExecutor:
         seed: int = 0,
         routed_experts_per_token: int = 0,
         num_experts: int = 64,
+        drafts: int = 0,
+        acceptance: float = 0.7,
     ) -> None:
+        if drafts < 0 or not 0.0 <= acceptance <= 1.0:
+            raise ValueError(f"drafts must be >= 0 and acceptance in [0, 1], got "
+                             f"{drafts} and {acceptance}")
         self.routed_experts_per_token = routed_experts_per_token
         self.num_experts = num_experts
         self.vocab_size = vocab_size
         self.cost = cost or CostModel()
         self.seed = seed
+        self.drafts = drafts
+        self.acceptance = acceptance
         self.sleep_level = 0  # it holds no memory: sleep only records the level
 
     def sleep(self, level: int) -> None:
@@ -161,11 +177,52 @@ class SimulatedExecutor:
             raise RuntimeError(f"the executor sleeps (level {self.sleep_level}): wake it first")
         sample = plan.sample
         seq_ids = plan.seq_ids[sample]
+        if self.drafts or len(plan.num_drafts):
+            return self._speculate(plan)
         tokens = sample_tokens(seq_ids, plan.ends[sample], self.vocab_size, self.seed)
         experts = self._routed_experts(plan) if self.routed_experts_per_token else None
         if experts is None:
             return StepExecuted(plan.step, seq_ids, tokens, self.cost.step_time(plan))
         return StepExecuted(plan.step, seq_ids, tokens, self.cost.step_time(plan), experts)
+
+    def _speculate(self, plan: StepPlan) -> StepExecuted:
+        """Verify each sampling row's drafts, then propose the next ones."""
+        verified = plan.num_drafts if len(plan.num_drafts) else np.zeros(plan.num_seqs, np.int32)
+        bounds = np.concatenate(([0], np.cumsum(plan.ends - plan.starts)))
+        vocab, seed = self.vocab_size, self.seed
+        seq_ids, out, counts, proposed = [], [], [], []
+        for i in np.nonzero(plan.sample)[0].tolist():
+            seq, d = int(plan.seq_ids[i]), int(verified[i])
+            first = int(plan.ends[i]) - d  # the index of the first token it samples
+            ids = np.full(d + 1, seq, np.int64)
+            true = sample_tokens(ids, first + np.arange(d + 1), vocab, seed)
+            guesses = plan.input_ids[bounds[i] + 1 : bounds[i] + 1 + d]
+            wrong = np.nonzero(guesses != true[:d])[0]
+            accepted = int(wrong[0]) if len(wrong) else d
+            seq_ids.append(seq)
+            out.append(true[: accepted + 1])
+            counts.append(accepted + 1)
+            proposed.append(self._propose(seq, first + accepted + 1))
+        tokens = np.concatenate(out) if out else np.zeros(0, np.int32)
+        drafts = np.concatenate(proposed) if proposed else np.zeros(0, np.int32)
+        experts = self._routed_experts(plan) if self.routed_experts_per_token else None
+        return StepExecuted(
+            plan.step, np.asarray(seq_ids, np.int64), tokens, self.cost.step_time(plan),
+            routed_experts=np.zeros(0, np.int16) if experts is None else experts,
+            counts=np.asarray(counts, np.int32),
+            draft_counts=np.full(len(seq_ids), self.drafts, np.int32),
+            drafts=drafts,
+        )
+
+    def _propose(self, seq: int, first: int) -> np.ndarray:
+        """Drafts for token indices [first, first + drafts): each the true token when a
+        hash of (seed, sequence, index) falls under ``acceptance``, else another one."""
+        k, vocab = self.drafts, self.vocab_size
+        ids, at = np.full(k, seq, np.int64), first + np.arange(k)
+        true = sample_tokens(ids, at, vocab, self.seed)
+        coin = sample_tokens(ids, at, 1 << 20, self.seed ^ 0x5EC) / float(1 << 20)
+        other = np.where(true < vocab - 1, true + 1, 1).astype(np.int32)
+        return np.where(coin < self.acceptance, true, other).astype(np.int32)
 
     def _routed_experts(self, plan: StepPlan) -> np.ndarray:
         """Deterministic expert ids per computed token: a function of (token, position), as a

@@ -64,16 +64,32 @@ class Growth:
 
     # ------------------------------------------------------- decode preallocation
 
-    def decode_spares(self, state: EngineState, rows: np.ndarray) -> np.ndarray:
-        """Blocks each decoding row that must grow by one takes besides it, to hold its next
-        ``decode_prealloc_tokens`` tokens too (never past the last position it can write):
-        only from free blocks left after every row's one, so no cached block is evicted for
+    def drafts_to_verify(self, state: EngineState, rows: np.ndarray) -> np.ndarray | None:
+        """How many of its proposed drafts each decoding row verifies: at most
+        ``speculation.max_drafts``, and none at or past the context's last position (vLLM's
+        rule); None when no row has drafts (or the model is hybrid: its state per draft
+        position is not modelled, so drafts are ignored)."""
+        k = self.config.speculation.max_drafts
+        if not k or state.hybrid or not len(rows):
+            return None
+        t = state.seqs
+        proposed = t.drafts_of(rows)
+        if not proposed.any():
+            return None
+        room = self.config.model.max_context - 2 - t.computed_of(rows)
+        drafts: np.ndarray = np.maximum(0, np.minimum(np.minimum(proposed, k), room))
+        return drafts
+
+    def decode_spares(self, state: EngineState, rows: np.ndarray, taken: int) -> np.ndarray:
+        """Blocks each decoding row that must grow takes besides the ``taken`` ones, to hold
+        its next ``decode_prealloc_tokens`` tokens too (never past the last position it can
+        write): only from free blocks left after those, so no cached block is evicted for
         them; rows in order while they last."""
         t, bs = state.seqs, self.bs
         limit = np.minimum(t.token_limits(rows), self.config.model.max_context)
         last = np.minimum(t.computed_of(rows) + self.config.decode_prealloc_tokens, limit - 2)
         extra = np.maximum(0, last // bs - t.block_counts(rows))
-        budget = state.pool.num_free - len(rows)
+        budget = state.pool.num_free - taken
         if budget <= 0 or not extra.any():
             return np.zeros(len(rows), I32)
         taken = np.minimum(np.cumsum(extra), budget)

@@ -122,7 +122,7 @@ class Policy:
             return
         t = state.seqs
         rows = t.rows_of(outcome.seq_ids)  # (the outcome's samplers: the fold's lookup, kept)
-        stop = t.is_eos(rows, outcome.tokens)
+        stop = t.is_eos(rows)
         length = t.outputs_done(rows) | (t.known_of(rows) >= self.config.model.max_context)
         migrate = self.config.external.role == "prefill"  # (prefill role: its first token ends it)
         done = np.nonzero(stop | length | migrate)[0]
@@ -353,44 +353,59 @@ class Policy:
         return False
 
     def _schedule_decode(self, state: EngineState, rows: np.ndarray, emit: Emit) -> bool:
-        """Grow and schedule the decoding rows; returns whether any decode was scheduled."""
+        """Grow and schedule the decoding rows (each with the drafts it verifies, if any);
+        returns whether any decode was scheduled."""
         table = state.seqs
-        needing = table.rows_needing_blocks(rows)
-        if len(needing) > state.pool.num_available:
-            needing = self._make_room(state, needing, emit)
-            rows = table.still_held(rows)
+        drafting = self.config.speculation.max_drafts > 0 and not state.hybrid
+        drafts = self.growth.drafts_to_verify(state, rows) if drafting else None
+        if drafts is None:
+            needing = table.rows_needing_blocks(rows)
+            counts = np.ones(len(needing), I32)
+        else:
+            short = table.blocks_short(rows, drafts)
+            needing, counts = rows[short > 0], short[short > 0].astype(I32)
+        if counts.sum() > state.pool.num_available:
+            needing, counts = self._make_room(state, needing, counts, emit)
+            held = table.still_held(rows)
+            drafts = None if drafts is None else drafts[np.isin(rows, held)]
+            rows = held
         if len(needing):
             seq_ids = table.ids_at(needing)
-            counts = np.ones(len(needing), I32)
             if self.config.decode_prealloc_tokens:
-                counts += self.growth.decode_spares(state, needing)
+                counts = counts + self.growth.decode_spares(state, needing, int(counts.sum()))
             self.growth.allocate(state, seq_ids, counts, emit)
         if len(rows):
-            emit(ev.DecodeScheduled(table.ids_at(rows)))
+            verify = None if drafts is None or not drafts.any() else drafts.astype(I32)
+            emit(ev.DecodeScheduled(table.ids_at(rows), verify))
             if self.config.cache_when_planned:
                 self.growth.cache_computed(state, emit, rows, planned=True)
             if state.hybrid:
                 self.checkpoints.decode_saves(state, rows, emit)
         return bool(len(rows))
 
-    def _make_room(self, state: EngineState, need_rows: np.ndarray, emit: Emit) -> np.ndarray:
-        """Preempt victims until every remaining row in ``need_rows`` can get one block.
+    def _make_room(
+        self, state: EngineState, need_rows: np.ndarray, counts: np.ndarray, emit: Emit
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Preempt victims until every remaining row in ``need_rows`` can get its ``counts``
+        blocks (one each without drafts).
 
         Victims: lowest priority first, then latest arrival; not necessarily a row that needs
-        the block. Returns the rows that still need (and can now get) a block.
+        blocks. Returns the rows that still need (and can now get) blocks, and how many.
         """
+        total = int(counts.sum())
         self.growth.return_spares(state, emit)
-        self.growth.reclaim_sessions(state, len(need_rows), emit, keep=-1)
+        self.growth.reclaim_sessions(state, total, emit, keep=-1)
         if state.hybrid:
-            self.checkpoints.evict_for(state, len(need_rows), emit, keep=-1)
-        need = set(need_rows.tolist())
+            self.checkpoints.evict_for(state, total, emit, keep=-1)
+        need = dict(zip(need_rows.tolist(), counts.tolist(), strict=True))
         running = self.growth.victims(state)
-        while state.pool.num_available < len(need) and running:
+        while state.pool.num_available < total and running:
             victim = running.pop(0)
-            need.discard(victim)
+            total -= need.pop(victim, 0)
             seq = state.seqs.seq_at(victim)
             self.growth.preempt(state, seq, emit, "blocks")
-        return np.asarray(sorted(need), dtype=np.int64)
+        rows = sorted(need)
+        return np.asarray(rows, dtype=np.int64), np.asarray([need[r] for r in rows], I32)
 
 
 def in_vocabulary(tokens: np.ndarray, vocab_size: int) -> bool:

@@ -230,6 +230,8 @@ class BlockPool:
         else a new path with a copy of the shared prefix), except the entries it does not
         register (``_unregistered``, checked); keep the routed-expert ids it brings."""
         hashes, parents = split_hashes(e.hashes), split_hashes(e.parents)
+        if len(hashes) != len(e.blocks):  # (a block past its sequence's known tokens)
+            raise ReplayMismatch(f"{len(e.blocks)} blocks cached with {len(hashes)} hashes")
         if len(e.seq_ids) == len(e.blocks):
             depths = e.starts.tolist()  # one block per sequence
         else:

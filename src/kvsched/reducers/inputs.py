@@ -121,6 +121,12 @@ def validate_inputs(state: Owners, inputs: Sequence[ev.Event]) -> list[ev.Event]
         ranks.append(_RANK.get(kind, _CLIENT_RANK))
         # The common case, checked here: every field exactly of its declared type, in range.
         for declared, value in zip(kinds, astuple(event), strict=True):
+            if declared is _OptionalArray:
+                if value is None or (
+                    type(value) is np.ndarray and value.ndim == 1 and value.dtype.kind in "iu"
+                ):
+                    continue
+                break
             if type(value) is not declared or not (
                 -_I64 <= value < _I64 if declared is int
                 else math.isfinite(value) if declared is float
@@ -149,8 +155,14 @@ def validate_inputs(state: Owners, inputs: Sequence[ev.Event]) -> list[ev.Event]
 _INPUT_NAMES = ", ".join(t.__name__ for t in ev.INPUT_TYPES)
 
 
+class _OptionalArray:
+    """The checked kind of an ``np.ndarray | None`` field (None: the field is unused)."""
+
+
 def _kind(typ: Any) -> Any:
     """A field's declared type as checked: ``tuple`` for a tuple of spans."""
+    if getattr(typ, "__args__", None) == (np.ndarray, type(None)):
+        return _OptionalArray
     return tuple if getattr(typ, "__origin__", None) is tuple else typ
 
 
@@ -203,6 +215,8 @@ def _check_value(name: str, kind: Any, value: object) -> str | None:
         return None
     if kind is bytes:
         return None if isinstance(value, bytes) else f"{name} must be bytes"
+    if kind is _OptionalArray:
+        return None if value is None else _check_value(name, np.ndarray, value)
     if kind is np.ndarray:
         if not isinstance(value, np.ndarray) or value.ndim != 1:
             return f"{name} must be a 1-D numpy array"
@@ -264,19 +278,21 @@ def _check_against_state(state: Owners, inputs: Sequence[ev.Event], order: list[
             if isinstance(e, ev.StepFailed):
                 continue
             expected, experts = seqs.sampling_seq_ids(), e.routed_experts
-            reason = None
-            if len(e.tokens) != len(e.seq_ids):
-                reason = f"{len(e.tokens)} tokens for {len(e.seq_ids)} sequences"
-            elif np.array_equal(e.seq_ids, expected):  # (the plan's order: the common case)
-                pass
+            plain = e.counts is None and e.draft_counts is None and e.drafts is None
+            odd = not plain or len(e.tokens) != len(e.seq_ids)
+            reason = _speculation_error(seqs, e) if odd else None
+            if reason is not None or np.array_equal(e.seq_ids, expected):
+                pass  # (the plan's order: the common case)
             elif len(np.unique(e.seq_ids)) != len(e.seq_ids):
                 reason = "a sequence id appears twice"
             elif not np.array_equal(np.sort(e.seq_ids), np.sort(expected)):
                 extra = sorted(set(e.seq_ids.tolist()) ^ set(expected.tolist()))[:8]
                 reason = f"sampled ids differ from the sequences that sample (differ: {extra})"
             vocab = model.vocab_size
-            if reason is None and len(e.tokens) and (e.tokens.min() < 0 or e.tokens.max() >= vocab):
-                reason = f"a sampled token is outside the vocabulary [0, {vocab})"
+            for name, tokens in (("sampled token", e.tokens), ("draft token", e.drafts)):
+                if reason is None and tokens is not None and len(tokens):  # noqa: SIM102
+                    if tokens.min() < 0 or tokens.max() >= vocab:
+                        reason = f"a {name} is outside the vocabulary [0, {vocab})"
             if reason is None and (not math.isfinite(e.duration_s) or e.duration_s < 0):
                 reason = f"duration_s must be finite and >= 0, got {e.duration_s}"
             if reason is None and len(experts):
@@ -309,3 +325,31 @@ def _check_against_state(state: Owners, inputs: Sequence[ev.Event], order: list[
             f"the outcome of step {seqs.pending_step} (StepExecuted or StepFailed) is missing: "
             "every step that scheduled work needs one",
         )
+
+
+def _speculation_error(seqs: SequenceTable, e: ev.StepExecuted) -> str | None:
+    """Why the outcome's token and draft counts do not fit the step (None when they do):
+    one token per sampler, or ``counts`` of them, each at least one and at most one more
+    than the drafts its row verified; ``draft_counts`` drafts proposed per sampler."""
+    n = len(e.seq_ids)
+    counts = e.counts
+    if counts is None:
+        if len(e.tokens) != n:
+            return f"{len(e.tokens)} tokens for {n} sequences"
+    elif len(counts) != n or int(counts.sum()) != len(e.tokens):
+        return f"token counts {len(counts)} for {n} sequences, {len(e.tokens)} tokens"
+    elif n and int(counts.min()) < 1:
+        return "a sequence that sampled produced no token"
+    elif n and int(counts.max()) > 1:
+        rows = seqs.rows_of(e.seq_ids)
+        verified = np.asarray([seqs.drafting.get(r, 0) for r in rows.tolist()])
+        if np.any(counts > 1 + verified):
+            return "a sequence produced more tokens than its verified drafts and one"
+    if e.draft_counts is not None or e.drafts is not None:
+        drafts, per = e.drafts, e.draft_counts
+        if drafts is None or per is None or len(per) != n or int(per.sum()) != len(drafts):
+            return "draft counts that do not match the sequences or the drafts"
+        if n and int(per.min()) < 0:
+            return "a negative draft count"
+    return None
+

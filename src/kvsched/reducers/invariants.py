@@ -76,6 +76,10 @@ def check_all(state: Owners) -> None:
 def _check_rows(state: Owners) -> None:
     t = state.seqs
     used = set(t.running_rows().tolist())
+    pending = set(t.pending_arrays()[0].tolist())
+    for row, n in t.drafting.items():
+        if row not in pending or not 0 < n <= len(t.seq_at(row).drafts):
+            raise InvariantError(f"row {row} verifies drafts it was not scheduled with")
     if used & set(t.free_rows) or len(used) + len(t.free_rows) != t.max_batch:
         raise InvariantError("batch rows are not partitioned into used and free")
     for row in used:
@@ -91,6 +95,8 @@ def _check_seq(state: Owners, seq: Seq) -> None:
     n_tokens = int(t.ntokens[seq.row]) if seq.row != FREE_ROW else seq.n_tokens
     if len(seq.hashes) != n_tokens // bs:
         raise InvariantError(f"sequence {seq.seq_id}: {len(seq.hashes)} hashes")
+    if len(seq.drafts) and (seq.row == FREE_ROW or seq.state != SeqState.RUNNING):
+        raise InvariantError(f"sequence {seq.seq_id} keeps drafts outside a running row")
     if seq.state == SeqState.WAITING:
         if seq.pinned_ckpt >= 0 or seq.n_pinned:
             raise InvariantError(f"waiting sequence {seq.seq_id} pins a checkpoint")
@@ -111,7 +117,8 @@ def _check_seq(state: Owners, seq: Seq) -> None:
     computed, nblocks = int(t.computed[row]), int(t.nblocks[row])
     if not seq.n_tokens <= n_tokens < seq.n_tokens + bs:
         raise InvariantError(f"sequence {seq.seq_id}: token count disagrees with its row")
-    if computed > n_tokens or computed > nblocks * bs:
+    # (the newest token is never computed: it is the next decode's input)
+    if computed >= n_tokens or computed > nblocks * bs:
         raise InvariantError(f"sequence {seq.seq_id}: computed {computed} out of range")
     planned = int(t.planned_of(np.asarray([row]))[0]) if state.config.cache_when_planned else 0
     if int(t.registered[row]) > max(computed, planned) // bs:

@@ -40,11 +40,17 @@ def plan_step(state: EngineState) -> StepPlan:
         token_rows = np.repeat(rows, lens)
     slots = table.table[token_rows, positions // bs].astype(np.int64) * bs + positions % bs
     input_ids = np.empty(total, dtype=np.int32)
-    decode = (lens == 1) & (starts == table.ntokens[rows] - 1)
+    decode = starts == table.ntokens[rows] - 1  # (its newest token, and any drafts)
     input_ids[bounds[:-1][decode]] = table.last_token[rows[decode]]
     for i in np.nonzero(~decode)[0].tolist():
         seq = state.seqs.seq(int(table.row_seq[rows[i]]))
         input_ids[bounds[i] : bounds[i + 1]] = seq.tokens[starts[i] : ends[i]]
+    num_drafts = _NONE
+    if table.drafting:
+        num_drafts = np.asarray([table.drafting.get(r, 0) for r in rows.tolist()], np.int32)
+        for i in np.nonzero(num_drafts)[0].tolist():
+            drafts = table.seq_at(int(rows[i])).drafts[: num_drafts[i]]
+            input_ids[bounds[i] + 1 : bounds[i + 1]] = drafts
     nblocks = -(-ends // bs)
     width = int(nblocks.max()) if len(nblocks) else 0
     tables = table.table[rows, :width]  # entries past a row's blocks are kept zero
@@ -67,7 +73,7 @@ def plan_step(state: EngineState) -> StepPlan:
         seq_ids=table.row_seq[rows],
         starts=starts,
         ends=ends,
-        sample=ends == table.ntokens[rows],
+        sample=ends >= table.ntokens[rows],
         input_ids=input_ids,
         positions=positions,
         slot_mapping=slots,
@@ -85,11 +91,12 @@ def plan_step(state: EngineState) -> StepPlan:
         temperature=table.temperature[rows],
         seeds=table.seed[rows],
         num_prefill_tokens=int(lens[~decode].sum()),
-        num_decode_tokens=int(decode.sum()),
+        num_decode_tokens=int(lens[decode].sum()),
         num_hit_tokens=hit_tokens,
         num_query_tokens=query_tokens,
         state_save_before=saves_before,
         state_save_within=within,
+        num_drafts=num_drafts,
     )
     for name in _ARRAYS:
         getattr(plan, name).setflags(write=False)

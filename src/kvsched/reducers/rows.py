@@ -201,9 +201,9 @@ class RowTable:
             self.ntokens[rows] - self.n_prompt[rows] >= self.max_tokens[rows]
         )
 
-    def is_eos(self, rows: np.ndarray, tokens: np.ndarray) -> np.ndarray:
-        """Whether each row's ``tokens`` entry is its end-of-sequence token."""
-        return tokens == self.eos[rows]  # type: ignore[no-any-return]
+    def is_eos(self, rows: np.ndarray) -> np.ndarray:
+        """Whether each row's newest token is its end-of-sequence token."""
+        return self.last_token[rows] == self.eos[rows]  # type: ignore[no-any-return]
 
     def awaiting_decode(self, rows: np.ndarray) -> np.ndarray:
         """Whether each row has computed all but its newest token (its next work decodes)."""
@@ -215,6 +215,16 @@ class RowTable:
             rows[self.computed[rows] // self.block_size >= self.nblocks[rows]]
         )
 
+    def blocks_short(self, rows: np.ndarray, drafts: np.ndarray) -> np.ndarray:
+        """Blocks each decoding row lacks for its newest token and ``drafts`` more."""
+        ends = self.computed[rows] + 1 + drafts
+        short: np.ndarray = np.maximum(0, -(-ends // self.block_size) - self.nblocks[rows])
+        return short
+
+    def drafts_of(self, rows: np.ndarray) -> np.ndarray:
+        """How many draft tokens are proposed for each row's next decode."""
+        return np.asarray([len(s.drafts) for s in self.seqs_at(rows)], dtype=np.int64)
+
     def planned_of(self, rows: np.ndarray) -> np.ndarray:
         """Tokens of each row whose KV is written or being written by the current step's plan
         (its pending work's end; its computed tokens when it has none)."""
@@ -222,7 +232,8 @@ class RowTable:
         if len(self._pending_rows):
             ends = np.full(self.max_batch, -1, dtype=np.int64)
             ends[self._pending_rows] = self._pending_ends
-            out = np.maximum(out, ends[rows])
+            # (drafts' positions are planned, but their tokens are not known)
+            out = np.maximum(out, np.minimum(ends[rows], self.ntokens[rows]))
         return out
 
     def rows_to_cache(
@@ -264,9 +275,9 @@ class RowTable:
         return self._pending_rows, self._pending_starts, self._pending_ends
 
     def sampling_seq_ids(self) -> np.ndarray:
-        """Sequences whose pending work ends at their newest token (they sample one)."""
+        """Sequences whose pending work reaches their newest token (they sample)."""
         return self.row_seq[  # type: ignore[no-any-return]
-            self._pending_rows[self._pending_ends == self.ntokens[self._pending_rows]]
+            self._pending_rows[self._pending_ends >= self.ntokens[self._pending_rows]]
         ]
 
     # ------------------------------------------------------------------------ commands

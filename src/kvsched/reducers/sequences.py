@@ -2,7 +2,8 @@
 
 It owns each sequence's tokens, hash chain and lifecycle state (``Seq``), the batch rows of
 those that hold one (``RowTable``: computed and known tokens), their block tables and MTP
-overlap blocks (``BlockTables``, the folds of block events, which it builds on), and the
+overlap blocks (``BlockTables``, the folds of block events, and ``DraftRows``, speculative
+decoding's drafts: both it builds on), and the
 work scheduled in the current step. Every fold is
 a deterministic function of (table, event); lifecycle changes fire the triggers that
 ``statemachines/triggers.py`` chooses for the event. It reads, and never writes, the block
@@ -30,10 +31,10 @@ from kvsched.identity import (
     tail_extra,
 )
 from kvsched.reducers.blocks import BlockPool
-from kvsched.reducers.blocktables import BlockTables
+from kvsched.reducers.drafts import DraftRows
 from kvsched.reducers.errors import RefChange, ReplayMismatch
 from kvsched.reducers.holdings import LoadHoldings
-from kvsched.reducers.seq import FREE_ROW, History, Seq
+from kvsched.reducers.seq import FREE_ROW, NO_DRAFTS, History, Seq
 from kvsched.statemachines import SEQUENCE, fire, fire_many
 
 __all__ = ["FREE_ROW", "Arrival", "History", "Seq", "SequenceTable"]
@@ -53,7 +54,7 @@ class Arrival(NamedTuple):
     top: int | None  # the prompt's largest token id (unsigned) if the hashing read it all
 
 
-class SequenceTable(BlockTables):
+class SequenceTable(DraftRows):
     def __init__(
         self,
         model: ModelSpec,
@@ -65,7 +66,7 @@ class SequenceTable(BlockTables):
         history: Mapping[int, History] | None = None,
         holdings: LoadHoldings | None = None,
     ) -> None:
-        super().__init__(max_batch, max_blocks, block_size)
+        super().__init__(max_batch, max_blocks, block_size, model.max_context)
         self.model = model
         self.identity = identity  # the block identity scheme (config.IDENTITY_SCHEMES)
         self._pool = pool
@@ -76,6 +77,8 @@ class SequenceTable(BlockTables):
         self.seqs: dict[int, Seq] = {}
         self.waiting: dict[int, Seq] = {}  # insertion-ordered
         self.failed: list[int] = []  # sequences computed by the latest failed step
+        # Speculative decoding: row -> drafts it verifies in the pending step (``Seq.drafts``'s
+        # first ones)
         self.num_finished = 0
         self._roots: dict[tuple[str, str], bytes] = {}  # (a cache of namespace_root)
 
@@ -191,13 +194,18 @@ class SequenceTable(BlockTables):
 
     def _on_executed(self, e: ev.StepExecuted) -> None:
         """The step's pending work is computed; each sampled token is appended (vectorised,
-        into its row's tail buffer), and the blocks the tokens filled are flushed and hashed."""
+        into its row's tail buffer), and the blocks the tokens filled are flushed and hashed.
+        Speculative decoding: a row that verified drafts appends the tokens it produced
+        (``e.counts``), up to its end (eos, ``max_tokens``, the context), and has computed
+        every position but its newest token's (the rejected drafts' KV is stale); the drafts
+        proposed for the next step replace the ones it had."""
         rows, starts, ends = self.pending_arrays()
+        drafting, self.drafting = self.drafting, {}
         self._pending_rows = self._pending_starts = self._pending_ends = _NO_ROWS
         self.has_pending = False
         if len(e.routed_experts) and len(rows):
             self._record_experts(rows, starts, ends, e.routed_experts)
-        sampling = rows[ends == self.ntokens[rows]]
+        sampling = rows[ends >= self.ntokens[rows]]
         if len(rows):
             self.computed[rows] = ends
             for row in rows[self.failures[rows] > 0].tolist():  # a success resets the count
@@ -210,17 +218,29 @@ class SequenceTable(BlockTables):
         # The outcome names the samplers, usually in plan order (then no lookup is needed;
         # the answer is kept for the next ``rows_of(e.seq_ids)``).
         sampled, bs = self.rows_of(e.seq_ids, sampling), self.block_size
-        self.tail[sampled, self.ntokens[sampled] % bs] = e.tokens
-        self.ntokens[sampled] += 1
-        self.last_token[sampled] = e.tokens
-        for row in sampled[self.ntokens[sampled] % bs == 0].tolist():
-            seq = self.flush(row)
-            start = seq.n_tokens - bs
-            parent = seq.hashes.last(seq.root)
-            # A block the prompt's last span reaches into keeps that span's content hash.
-            extra = tail_extra(seq.mm_spans, start, seq.n_tokens) if seq.mm_spans else b""
-            block = seq.tokens[start : seq.n_tokens]
-            seq.hashes.append(block_hash(self.identity, seq.root, parent, block, extra))
+        if e.counts is not None and len(e.counts) and int(e.counts.max()) > 1:
+            self._append_each(sampled, e.counts, e.tokens, self._hash_last_block)
+        else:
+            self.tail[sampled, self.ntokens[sampled] % bs] = e.tokens
+            self.ntokens[sampled] += 1
+            self.last_token[sampled] = e.tokens
+            for row in sampled[self.ntokens[sampled] % bs == 0].tolist():
+                self._hash_last_block(row)
+        if drafting:
+            self._settle_drafts(list(drafting))
+        if e.draft_counts is not None or self._any_drafts:
+            self._take_drafts(rows, sampled, e.draft_counts, e.drafts)
+
+    def _hash_last_block(self, row: int) -> None:
+        """The row's newest block just filled: flush it and append its digest."""
+        bs = self.block_size
+        seq = self.flush(row)
+        start = seq.n_tokens - bs
+        parent = seq.hashes.last(seq.root)
+        # A block the prompt's last span reaches into keeps that span's content hash.
+        extra = tail_extra(seq.mm_spans, start, seq.n_tokens) if seq.mm_spans else b""
+        block = seq.tokens[start : seq.n_tokens]
+        seq.hashes.append(block_hash(self.identity, seq.root, parent, block, extra))
 
     def _record_experts(
         self, rows: np.ndarray, starts: np.ndarray, ends: np.ndarray, flat: np.ndarray
@@ -238,10 +258,11 @@ class SequenceTable(BlockTables):
         token sampled); the sequences it computed count one failure each."""
         rows = self._pending_rows
         self._pending_rows = self._pending_starts = self._pending_ends = _NO_ROWS
-        self.has_pending = False
+        self.has_pending, self.drafting = False, {}
         for row in rows.tolist():
             seq = self.objs[row]
             assert seq is not None
+            seq.drafts = NO_DRAFTS  # (a retry decodes without them)
             seq.num_failures += 1
             self.failures[row] = seq.num_failures
         self.failed = self.row_seq[rows].tolist()
@@ -312,6 +333,8 @@ class SequenceTable(BlockTables):
             ends = starts + 1
             if np.any(ends != self.ntokens[rows]):
                 raise ReplayMismatch("a decode of a sequence that is not decoding")
+            if e.num_drafts is not None:
+                ends = ends + self._schedule_drafts(rows, e.num_drafts)
         else:
             starts, ends = e.starts, e.ends
             if not np.array_equal(starts, self.computed[rows]) or np.any(ends <= starts):
@@ -333,6 +356,7 @@ class SequenceTable(BlockTables):
         seq = self.seq(e.seq_id)
         seq.state = fire(SEQUENCE, e, seq.seq_id, seq.state)
         self.deactivate(seq)
+        seq.drafts = NO_DRAFTS
         self.waiting[seq.seq_id] = seq
         seq.num_preemptions += 1
         seq.preempted_at = self.step

@@ -61,15 +61,23 @@ def workload(seed: int, reset: bool) -> list[h.Op]:
 
 
 def drive(
-    model: str, kind: str, script: list[h.Op], order: str, blocks: int, log: Path | None = None
+    model: str,
+    kind: str,
+    script: list[h.Op],
+    order: str,
+    blocks: int,
+    log: Path | None = None,
+    drafts: int = 0,
 ) -> h.Trace:
-    vllm_config, kv = h.configs(model, blocks=blocks, max_seqs=8, batched=512, block_size=BLOCK)
+    vllm_config, kv = h.configs(
+        model, blocks=blocks, max_seqs=8, batched=512, block_size=BLOCK, drafts=drafts
+    )
     if log is not None:
         vllm_config.additional_config = {"kvsched": {"log": str(log), "check_invariants": True}}
     sched = h.make(kind, vllm_config, kv)
     vocab = vllm_config.model_config.get_vocab_size()
     try:
-        return h.drive(sched, script, order, vocab, BLOCK)
+        return h.drive(sched, script, order, vocab, BLOCK, drafts)
     finally:
         sched.shutdown()
 
@@ -126,6 +134,36 @@ def test_vllm_adapter_schedules_each_step_as_vllms_scheduler_when_no_rule_differ
     assert mine.steps == ref.steps
     assert mine.preempted == ref.preempted
     assert bool(mine.preempted) == (blocks < 100)
+
+
+@pytest.mark.parametrize("blocks", [100, 9, 7], ids=["roomy", "preempting", "admit-after"])
+def test_vllm_adapter_with_drafts_schedules_each_step_and_its_drafts_as_vllms_scheduler(
+    model: str, tmp_path: Path, blocks: int
+):
+    """Speculative decoding (three drafts per sampled token, some right, some wrong): per
+    step the same requests, token counts and draft tokens as vLLM's own scheduler; the same
+    outputs (a stop token within accepted drafts ends its request there)."""
+    script = workload(1, reset=False)
+    log = tmp_path / "drafts.kvlog"
+    ref = drive(model, "vllm", script, "sync", blocks, drafts=3)
+    mine = drive(model, "kvsched", script, "sync", blocks, log, drafts=3)
+    assert mine.steps == ref.steps and mine.drafts == ref.drafts
+    assert sum(len(d) for step in mine.drafts for d in step.values()) > 0
+    assert_same_outputs(ref, mine, script, VOCAB)
+    assert bool(mine.preempted) == (blocks < 100)
+    _verifies(log)
+
+
+def test_vllm_adapter_with_drafts_and_a_cache_reset_gives_the_outputs_of_vllms_scheduler(
+    model: str, tmp_path: Path
+):
+    script = workload(0, reset=True)
+    log = tmp_path / "drafts-reset.kvlog"
+    ref = drive(model, "vllm", script, "sync", 9, drafts=3)
+    mine = drive(model, "kvsched", script, "sync", 9, log, drafts=3)
+    assert_same_outputs(ref, mine, script, VOCAB)
+    assert mine.preempted == ref.preempted
+    _verifies(log)
 
 
 def _adapter(model: str) -> Any:

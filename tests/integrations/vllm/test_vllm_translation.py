@@ -13,15 +13,28 @@ from kvsched.integrations.vllm.requests import arrival, refusal, stop_reason, st
 
 def _vllm_config(**sched: object) -> NS:
     scheduler = {"max_num_seqs": 8, "max_num_batched_tokens": 256, "policy": "fcfs", **sched}
+    scheduler.setdefault("async_scheduling", False)
     return NS(
         scheduler_config=NS(**scheduler),
         model_config=NS(model="tiny", get_vocab_size=lambda: 512, max_model_len=2048),
         cache_config=NS(cache_dtype="auto", enable_prefix_caching=True, mamba_cache_mode="align"),
         parallel_config=NS(pipeline_parallel_size=1),
         speculative_config=None,
+        num_lookahead_tokens=0,
         lora_config=None,
         kv_transfer_config=None,
         additional_config={},
+    )
+
+
+def _spec(eagle: bool = False, slots: int = 0, k: int = 3) -> NS:
+    """A speculative_config as the adapter reads it (ngram unless ``eagle``)."""
+    return NS(
+        method="eagle" if eagle else "ngram",
+        num_speculative_tokens=k,
+        use_eagle=lambda: eagle,
+        max_num_new_slots_for_drafting=slots,
+        num_speculative_tokens_per_batch_size=None,
     )
 
 
@@ -54,7 +67,11 @@ def test_vllm_priority_policy_maps_to_kvscheds_priority_order():
         ({"kv": (FullAttentionSpec, FullAttentionSpec)}, "one full-attention KV cache group"),
         ({"kv": (SlidingWindowSpec,)}, "SlidingWindowSpec"),
         ({"mamba_cache_mode": "none"}, "mamba_cache_mode 'align'"),
-        ({"speculative_config": object()}, "speculative decoding"),
+        ({"speculative_config": _spec(eagle=True)}, "method 'eagle'"),
+        ({"speculative_config": _spec(slots=1)}, "method 'ngram'.*past the verified tokens"),
+        ({"speculative_config": _spec(), "async": True}, "async scheduling"),
+        ({"speculative_config": _spec(), "kv": (FullAttentionSpec, MambaSpec)}, "hybrid model"),
+        ({"speculative_config": _spec(k=30)}, "leaves 8 prefill tokens .* of 31 tokens"),
         ({"lora_config": object()}, "LoRA"),
         ({"max_num_batched_tokens": 36}, "leaves 28 prefill tokens"),
     ],
@@ -67,7 +84,8 @@ def test_vllm_configurations_the_adapter_cannot_serve_are_refused_with_the_reaso
             {"max_num_batched_tokens": change["max_num_batched_tokens"]}
             if "max_num_batched_tokens" in change
             else {}
-        )
+        ),
+        async_scheduling=change.get("async", False),
     )
     for key in ("speculative_config", "lora_config"):
         if key in change:
@@ -79,6 +97,14 @@ def test_vllm_configurations_the_adapter_cannot_serve_are_refused_with_the_reaso
 
     with pytest.raises(cfg.UnsupportedConfig, match=message):
         cfg.scheduler_config(vc, kv, 32)
+
+
+def test_vllm_ngram_speculative_decoding_sets_the_drafts_and_the_prefill_budget():
+    vc = _vllm_config()
+    vc.speculative_config = _spec(k=3)
+    config = cfg.scheduler_config(vc, _kv_cache(FullAttentionSpec), 32)
+    assert config.speculation.max_drafts == 3
+    assert config.max_prefill_tokens == 256 - 8 * 4  # each decode may take 1 + 3 tokens
 
 
 def test_vllm_adapter_options_come_from_additional_config_before_the_environment(monkeypatch):

@@ -10,6 +10,10 @@ tokens (``Request.append_output_token_ids``) in both, kvsched's own identity has
 checks, decisions, plan and translation in the adapter's. The two schedulers alternate by
 round; quote the ratio of the same round.
 
+``drafts=K`` (synchronous order) turns on ngram speculative decoding with K draft tokens: each
+request that samples gets K drafts (``update_draft_token_ids``, timed: a scheduler call), each
+decode verifies them, and the model accepts the first (two tokens per row per step).
+
 ``order="async"`` runs vLLM's asynchronous call order (``EngineCore.step_with_batch_queue``,
 a queue of two): vLLM's ``AsyncScheduler`` against the adapter. A sample is then the scheduler
 time of the engine iterations it takes to schedule one step with work: one iteration for
@@ -33,11 +37,12 @@ PROMPT = 512
 BLOCK = 64
 
 
-def _configs(running: int, model_dir: str) -> tuple[Any, Any]:
+def _configs(running: int, model_dir: str, drafts: int = 0) -> tuple[Any, Any]:
     from kvsched.integrations.vllm.harness import configs
 
     blocks = running * (PROMPT // BLOCK + 8) + 1
-    return configs(model_dir, blocks, max_seqs=running, batched=8192 + running, block_size=BLOCK)
+    batched = 8192 + running * (1 + drafts)
+    return configs(model_dir, blocks, running, batched, block_size=BLOCK, drafts=drafts)
 
 
 def _requests(running: int) -> list[Any]:
@@ -67,24 +72,33 @@ def _output(so: Any, sched: Any) -> Any:
     from vllm.v1.outputs import ModelRunnerOutput
 
     ids = list(so.num_scheduled_tokens)
-    requests = sched.requests
+    requests, spec = sched.requests, so.scheduled_spec_decode_tokens or {}
     sampled = []
     for name in ids:
         r = requests.get(name)
         done = r is not None and r.num_computed_tokens >= r.num_tokens
-        sampled.append([7] if done else [])
+        drafts = spec.get(name)
+        sampled.append(([*drafts[:1], 8] if drafts else [7]) if done else [])
     return ModelRunnerOutput(
         req_ids=ids, req_id_to_index={n: i for i, n in enumerate(ids)}, sampled_token_ids=sampled
     )
 
 
-def _step(sched: Any) -> tuple[int, float]:
+def _step(sched: Any, drafts: int = 0) -> tuple[int, float]:
+    from vllm.v1.outputs import DraftTokenIds
+
     t0 = time.perf_counter()
     so = sched.schedule()
     t1 = time.perf_counter()
     mro = _output(so, sched)  # the model's part: not timed
+    proposed = None
+    if drafts:
+        names = [n for n, got in zip(mro.req_ids, mro.sampled_token_ids, strict=True) if got]
+        proposed = DraftTokenIds(names, [[7] * drafts for _ in names])
     t2 = time.perf_counter()
     sched.update_from_output(so, mro)
+    if proposed is not None:
+        sched.update_draft_token_ids(proposed)
     t3 = time.perf_counter()
     return len(so.num_scheduled_tokens), (t1 - t0 + t3 - t2) * 1e3
 
@@ -125,14 +139,22 @@ class _AsyncLoop:
 
 
 def measure(
-    kind: str, running: int, samples: int, vllm_config: Any, kv: Any, order: str = "sync"
+    kind: str,
+    running: int,
+    samples: int,
+    vllm_config: Any,
+    kv: Any,
+    order: str = "sync",
+    drafts: int = 0,
 ) -> dict[Any, Any]:
     from kvsched.integrations.vllm.harness import make
 
     if order == "async" and kind == "vllm":
         kind = "vllm-async"  # (vLLM's own scheduler under async scheduling)
+    if order == "async" and drafts:
+        raise ValueError("drafts are measured in the synchronous order only")
     sched = make(kind, vllm_config, kv)
-    step = _AsyncLoop(sched).step if order == "async" else lambda: _step(sched)
+    step = _AsyncLoop(sched).step if order == "async" else lambda: _step(sched, drafts)
     for r in _requests(running):
         sched.add_request(r)
     for _ in range(1000):  # prefill until every request decodes (not timed)
@@ -155,14 +177,14 @@ def measure(
 
 
 def run_vllm_bench(
-    running: int = 1024, samples: int = 100, rounds: int = 3, order: str = "sync"
+    running: int = 1024, samples: int = 100, rounds: int = 3, order: str = "sync", drafts: int = 0
 ) -> list[dict[str, Any]]:
     from kvsched.integrations.vllm.models import build
 
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     with tempfile.TemporaryDirectory() as tmp:
         model = build("qwen3", os.path.join(tmp, "model"))
-        vllm_config, kv = _configs(running, str(model))
+        vllm_config, kv = _configs(running, str(model), drafts)
         out = []
         for round_ in range(1, rounds + 1):
             for kind in ("vllm", "kvsched"):
@@ -171,7 +193,8 @@ def run_vllm_bench(
                         "round": round_,
                         "running": running,
                         "order": order,
-                        **measure(kind, running, samples, vllm_config, kv, order),
+                        "drafts": drafts,
+                        **measure(kind, running, samples, vllm_config, kv, order, drafts),
                     }
                 )
     return out

@@ -15,6 +15,7 @@ from kvsched.config import (
     Checkpoints,
     ModelSpec,
     SchedulerConfig,
+    Speculation,
 )
 
 LOG_ENV = "KVSCHED_VLLM_LOG"  # path of the event log to write (additional_config wins)
@@ -125,8 +126,9 @@ def _refuse_unsupported(vllm_config: Any, kv_cache_config: Any) -> None:
             f" only (got enable_prefix_caching={cache.enable_prefix_caching}, "
             f"mamba_cache_mode={cache.mamba_cache_mode!r})"
         )
-    if getattr(vllm_config, "speculative_config", None) is not None:
-        raise UnsupportedConfig("speculative decoding is not supported by the kvsched adapter")
+    spec = getattr(vllm_config, "speculative_config", None)
+    if spec is not None:
+        _refuse_speculation(vllm_config, spec, bool(mamba))
     if getattr(vllm_config, "lora_config", None) is not None:
         raise UnsupportedConfig("LoRA is not supported by the kvsched adapter")
     transfer = getattr(vllm_config, "kv_transfer_config", None)
@@ -134,6 +136,33 @@ def _refuse_unsupported(vllm_config: Any, kv_cache_config: Any) -> None:
         raise UnsupportedConfig("KV connectors are not supported by the kvsched adapter")
     if vllm_config.parallel_config.pipeline_parallel_size != 1:
         raise UnsupportedConfig("pipeline parallelism is not supported by the kvsched adapter")
+
+
+def _refuse_speculation(vllm_config: Any, spec: Any, hybrid: bool) -> None:
+    """Speculative decoding is served for attention models, in vLLM's synchronous order,
+    with a proposer that needs no KV slots past the verified tokens (ngram, suffix)."""
+    method = getattr(spec, "method", None)
+    why = None
+    if hybrid:
+        why = "a hybrid model (its state per draft position is not modelled by kvsched)"
+    elif vllm_config.scheduler_config.async_scheduling:
+        why = "async scheduling (run with --no-async-scheduling)"
+    elif spec.use_eagle() or int(vllm_config.num_lookahead_tokens) or int(
+        spec.max_num_new_slots_for_drafting
+    ):
+        why = f"method {method!r} (its drafter writes KV past the verified tokens)"
+    elif getattr(spec, "num_speculative_tokens_per_batch_size", None):
+        why = "draft counts that depend on the batch size"
+    if why is not None:
+        raise UnsupportedConfig(
+            f"speculative decoding is not supported by the kvsched adapter with {why}"
+        )
+
+
+def num_drafts(vllm_config: Any) -> int:
+    """Draft tokens a decode verifies (vLLM's ``num_speculative_tokens``; 0: none)."""
+    spec = getattr(vllm_config, "speculative_config", None)
+    return int(spec.num_speculative_tokens or 0) if spec is not None else 0
 
 
 def scheduler_config(vllm_config: Any, kv_cache_config: Any, block_size: int) -> SchedulerConfig:
@@ -146,13 +175,14 @@ def scheduler_config(vllm_config: Any, kv_cache_config: Any, block_size: int) ->
         vllm_config.model_config,
         (vllm_config.cache_config),
     )
-    max_seqs = int(sched.max_num_seqs)
-    budget = int(sched.max_num_batched_tokens) - max_seqs
+    max_seqs, drafts = int(sched.max_num_seqs), num_drafts(vllm_config)
+    budget = int(sched.max_num_batched_tokens) - max_seqs * (1 + drafts)
     if budget < block_size:
+        each = f"{1 + drafts} tokens" if drafts else "one token"
         raise UnsupportedConfig(
             f"max_num_batched_tokens {sched.max_num_batched_tokens} leaves {budget} prefill "
-            f"tokens per step after {max_seqs} decodes: kvsched needs at least one block "
-            f"({block_size}); raise max_num_batched_tokens or lower max_num_seqs"
+            f"tokens per step after {max_seqs} decodes of {each}: kvsched needs at least one "
+            f"block ({block_size}); raise max_num_batched_tokens or lower max_num_seqs"
         )
     hybrid = _hybrid_sizes(kv_cache_config, max_seqs)
     return SchedulerConfig(
@@ -177,6 +207,7 @@ def scheduler_config(vllm_config: Any, kv_cache_config: Any, block_size: int) ->
         # this run (docs/vllm.md, "kvsched's hybrid caching under vLLM").
         cache_when_planned=True,
         admit_after_preemption=False,  # as vLLM: nothing is admitted in a step that preempts
+        speculation=Speculation(max_drafts=drafts),
         checkpoints=Checkpoints(budget=hybrid["checkpoint_budget"], **CHECKPOINT_POLICIES[PRESET])
         if hybrid["hybrid"]
         else Checkpoints(),

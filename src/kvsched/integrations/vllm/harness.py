@@ -18,9 +18,15 @@ Two call orders, as vLLM's engine core makes them:
 * ``async`` (``EngineCore.step_with_batch_queue``, a queue of two): step N+1 is scheduled
   before step N's output is given back, whenever the scheduler has requests.
 
-The trace holds, per engine step that ran work, the scheduled token count per request, and
-per request the tokens the client received, how it finished and whether it was preempted.
-(No draft tokens yet: the adapter refuses speculative decoding.)
+Speculative decoding (``drafts`` > 0, the synchronous order): after each step the driver
+proposes that many drafts for each request that sampled (``update_draft_token_ids``, as the
+engine core's ``post_step``), each the model's token with probability ``acceptance`` (a hash of
+request and position), and a row that verifies drafts samples the model's tokens after each
+position while the drafts agree, as a target model would.
+
+The trace holds, per engine step that ran work, the scheduled token count and the drafts
+verified per request, and per request the tokens the client received, how it finished and
+whether it was preempted.
 """
 
 from __future__ import annotations
@@ -88,16 +94,23 @@ def token(name: str, position: int, vocab: int) -> int:
 @attrs.define
 class Trace:
     steps: list[dict[str, int]] = attrs.Factory(list)  # per step that ran work
+    drafts: list[dict[str, list[int]]] = attrs.Factory(list)  # drafts verified, per step
     outputs: dict[str, list[int]] = attrs.Factory(dict)  # tokens each request received
     finished: dict[str, str] = attrs.Factory(dict)  # how each request ended
     preempted: set[str] = attrs.Factory(set)  # requests preempted at least once
 
 
 def configs(
-    model_dir: str, blocks: int, max_seqs: int, batched: int, block_size: int = 64
+    model_dir: str,
+    blocks: int,
+    max_seqs: int,
+    batched: int,
+    block_size: int = 64,
+    drafts: int = 0,
 ) -> tuple[Any, Any]:
     """A ``VllmConfig`` for a local model (weights never loaded) and a ``KVCacheConfig`` of
-    one full-attention group of ``blocks`` blocks (block 0 vLLM's null block)."""
+    one full-attention group of ``blocks`` blocks (block 0 vLLM's null block); ``drafts``:
+    ngram speculative decoding with that many draft tokens (synchronous scheduling)."""
     import torch
     from vllm.engine.arg_utils import EngineArgs
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
@@ -112,6 +125,10 @@ def configs(
         max_num_batched_tokens=batched,
         enable_prefix_caching=True,
         dtype="float32",
+        speculative_config={"method": "ngram", "num_speculative_tokens": drafts}
+        if drafts
+        else None,
+        async_scheduling=False if drafts else None,
     )
     vllm_config = args.create_engine_config()
     vllm_config.cache_config.num_gpu_blocks = blocks  # what the engine sets after profiling
@@ -192,6 +209,9 @@ class NoGrammar:
     def accept_tokens(self, request: Any, tokens: Any) -> bool:
         return True
 
+    def validate_tokens(self, request: Any, tokens: list[int]) -> list[int]:
+        return tokens
+
 
 def vllm_request(op: Add, vocab: int, hasher: Any) -> Any:
     from vllm.sampling_params import SamplingParams
@@ -209,9 +229,11 @@ def vllm_request(op: Add, vocab: int, hasher: Any) -> Any:
 class Driver:
     """Plays the engine core and a model runner around one scheduler."""
 
-    def __init__(self, sched: Any, vocab: int) -> None:
+    def __init__(self, sched: Any, vocab: int, drafts: int = 0, acceptance: float = 0.6) -> None:
         self.sched = sched
         self.vocab = vocab
+        self.drafts, self.acceptance = drafts, acceptance
+        self.sampled: list[str] = []  # the requests the last step sampled
         self.trace = Trace()
         self.known: dict[str, int] = {}
         self.batch: set[str] = set()  # the requests the runner's batch holds (last step's)
@@ -243,15 +265,25 @@ class Driver:
         names = list(so.num_scheduled_tokens)
         self.batch = set(names)  # the runner's persistent batch: what this step schedules
         sampled = []
+        spec = so.scheduled_spec_decode_tokens or {}
         for name in names:
             end = computed[name] + so.num_scheduled_tokens[name]
+            guesses = spec.get(name, [])
             if end >= known[name]:
-                sampled.append([token(name, end, self.vocab)])
-                known[name] = end + 1
+                first = end - len(guesses)  # the index of the first token it samples
+                made = [token(name, first, self.vocab)]
+                for j, guess in enumerate(guesses):  # (a draft is the guess at first + j)
+                    if guess != made[-1]:
+                        break
+                    made.append(token(name, first + j + 1, self.vocab))
+                sampled.append(made)
+                known[name] = first + len(made)
             else:
                 sampled.append([])
+        self.sampled = [n for n, got in zip(names, sampled, strict=True) if got]
         if names:
             self.trace.steps.append(dict(so.num_scheduled_tokens))
+            self.trace.drafts.append({n: list(d) for n, d in spec.items()})
         self.trace.preempted |= set(so.preempted_req_ids or ())
         return ModelRunnerOutput(
             req_ids=names,
@@ -270,7 +302,25 @@ class Driver:
     def step_sync(self) -> None:
         so = self.sched.schedule()
         self.update(so, self.run_model(so))
+        if self.drafts and so.total_num_scheduled_tokens:
+            self.propose()
 
+    def propose(self) -> None:
+        """The engine core's ``post_step``: drafts for the requests the step sampled."""
+        from vllm.v1.outputs import DraftTokenIds
+
+        names, lists = self.sampled, []
+        for name in names:
+            at = self.known[name]  # the index of the token after its newest
+            lists.append([self._draft(name, at + j) for j in range(self.drafts)])
+        self.sched.update_draft_token_ids(DraftTokenIds(names, lists))
+
+    def _draft(self, name: str, index: int) -> int:
+        """The model's token at ``index`` when a hash falls under ``acceptance``, else
+        another token."""
+        right = token(name, index, self.vocab)
+        coin = zlib.crc32(f"draft:{name}:{index}".encode()) % 1000
+        return right if coin < 1000 * self.acceptance else 3 + (right - 2) % (self.vocab - 3)
     def step_async(self) -> None:
         """One call of ``step_with_batch_queue`` with a queue of two."""
         if self.sched.has_requests():
@@ -289,18 +339,23 @@ class Driver:
             self.update(*self.queue.pop())
 
 
-def drive(sched: Any, script: Sequence[Op], order: str, vocab: int, block_size: int) -> Trace:
+def drive(
+    sched: Any, script: Sequence[Op], order: str, vocab: int, block_size: int, drafts: int = 0
+) -> Trace:
     """Run ``script`` against ``sched`` in the ``sync`` or ``async`` call order
-    (``block_size``: vLLM's block-hash size, that of the requests' ``block_hashes``)."""
+    (``block_size``: vLLM's block-hash size, that of the requests' ``block_hashes``;
+    ``drafts``: draft tokens proposed after each sampled token, synchronous order only)."""
     from vllm.utils.hashing import sha256
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
     from vllm.v1.request import RequestStatus
 
     if order not in ("sync", "async"):
         raise ValueError(f"order must be 'sync' or 'async', not {order!r}")
+    if drafts and order != "sync":
+        raise ValueError("drafts are proposed in the synchronous order only")
     init_none_hash(sha256)
     hasher = get_request_block_hasher(block_size, sha256)
-    driver = Driver(sched, vocab)
+    driver = Driver(sched, vocab, drafts)
     step = driver.step_sync if order == "sync" else driver.step_async
     for op in script:
         if isinstance(op, Add):

@@ -53,19 +53,24 @@ NO_PROMPT: tuple[Any, Any] = (None, None)  # no prompt logprobs in a token's out
 
 
 def token_output(
-    request: Request, token: int, finish: Any, logprobs: Any, prompt: tuple[Any, Any] = NO_PROMPT
+    request: Request,
+    tokens: list[int],
+    finish: Any,
+    logprobs: Any,
+    prompt: tuple[Any, Any] = NO_PROMPT,
 ) -> EngineCoreOutput:
-    """One sampled token's output, with the finish, logprobs, events and prefill stats the
+    """A step's sampled tokens (one, or with speculative decoding the accepted drafts and
+    one more) as one output, with the finish, logprobs, events and prefill stats the
     request has, and ``prompt``: the model runner's prompt logprobs (tensors, token-id
     logprobs), which come with the step that ends the prefill (a plain decode token takes
     the short constructor)."""
     events, prefill = request.take_events(), request.take_prefill_stats()
     plain = prompt[0] is None and prompt[1] is None
     if finish is None and logprobs is None and events is None and prefill is None and plain:
-        return EngineCoreOutput(request.request_id, [token])  # the common decode token
+        return EngineCoreOutput(request.request_id, tokens)  # the common decode token
     return EngineCoreOutput(
         request_id=request.request_id,
-        new_token_ids=[token],
+        new_token_ids=tokens,
         finish_reason=finish,
         new_logprobs=logprobs,
         new_prompt_logprobs_tensors=prompt[0],

@@ -23,12 +23,13 @@ from collections import defaultdict, deque
 from collections.abc import Iterable
 from typing import Any
 
+import msgspec
 import numpy as np
 from vllm.distributed.kv_events import (
     KVEventBatch,
 )
 from vllm.v1.core.sched.interface import PauseState, SchedulerInterface
-from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.engine import EngineCoreOutputs
 from vllm.v1.metrics.stats import PrefixCacheStats, SchedulerStats
 from vllm.v1.request import Request, RequestStatus
@@ -36,7 +37,7 @@ from vllm.v1.request import Request, RequestStatus
 from kvsched.engine import StepResult
 from kvsched.events import types as ev
 from kvsched.integrations.vllm import config as cfg
-from kvsched.integrations.vllm import startup
+from kvsched.integrations.vllm import drafts, startup
 from kvsched.integrations.vllm.grammar import Grammars
 from kvsched.integrations.vllm.mamba import GroupTables
 from kvsched.integrations.vllm.mamba import layout as mamba_layout
@@ -50,6 +51,7 @@ from kvsched.integrations.vllm.outputs import (
     token_output,
 )
 from kvsched.integrations.vllm.requests import Registry, refusal, stop_reason
+from kvsched.integrations.vllm.worker import WorkerView
 from kvsched.plan import StepPlan
 
 logger = logging.getLogger(__name__)
@@ -86,7 +88,7 @@ class Scheduler(startup.Unserved, SchedulerInterface):  # type: ignore[misc]  # 
         num_ids = kv_cache_config.num_blocks
         self.mamba = mamba_layout(self.config, mamba_groups, block_size, num_ids)
         num_groups = len(kv_cache_config.kv_cache_groups)
-        self._tables = GroupTables(attn_group, mamba_groups, num_groups, self.mamba)
+        self.worker = WorkerView(GroupTables(attn_group, mamba_groups, num_groups, self.mamba))
         self._zeroing = bool(getattr(kv_cache_config, "needs_kv_cache_zeroing", False))
         self._fresh_blocks: list[int] = []
         self.clock0 = time.monotonic()
@@ -97,15 +99,13 @@ class Scheduler(startup.Unserved, SchedulerInterface):  # type: ignore[misc]  # 
         self.grammars = Grammars(structured_output_manager)
         self._grammar_rows: list[str] = []  # the last step's structured rows that sample
         self._inputs: list[ev.Event] = []  # the next step's inputs (outcome first)
-        self._sent: dict[int, int] = {}  # blocks the worker holds per sequence; absent: new
-        self._resumed: set[int] = set()  # preempted: the worker gets its whole table again
-        self._prev_scheduled: Any = set()  # names scheduled in the last step
         self._finished_ids: set[str] = set()  # for the next SchedulerOutput
         self._expected: dict[int, str] = {}  # finishes vLLM reported, kvsched retires next
         self._errors: list[tuple[Request, str]] = []  # refused: reported at the next update
         # Steps scheduled whose output vLLM has not given back, oldest first (None: an empty
         # step, scheduled while an earlier one was out).
         self._awaiting: deque[StepResult | None] = deque()
+        self.num_drafts = cfg.num_drafts(vllm_config)  # speculative decoding (0: off)
         self._prefix_stats = PrefixCacheStats()
         self._events: list[Any] = []
         self._kv_events, self._publish, self.kv_event_publisher = kv_events(
@@ -120,6 +120,8 @@ class Scheduler(startup.Unserved, SchedulerInterface):  # type: ignore[misc]  # 
         if name in self.requests:
             raise cfg.UnsupportedConfig(f"request {name}: resumable (streaming) requests")
         reason = refusal(request)
+        if reason is None and self.num_drafts and request.use_structured_output:
+            reason = "structured outputs with speculative decoding are not supported by kvsched"
         if reason is not None:
             logger.warning("kvsched refuses request %s: %s", name, reason)
             request.status = RequestStatus.FINISHED_ERROR
@@ -159,7 +161,7 @@ class Scheduler(startup.Unserved, SchedulerInterface):  # type: ignore[misc]  # 
         outcome is still out is empty: kvsched plans a step only after folding the last."""
         if any(r is not None for r in self._awaiting):
             self._awaiting.append(None)
-            self._prev_scheduled = set()  # (the runner drops what a step does not schedule)
+            self.worker.empty_step()
             return SchedulerOutput.make_empty()
         if self.grammars.waiting:
             self._settle_grammars()
@@ -168,72 +170,32 @@ class Scheduler(startup.Unserved, SchedulerInterface):  # type: ignore[misc]  # 
         self._awaiting.append(result)
         preempted = self._fold_decisions(result)
         plan = result.plan
-        new_reqs, cached = [], CachedRequestData.make_empty()
-        num_scheduled: dict[str, int] = {}
-        tables, req_of, sent_of = plan.block_tables, self.reg.req_of, self._sent
-        prev, resumed = self._prev_scheduled, self._resumed
-        running = RequestStatus.RUNNING
-        req_ids, new_block_ids = cached.req_ids, cached.new_block_ids
-        computed, num_output = cached.num_computed_tokens, cached.num_output_tokens
         check_plan(plan)
-        group_ids = self._tables.ids
-        restore = dict(plan.state_restore[:, ::-1].tolist()) if len(plan.state_restore) else {}
-        runtime = plan.state_slots.tolist()
-        for i, (seq_id, start, end, n) in enumerate(
-            zip(
-                plan.seq_ids.tolist(),
-                plan.starts.tolist(),
-                plan.ends.tolist(),
-                plan.num_blocks.tolist(),
-                strict=True,
-            )
-        ):
-            request = req_of[seq_id]
-            name = request.request_id
-            sent = sent_of.get(seq_id)
-            if sent is None:  # new to the worker: its whole table, the hit as computed
-                request.status = running
-                request.num_computed_tokens = start
-                ids = group_ids(tables[i, :n].tolist(), start, end, 0, runtime[i], restore)
-                new_reqs.append(NewRequestData.from_request(request, ids))
-            else:
-                new: tuple[list[int], ...] | None = None
-                if seq_id in resumed:  # after a preemption: the whole table again
-                    request.status = running
-                    resumed.discard(seq_id)
-                    cached.resumed_req_ids.add(name)
-                    new = group_ids(tables[i, :n].tolist(), start, end, 0, runtime[i], restore)
-                elif n > sent:  # running: only the blocks appended since its last table
-                    new = group_ids(tables[i, sent:n].tolist(), start, end, sent, runtime[i], {})
-                if name not in prev:  # (vLLM sends these for requests absent from the last step)
-                    cached.all_token_ids[name] = list(request.all_token_ids)
-                req_ids.append(name)
-                new_block_ids.append(new)
-                computed.append(start)
-                num_output.append(request.num_output_tokens)
-            sent_of[seq_id] = n
-            num_scheduled[name] = end - start
-            request.num_computed_tokens = end
+        new_reqs, cached, num_scheduled = self.worker.step(plan, self.reg.req_of)
         out = SchedulerOutput(
             scheduled_new_reqs=new_reqs,
             scheduled_cached_reqs=cached,
             num_scheduled_tokens=num_scheduled,
             total_num_scheduled_tokens=plan.num_tokens,
-            scheduled_spec_decode_tokens={},
+            scheduled_spec_decode_tokens=drafts.scheduled_drafts(plan, self._name_of),
             scheduled_encoder_inputs={},
             finished_req_ids=self._finished_ids,
             free_encoder_mm_hashes=[],
             preempted_req_ids=preempted,
             new_block_ids_to_zero=self._fresh_blocks if self._zeroing else None,
+            num_spec_tokens_to_schedule=self.num_drafts,  # (the runner proposes this many)
         )
         if self.reg.structured:  # the structured rows that sample: get_grammar_bitmask's
             rows = plan.seq_ids[plan.sample].tolist()
+            req_of = self.reg.req_of
             self._grammar_rows = [req_of[i].request_id for i in rows if i in self.reg.structured]
             out.has_structured_output_requests = bool(self._grammar_rows)
         self._fresh_blocks = []
         self._finished_ids = set()
-        self._prev_scheduled = num_scheduled.keys()
         return out
+
+    def _name_of(self, seq_id: int) -> str:
+        return str(self.reg.req_of[seq_id].request_id)
 
     def _fold_decisions(self, result: StepResult) -> set[str]:
         """What this step's decisions mean for vLLM's side; returns the preempted names."""
@@ -262,8 +224,7 @@ class Scheduler(startup.Unserved, SchedulerInterface):  # type: ignore[misc]  # 
                 request.status = RequestStatus.PREEMPTED
                 request.num_computed_tokens = 0
                 request.num_preemptions += 1
-                if d.seq_id in self._sent:
-                    self._resumed.add(d.seq_id)
+                self.worker.preempted(d.seq_id)
                 preempted.add(request.request_id)
             elif isinstance(d, ev.BlocksAllocated) and self._zeroing:
                 self._fresh_blocks += d.blocks.tolist()
@@ -308,8 +269,7 @@ class Scheduler(startup.Unserved, SchedulerInterface):  # type: ignore[misc]  # 
         expected = self._expected.pop(seq_id, None)
         if reason != "aborted" and expected is None:
             raise AdapterMismatch(f"kvsched finished {request.request_id} ({reason}); vLLM did not")
-        self._sent.pop(seq_id, None)
-        self._resumed.discard(seq_id)
+        self.worker.forget(seq_id)
         self._finished_ids.add(request.request_id)
 
     # ------------------------------------------------------------------ outcome
@@ -341,35 +301,38 @@ class Scheduler(startup.Unserved, SchedulerInterface):  # type: ignore[misc]  # 
         if plan.is_empty:
             return
         sampled, index = mro.sampled_token_ids, mro.req_id_to_index
-        req_of, requests, stops = self.reg.req_of, self.requests, self.reg.stops
+        req_of, requests = self.reg.req_of, self.requests
         with_logprobs = mro.logprobs is not None
         prompt_tensors = mro.prompt_logprobs_dict or {}
         prompt_ids = getattr(mro, "prompt_token_id_logprobs_dict", None) or {}
         with_prompt = bool(prompt_tensors or prompt_ids)  # (rare: prompt logprobs asked)
         seq_ids = plan.seq_ids[plan.sample]
+        verified = drafts.verified_of(plan)
         tokens: list[int] = []
+        counts: list[int] = []
         for seq_id in seq_ids.tolist():
             request = req_of[seq_id]
             name = request.request_id
             got: Any = sampled[index[name]] if sampled else ()
-            if len(got) != 1:
-                raise AdapterMismatch(f"{name}: {len(got)} tokens sampled where kvsched expects 1")
-            token = got[0]
-            tokens.append(token)
-            if name not in requests:
-                continue  # aborted after it was scheduled: the token is folded, not returned
-            request.append_output_token_ids(token)
-            stop = stop_reason(stops[seq_id], token, request.num_output_tokens)
-            if seq_id in self.reg.structured and not self.grammars.accept(request, token):
-                stop = ("error", None)  # (as vLLM: never, under the bitmask it was given)
+            most = 1 + verified.get(seq_id, 0)
+            if not 1 <= len(got) <= most:
+                raise AdapterMismatch(f"{name}: {len(got)} tokens, kvsched expects 1..{most}")
+            if name not in requests:  # aborted after it was scheduled: folded, not returned
+                tokens += got
+                counts.append(len(got))
+                continue
+            request.num_computed_tokens -= most - len(got)  # (the rejected drafts)
+            kept, stop = self._accept(request, seq_id, got)
+            tokens += kept
+            counts.append(len(kept))
             finish = None if stop is None else self._finish(request, seq_id, *stop)
             logprobs = None
             if with_logprobs and request.sampling_params.logprobs is not None:
-                logprobs = mro.logprobs.slice_request(index[name], 1)
+                logprobs = mro.logprobs.slice_request(index[name], len(kept))
             prompt = NO_PROMPT
             if with_prompt:
                 prompt = (prompt_tensors.get(name), prompt_ids.get(name))
-            out = token_output(request, token, finish, logprobs, prompt)
+            out = token_output(request, kept, finish, logprobs, prompt)
             outputs[request.client_index].append(out)
         if self.mamba is not None:  # the forward ran: saved states now sit in their blocks
             for slot, ckpt in plan.state_save.tolist():
@@ -377,7 +340,35 @@ class Scheduler(startup.Unserved, SchedulerInterface):  # type: ignore[misc]  # 
             if self.engine.check:
                 self.mamba.check()
         executed = ev.StepExecuted(plan.step, seq_ids.copy(), np.asarray(tokens, dtype=np.int32))
+        if verified:
+            executed = msgspec.structs.replace(executed, counts=np.asarray(counts, np.int32))
         self._inputs.insert(0, executed)
+
+    def _accept(
+        self, request: Request, seq_id: int, got: list[int]
+    ) -> tuple[list[int], tuple[str, int | None] | None]:
+        """Append the row's tokens to the request, checking vLLM's stop rule after each (and
+        the request's grammar): the tokens kept, up to the one that ends it, and the stop."""
+        stop = None
+        for n, token in enumerate(got, 1):
+            request.append_output_token_ids(token)
+            stop = stop_reason(self.reg.stops[seq_id], token, request.num_output_tokens)
+            if seq_id in self.reg.structured and not self.grammars.accept(request, token):
+                stop = ("error", None)  # (as vLLM: never, under the bitmask it was given)
+            if stop is not None:
+                return got[:n], stop
+        return list(got), None
+
+    def update_draft_token_ids(self, draft_token_ids: Any) -> None:
+        """The drafts vLLM's runner proposed after the last step: into that step's outcome,
+        for kvsched to fold with it (only rows that sampled, and requests still live)."""
+        if not self._inputs or not isinstance(self._inputs[0], ev.StepExecuted):
+            return
+        seq_of, proposals = self.reg.seq_of, {}
+        for name, ids in zip(draft_token_ids.req_ids, draft_token_ids.draft_token_ids, strict=True):
+            if ids and name in self.requests and name in seq_of:
+                proposals[seq_of[name]] = list(ids)
+        self._inputs[0] = drafts.with_proposals(self._inputs[0], proposals)
 
     def _finish(self, request: Request, seq_id: int, kind: str, stop_token: int | None) -> Any:
         """vLLM learns the finish now; kvsched folds the same token at the next step and

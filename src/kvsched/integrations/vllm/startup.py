@@ -52,9 +52,6 @@ def start(
 class Unserved:
     """What the scheduler answers for features the adapter refuses (none reach it)."""
 
-    def update_draft_token_ids(self, draft_token_ids: Any) -> None:
-        return None
-
     def update_draft_token_ids_in_output(self, draft_token_ids: Any, scheduler_output: Any) -> None:
         return None
 

@@ -1,0 +1,108 @@
+"""Speculative decoding under kvsched (ngram drafts on vLLM's CPU build): greedy outputs equal
+vLLM's own scheduler's request by request, drafts are verified and rolled back, a stop within
+the accepted drafts ends the request there, and the log verifies."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip(
+    "vllm",
+    reason="vLLM is not installed in this environment (its transformers pin conflicts with the "
+    "oracle tests'): scripts/test_vllm.sh builds .venv-vllm and runs `pytest -k vllm` there",
+)
+
+from kvsched.events import types as ev
+from kvsched.events.codec import decode_record
+from kvsched.events.reader import read_log
+from kvsched.integrations.vllm.models import build
+
+from .test_vllm_scheduler import _script_result, _verifies
+
+SPEC = """
+import json, sys
+from vllm import LLM, SamplingParams, TokensPrompt
+model, scheduler, blocks = sys.argv[1], sys.argv[2], int(sys.argv[3])
+kw = {} if scheduler == "vllm" else {"scheduler_cls": "kvsched.integrations.vllm.Scheduler"}
+llm = LLM(model, enforce_eager=True, block_size=32, max_model_len=128, max_num_batched_tokens=256,
+          max_num_seqs=4, dtype="float32", skip_tokenizer_init=True,
+          num_gpu_blocks_override=blocks, async_scheduling=False,
+          speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                              "prompt_lookup_max": 4, "prompt_lookup_min": 2}, **kw)
+prompts = [TokensPrompt(prompt_token_ids=([5, 6, 7, 8, 9, 10] * 8)[i:] + [11 + i])
+           for i in range(6)]
+greedy = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+first = llm.generate(prompts, greedy, use_tqdm=False)
+# Second round (prefix hits on the first): a stop token the first round sampled, so it
+# lands within a row's accepted drafts, and a max_tokens that ends inside them.
+stop = first[1].outputs[0].token_ids[6]
+params = [SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, stop_token_ids=[stop]),
+          SamplingParams(max_tokens=7, temperature=0, ignore_eos=True)]
+second = llm.generate(prompts[1:3], params, use_tqdm=False)
+print("RESULT" + json.dumps([[list(o.outputs[0].token_ids), o.outputs[0].finish_reason,
+                              o.outputs[0].stop_reason] for o in first + second]))
+"""
+
+
+@pytest.fixture(scope="module")
+def qwen3(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build("qwen3", tmp_path_factory.mktemp("qwen3") / "model")
+
+
+def _speculation(log: Path) -> dict[str, int]:
+    """Drafts verified and accepted, and preemptions, as kvsched's log records them."""
+    verified = accepted = preempted = 0
+    for payload in read_log(log).records:
+        record = decode_record(payload)
+        for d in record.decisions:
+            if isinstance(d, ev.DecodeScheduled) and d.num_drafts is not None:
+                verified += int(d.num_drafts.sum())
+            preempted += isinstance(d, ev.SequencePreempted)
+        for e in record.inputs:
+            if isinstance(e, ev.StepExecuted) and e.counts is not None:
+                accepted += int(e.counts.sum()) - len(e.counts)
+    return {"verified": verified, "accepted": accepted, "preempted": preempted}
+
+
+@pytest.mark.parametrize("blocks", [100, 8], ids=["roomy", "preempting"])
+def test_vllm_ngram_speculative_decoding_is_token_identical_to_vllms_own_scheduler(
+    qwen3: Path, tmp_path: Path, blocks: int
+):
+    log = tmp_path / "spec.kvlog"
+    ref = _script_result(SPEC, str(qwen3), "vllm", str(blocks))
+    mine = _script_result(
+        SPEC, str(qwen3), "kvsched", str(blocks), env={"KVSCHED_VLLM_LOG": str(log)}
+    )
+
+    assert mine == ref
+    stopped, capped = ref[-2], ref[-1]
+    assert stopped[1] == "stop" and stopped[2] is not None and len(capped[0]) == 7
+    _verifies(log)
+    seen = _speculation(log)
+    assert 0 < seen["accepted"] < seen["verified"]  # drafts both accepted and rejected
+    assert (seen["preempted"] > 0) == (blocks == 8)
+
+
+STRUCTURED = """
+import json, sys
+from vllm import LLM, SamplingParams, TokensPrompt
+from vllm.sampling_params import StructuredOutputsParams
+llm = LLM(sys.argv[1], scheduler_cls="kvsched.integrations.vllm.Scheduler", enforce_eager=True,
+          block_size=32, max_model_len=128, max_num_batched_tokens=256, max_num_seqs=4,
+          dtype="float32", async_scheduling=False,
+          speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                              "prompt_lookup_max": 4, "prompt_lookup_min": 2})
+params = SamplingParams(max_tokens=8, structured_outputs=StructuredOutputsParams(regex="[ab]+"))
+(out,) = llm.generate([TokensPrompt(prompt_token_ids=list(range(5, 40)))], params, use_tqdm=False)
+print("RESULT" + json.dumps([out.outputs[0].finish_reason, out.outputs[0].stop_reason]))
+"""
+
+
+def test_vllm_structured_outputs_with_speculative_decoding_are_refused_with_the_reason(
+    tmp_path: Path,
+):
+    model = build("qwen3", tmp_path / "model", json_chars=True)
+    finish, reason = _script_result(STRUCTURED, str(model))
+    assert finish == "error" and "structured outputs with speculative decoding" in reason
