@@ -116,17 +116,20 @@ def test_the_simulated_executor_produces_the_same_tokens_with_drafts_in_fewer_st
     assert len(spec) < 0.7 * len(base)
 
 
-def _decoding_engine(config: SchedulerConfig = DRAFTS) -> tuple[Engine, StepResult]:
-    """An engine whose sequence 0 (a 10-token prompt) has sampled one token with three
-    drafts proposed; returns it and the step that decodes them."""
+def _decoding_engine(
+    config: SchedulerConfig = DRAFTS, drafts: tuple[int, ...] = (101, 102, 103), eos: int = -1
+) -> tuple[Engine, StepResult]:
+    """An engine whose sequence 0 (a 10-token prompt, ``eos``) has sampled token 100 with
+    ``drafts`` proposed; returns it and the step that decodes them."""
     engine = Engine(config, check_invariants=True)
-    first = engine.step([ev.RequestArrived(0, np.arange(1, 11, dtype=np.int32), 20)], 0.0)
+    prompt = np.arange(1, 11, dtype=np.int32)
+    first = engine.step([ev.RequestArrived(0, prompt, 20, eos_token_id=eos)], 0.0)
     outcome = ev.StepExecuted(
         first.plan.step,
         np.asarray([0]),
         np.asarray([100], np.int32),
-        draft_counts=np.asarray([3], np.int32),
-        drafts=np.asarray([101, 102, 103], np.int32),
+        draft_counts=np.asarray([len(drafts)], np.int32),
+        drafts=np.asarray(drafts, np.int32),
     )
     return engine, engine.step([outcome], 1.0)
 
@@ -163,19 +166,7 @@ def test_rejected_drafts_roll_back_the_computed_tokens_and_only_known_tokens_are
 
 
 def test_tokens_after_eos_within_accepted_drafts_are_dropped():
-    config = DRAFTS
-    engine = Engine(config, check_invariants=True)
-    first = engine.step(
-        [ev.RequestArrived(0, np.arange(1, 11, dtype=np.int32), 20, eos_token_id=5)], 0.0
-    )
-    outcome = ev.StepExecuted(
-        first.plan.step,
-        np.asarray([0]),
-        np.asarray([100], np.int32),
-        draft_counts=np.asarray([3], np.int32),
-        drafts=np.asarray([5, 9, 9], np.int32),
-    )
-    step = engine.step([outcome], 1.0)
+    engine, step = _decoding_engine(drafts=(5, 9, 9), eos=5)
     done = ev.StepExecuted(
         step.plan.step,
         np.asarray([0]),

@@ -33,7 +33,7 @@ import numpy as np
 
 from kvsched.connectors.errors import CorruptValueError
 from kvsched.events.types import StepExecuted
-from kvsched.gpu.sim import CostModel, _mix, check_sleep_level
+from kvsched.gpu.sim import CostModel, _mix, check_sleep_level, other_token
 from kvsched.plan import StepPlan
 
 __all__ = ["EMPTY_PREFIX", "FingerprintExecutor", "prefix_hashes"]
@@ -186,8 +186,8 @@ class FingerprintExecutor:
                 digest = digest + _context_terms(np.asarray([h]), np.asarray([pos]))[0]
             token = self._token(h, digest)
             coin = int(_mix(np.asarray([h ^ _DIGEST_SALT], dtype=np.uint64))[0] % 1000)
-            other = token % (self.vocab_size - 1) + 1
-            drafts.append(token if coin < 1000 * self.acceptance else other)
+            wrong = int(other_token(token, self.vocab_size))
+            drafts.append(token if coin < 1000 * self.acceptance else wrong)
             pos += 1
         return drafts
 

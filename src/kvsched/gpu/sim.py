@@ -127,6 +127,12 @@ def sample_tokens(seq_ids: np.ndarray, pos: np.ndarray, vocab_size: int, seed: i
         return (_mix(key) % np.uint64(vocab_size - 1) + np.uint64(1)).astype(np.int32)
 
 
+def other_token(tokens: np.ndarray | int, vocab_size: int) -> np.ndarray | int:
+    """A token in [1, vocab_size) other than each of ``tokens`` (a wrong draft): the next id,
+    wrapping to 1."""
+    return tokens % (vocab_size - 1) + 1
+
+
 def check_sleep_level(level: int) -> int:
     """``level`` if it is a sleep level (1: release the KV cache; 2: the weights too)."""
     if level not in (1, 2):
@@ -221,8 +227,7 @@ class SimulatedExecutor:
         ids, at = np.full(k, seq, np.int64), first + np.arange(k)
         true = sample_tokens(ids, at, vocab, self.seed)
         coin = sample_tokens(ids, at, 1 << 20, self.seed ^ 0x5EC) / float(1 << 20)
-        other = np.where(true < vocab - 1, true + 1, 1).astype(np.int32)
-        return np.where(coin < self.acceptance, true, other).astype(np.int32)
+        return np.where(coin < self.acceptance, true, other_token(true, vocab)).astype(np.int32)
 
     def _routed_experts(self, plan: StepPlan) -> np.ndarray:
         """Deterministic expert ids per computed token: a function of (token, position), as a

@@ -67,10 +67,11 @@ class Growth:
     def drafts_to_verify(self, state: EngineState, rows: np.ndarray) -> np.ndarray | None:
         """How many of its proposed drafts each decoding row verifies: at most
         ``speculation.max_drafts``, and none at or past the context's last position (vLLM's
-        rule); None when no row has drafts (or the model is hybrid: its state per draft
-        position is not modelled, so drafts are ignored)."""
+        rule); None when no row has drafts. The caller asks only with ``max_drafts`` on and an
+        attention model (a hybrid model's state per draft position is not modelled, so its
+        drafts are ignored)."""
         k = self.config.speculation.max_drafts
-        if not k or state.hybrid or not len(rows):
+        if not len(rows):
             return None
         t = state.seqs
         proposed = t.drafts_of(rows)
