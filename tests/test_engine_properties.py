@@ -169,6 +169,8 @@ class EngineMachine(RuleBasedStateMachine):
         self.drained = any(isinstance(d, ev.Drained) for d in result.decisions)
         if self.engine.state.serving.admissions_held:  # (held from this step's inputs on)
             assert not any(isinstance(d, ev.SequenceAdmitted) for d in result.decisions)
+        if self.engine.state.serving.running_held and not self.drained:
+            assert result.plan.is_empty  # (what runs is held too: nothing is computed)
         self.runner.fail = fail
         execute_step(self.runner, result, self.outcome, self.clock)  # (sleep and wake too)
         for o in self.outcome:  # only injected faults: never a plan run on a sleeping executor
@@ -221,9 +223,9 @@ class EngineMachine(RuleBasedStateMachine):
     def wake(self) -> None:
         self.inputs.append(ev.WakeRequested())
 
-    @rule(held=st.booleans())
-    def hold_admissions(self, held: bool) -> None:
-        self.inputs.append(ev.AdmissionsHeld(held=held))
+    @rule(held=st.booleans(), running=st.booleans())
+    def hold_admissions(self, held: bool, running: bool) -> None:
+        self.inputs.append(ev.AdmissionsHeld(held=held, running=running))
 
     @invariant()
     def owners_are_consistent(self) -> None:
@@ -254,10 +256,11 @@ class EngineMachine(RuleBasedStateMachine):
                 assert users and all(s.row >= 0 for s in users)
 
     def teardown(self) -> None:
-        # Wake, finish everything: every request ends, and once sessions end nothing is held.
-        self.inputs.append(ev.WakeRequested())
+        # Wake, lift any hold, finish everything: every request ends, and once sessions end
+        # nothing is held.
+        self.inputs += [ev.WakeRequested(), ev.AdmissionsHeld(held=False)]
         for _ in range(400):
-            if not self.engine.has_work and not self.outcome:
+            if not self.engine.has_work and not self.outcome and not self.inputs:
                 break
             self._step()
         assert not self.engine.has_work, "the engine did not finish its work"
@@ -448,7 +451,7 @@ def test_drafts_scheduled_without_blocks_for_their_positions_are_caught(
 
 
 def test_rejected_drafts_left_as_computed_are_caught(monkeypatch: pytest.MonkeyPatch) -> None:
-    def never_roll_back(self: SequenceTable, rows: list[int]) -> None:
+    def never_roll_back(self: SequenceTable, rows: np.ndarray, experts: bool) -> None:
         return None
 
     machine = EngineMachineWithDrafts

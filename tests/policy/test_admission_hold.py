@@ -58,3 +58,35 @@ def test_holding_twice_is_one_hold_and_a_lift_without_a_hold_changes_nothing():
     h.step([ev.AdmissionsHeld(held=False)])
     assert not h.state.serving.admissions_held
     assert np.array_equal(h.state.pool.ref, np.zeros_like(h.state.pool.ref))
+
+
+def test_while_everything_is_held_nothing_is_scheduled_and_what_ran_resumes_after():
+    h = Harness()
+    h.step([request(0, 40, max_tokens=6)])
+    h.step([ev.AdmissionsHeld(held=True, running=True), request(1, 40, max_tokens=3)])
+    for _ in range(3):
+        result = h.step()
+        assert result.plan.is_empty and not of_type(result.decisions, ev.DecodeScheduled)
+    assert not h.engine.has_work  # (so a paused engine idles, not spins)
+    result = h.step([ev.AdmissionsHeld(held=False)])
+    assert of_type(result.decisions, ev.DecodeScheduled) and admitted(result) == [1]
+    h.run_until_idle()
+    assert h.state.stats.requests_finished == 2
+
+
+def test_holding_what_runs_too_round_trips_through_the_log_codec_and_lifts_with_the_hold():
+    event = ev.AdmissionsHeld(held=True, running=True)
+    assert decode_events(encode([event])) == [event]
+    h = Harness()
+    h.step([event])
+    assert h.state.serving.running_held and h.state.serving.admissions_held
+    h.step([ev.AdmissionsHeld(held=True)])  # back to PAUSED_NEW: what runs goes on
+    assert h.state.serving.admissions_held and not h.state.serving.running_held
+
+
+def test_a_drain_goes_ahead_while_everything_is_held():
+    h = Harness()
+    h.step([request(0, 40, max_tokens=8)])
+    h.step([ev.AdmissionsHeld(held=True, running=True)])
+    result = h.step([ev.DrainRequested()])
+    assert of_type(result.decisions, ev.Drained) and h.state.sleeping

@@ -90,6 +90,7 @@ def _bench_vllm(args: argparse.Namespace) -> int:
             rounds=args.rounds,
             order=args.order,
             drafts=args.drafts,
+            heap=args.heap,
         )
     for row in rows:
         print(json.dumps(row) if args.json else "  ".join(f"{k}={v}" for k, v in row.items()))
@@ -172,6 +173,14 @@ def add_bench(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg
         default="sync",
         help="vLLM's call order: synchronous, or async scheduling (vLLM's AsyncScheduler "
         "against the adapter; a sample is one step with work)" + DEFAULT,
+    )
+    vllm.add_argument(
+        "--heap",
+        choices=["engine", "cold"],
+        default="engine",
+        help="engine: the collector frozen after set-up and on during steps, as vLLM's engine "
+        "core runs; cold: a full collection before each step, timed with the collector off "
+        "(cold CPU caches)" + DEFAULT,
     )
     vllm.add_argument(
         "--drafts",

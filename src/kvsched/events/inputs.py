@@ -62,9 +62,12 @@ class WakeRequested(Event, frozen=True, tag="wake"):
 
 class AdmissionsHeld(Event, frozen=True, tag="hold"):
     """``held``: admit nothing from the waiting queue until ``AdmissionsHeld(held=False)``;
-    running sequences, and loads already admitted, go on (vLLM's ``PAUSED_NEW``)."""
+    running sequences, and loads already admitted, go on (vLLM's ``PAUSED_NEW``).
+    ``running`` (with ``held``): what runs is held too, so nothing is scheduled at all
+    (vLLM's ``PAUSED_ALL``). Each hold replaces the one before."""
 
     held: bool = True
+    running: bool = False
 
 
 class StepExecuted(Event, frozen=True, tag="executed"):

@@ -275,9 +275,11 @@ class Policy:
     def schedule(self, state: EngineState, emit: Emit) -> None:
         if state.sleeping:
             return
-        if state.serving.drain_pending:
+        if state.serving.drain_pending:  # (a drain goes ahead while everything is held)
             if not state.transfers.transferring:
                 self.drain(state, emit, state.serving.drain_level)
+            return
+        if state.serving.running_held:
             return
         table = state.seqs
         preempted = state.stats.preemptions

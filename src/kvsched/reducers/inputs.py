@@ -342,7 +342,7 @@ def _speculation_error(seqs: SequenceTable, e: ev.StepExecuted) -> str | None:
         return "a sequence that sampled produced no token"
     elif n and int(counts.max()) > 1:
         rows = seqs.rows_of(e.seq_ids)
-        verified = np.asarray([seqs.drafting.get(r, 0) for r in rows.tolist()])
+        verified = seqs.verifying_of(rows)
         if np.any(counts > 1 + verified):
             return "a sequence produced more tokens than its verified drafts and one"
     if e.draft_counts is not None or e.drafts is not None:

@@ -77,9 +77,13 @@ def _check_rows(state: Owners) -> None:
     t = state.seqs
     used = set(t.running_rows().tolist())
     pending = set(t.pending_arrays()[0].tolist())
-    for row, n in t.drafting.items():
-        if row not in pending or not 0 < n <= len(t.seq_at(row).drafts):
+    for row in np.nonzero(t.verifying)[0].tolist():
+        if row not in pending or not t.verifying[row] <= t.ndrafts[row]:
             raise InvariantError(f"row {row} verifies drafts it was not scheduled with")
+    if t.verifying.any() != t.any_verifying:
+        raise InvariantError("the verifying flag disagrees with the rows")
+    if np.any(t.ndrafts[t.free_rows] != 0) or np.any(t.ndrafts > t.max_drafts):
+        raise InvariantError("drafts kept by a free row, or more than max_drafts")
     if used & set(t.free_rows) or len(used) + len(t.free_rows) != t.max_batch:
         raise InvariantError("batch rows are not partitioned into used and free")
     for row in used:
@@ -95,7 +99,7 @@ def _check_seq(state: Owners, seq: Seq) -> None:
     n_tokens = int(t.ntokens[seq.row]) if seq.row != FREE_ROW else seq.n_tokens
     if len(seq.hashes) != n_tokens // bs:
         raise InvariantError(f"sequence {seq.seq_id}: {len(seq.hashes)} hashes")
-    if len(seq.drafts) and (seq.row == FREE_ROW or seq.state != SeqState.RUNNING):
+    if seq.row != FREE_ROW and t.ndrafts[seq.row] and seq.state != SeqState.RUNNING:
         raise InvariantError(f"sequence {seq.seq_id} keeps drafts outside a running row")
     if seq.state == SeqState.WAITING:
         if seq.pinned_ckpt >= 0 or seq.n_pinned:

@@ -11,6 +11,7 @@ import numpy as np
 
 from kvsched.plan import StepPlan
 from kvsched.reducers.checkpoints import CheckpointTable
+from kvsched.reducers.drafts import within_runs
 from kvsched.reducers.state import EngineState
 
 # StepPlan's array fields (made read-only once the plan is built)
@@ -46,11 +47,10 @@ def plan_step(state: EngineState) -> StepPlan:
         seq = state.seqs.seq(int(table.row_seq[rows[i]]))
         input_ids[bounds[i] : bounds[i + 1]] = seq.tokens[starts[i] : ends[i]]
     num_drafts = _NONE
-    if table.drafting:
-        num_drafts = np.asarray([table.drafting.get(r, 0) for r in rows.tolist()], np.int32)
-        for i in np.nonzero(num_drafts)[0].tolist():
-            drafts = table.seq_at(int(rows[i])).drafts[: num_drafts[i]]
-            input_ids[bounds[i] + 1 : bounds[i + 1]] = drafts
+    if table.any_verifying:  # (each verified draft follows its row's newest token)
+        num_drafts = table.verifying_of(rows)
+        after = np.repeat(bounds[:-1] + 1, num_drafts) + within_runs(num_drafts)
+        input_ids[after] = table.draft_tokens(rows, num_drafts)
     nblocks = -(-ends // bs)
     width = int(nblocks.max()) if len(nblocks) else 0
     tables = table.table[rows, :width]  # entries past a row's blocks are kept zero

@@ -58,6 +58,9 @@ class RowTable:
         self.eos = self._consts[:, 2]
         self.failures = self._consts[:, 3]  # mirrors Seq.num_failures
         self.seed = self._consts[:, 4]
+        # Columns zeroed when a row is freed (``deactivate``; a table built on this one may
+        # add its own).
+        self.freed_columns = [self.computed, self.registered, self.loading, self.saved]
         self.objs: list[Seq | None] = [None] * max_batch
         self.temperature = np.zeros(max_batch, dtype=np.float32)
         self.table = np.zeros((max_batch, max_blocks_per_seq), dtype=np.int32)
@@ -221,10 +224,6 @@ class RowTable:
         short: np.ndarray = np.maximum(0, -(-ends // self.block_size) - self.nblocks[rows])
         return short
 
-    def drafts_of(self, rows: np.ndarray) -> np.ndarray:
-        """How many draft tokens are proposed for each row's next decode."""
-        return np.asarray([len(s.drafts) for s in self.seqs_at(rows)], dtype=np.int64)
-
     def planned_of(self, rows: np.ndarray) -> np.ndarray:
         """Tokens of each row whose KV is written or being written by the current step's plan
         (its pending work's end; its computed tokens when it has none)."""
@@ -348,9 +347,7 @@ class RowTable:
         self.row_state[row] = 0
         self._version += 1
         self.objs[row] = None
-        self.computed[row] = 0
-        self.registered[row] = 0
-        self.loading[row] = False
-        self.saved[row] = 0
+        for column in self.freed_columns:
+            column[row] = 0
         self.free_rows.append(row)
         seq.row = FREE_ROW

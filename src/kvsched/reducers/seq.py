@@ -13,8 +13,6 @@ from kvsched.statemachines import SeqState
 FREE_ROW = -1
 NO_BLOCKS = np.zeros(0, dtype=np.int32)
 NO_BLOCKS.flags.writeable = False
-NO_DRAFTS = np.zeros(0, dtype=np.int32)
-NO_DRAFTS.flags.writeable = False
 
 
 @attrs.define(slots=True, eq=False)
@@ -47,9 +45,6 @@ class Seq:
     # private block of its block table there; it holds a reference on the cached one (0: none)
     overlap_block: int = 0
     overlap_at: int = -1
-    # Speculative decoding: the draft tokens proposed for its next decode (the latest
-    # outcome's; consumed by the step that follows it)
-    drafts: np.ndarray = NO_DRAFTS
     num_failures: int = 0  # consecutive failed steps that computed this sequence
     num_preemptions: int = 0
     preempted_at: int = -1  # the step of the latest preemption

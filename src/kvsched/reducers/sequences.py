@@ -34,7 +34,7 @@ from kvsched.reducers.blocks import BlockPool
 from kvsched.reducers.drafts import DraftRows
 from kvsched.reducers.errors import RefChange, ReplayMismatch
 from kvsched.reducers.holdings import LoadHoldings
-from kvsched.reducers.seq import FREE_ROW, NO_DRAFTS, History, Seq
+from kvsched.reducers.seq import FREE_ROW, History, Seq
 from kvsched.statemachines import SEQUENCE, fire, fire_many
 
 __all__ = ["FREE_ROW", "Arrival", "History", "Seq", "SequenceTable"]
@@ -65,8 +65,9 @@ class SequenceTable(DraftRows):
         identity: str = "kvs128",
         history: Mapping[int, History] | None = None,
         holdings: LoadHoldings | None = None,
+        max_drafts: int = 0,
     ) -> None:
-        super().__init__(max_batch, max_blocks, block_size, model.max_context)
+        super().__init__(max_batch, max_blocks, block_size, model.max_context, max_drafts)
         self.model = model
         self.identity = identity  # the block identity scheme (config.IDENTITY_SCHEMES)
         self._pool = pool
@@ -77,8 +78,6 @@ class SequenceTable(DraftRows):
         self.seqs: dict[int, Seq] = {}
         self.waiting: dict[int, Seq] = {}  # insertion-ordered
         self.failed: list[int] = []  # sequences computed by the latest failed step
-        # Speculative decoding: row -> drafts it verifies in the pending step (``Seq.drafts``'s
-        # first ones)
         self.num_finished = 0
         self._roots: dict[tuple[str, str], bytes] = {}  # (a cache of namespace_root)
 
@@ -200,7 +199,7 @@ class SequenceTable(DraftRows):
         every position but its newest token's (the rejected drafts' KV is stale); the drafts
         proposed for the next step replace the ones it had."""
         rows, starts, ends = self.pending_arrays()
-        drafting, self.drafting = self.drafting, {}
+        verified = self._end_verifying() if self.any_verifying else _NO_ROWS
         self._pending_rows = self._pending_starts = self._pending_ends = _NO_ROWS
         self.has_pending = False
         if len(e.routed_experts) and len(rows):
@@ -226,9 +225,9 @@ class SequenceTable(DraftRows):
             self.last_token[sampled] = e.tokens
             for row in sampled[self.ntokens[sampled] % bs == 0].tolist():
                 self._hash_last_block(row)
-        if drafting:
-            self._settle_drafts(list(drafting))
-        if e.draft_counts is not None or self._any_drafts:
+        if len(verified):
+            self._settle_drafts(verified, bool(len(e.routed_experts)))
+        if self.max_drafts:
             self._take_drafts(rows, sampled, e.draft_counts, e.drafts)
 
     def _hash_last_block(self, row: int) -> None:
@@ -258,11 +257,11 @@ class SequenceTable(DraftRows):
         token sampled); the sequences it computed count one failure each."""
         rows = self._pending_rows
         self._pending_rows = self._pending_starts = self._pending_ends = _NO_ROWS
-        self.has_pending, self.drafting = False, {}
+        self.has_pending = False
+        self._drop_drafts(rows)  # (a retry decodes without them)
         for row in rows.tolist():
             seq = self.objs[row]
             assert seq is not None
-            seq.drafts = NO_DRAFTS  # (a retry decodes without them)
             seq.num_failures += 1
             self.failures[row] = seq.num_failures
         self.failed = self.row_seq[rows].tolist()
@@ -356,7 +355,6 @@ class SequenceTable(DraftRows):
         seq = self.seq(e.seq_id)
         seq.state = fire(SEQUENCE, e, seq.seq_id, seq.state)
         self.deactivate(seq)
-        seq.drafts = NO_DRAFTS
         self.waiting[seq.seq_id] = seq
         seq.num_preemptions += 1
         seq.preempted_at = self.step

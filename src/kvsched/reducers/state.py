@@ -142,7 +142,7 @@ class EngineState:
         self.holdings = LoadHoldings(max_blocks)
         self.seqs = SequenceTable(
             config.model, config.max_batch, max_blocks, bs, self.pool, config.identity,
-            self.sessions.history, self.holdings,
+            self.sessions.history, self.holdings, config.speculation.max_drafts,
         )
         self.seqs.cache_when_planned = config.cache_when_planned
         self.sessions.bind(self.seqs)
@@ -226,11 +226,14 @@ class EngineState:
     @property
     def has_work(self) -> bool:
         """Something to schedule or to save (a finished sequence's state), or transfers to
-        wait for. While admissions are held, only ready loads of the waiting are work."""
+        wait for. While admissions are held, only ready loads of the waiting are work; while
+        running work is held too, no sequence is."""
         t = self.seqs
         held = self.serving.admissions_held
         admitting = bool(t.waiting) and (not held or bool(self.transfers.ready_loads()))
-        serving = not self.sleeping and (admitting or t.num_running > 0)
+        serving = not (self.sleeping or self.serving.running_held) and (
+            admitting or t.num_running > 0
+        )
         saving = bool(self.ckpts.reserved)
         return serving or saving or self.transfers.busy or self.serving.drain_pending
 

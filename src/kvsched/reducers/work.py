@@ -106,8 +106,9 @@ class StepWork:
 
 class Serving:
     """The step counter and clock, sleep (after a drain) at its level and a deferred drain
-    with the level it will sleep at, whether admissions are held (``AdmissionsHeld``), and
-    the count of consecutive decode-only steps (alternate turn mode)."""
+    with the level it will sleep at, whether admissions, and running work, are held
+    (``AdmissionsHeld``), and the count of consecutive decode-only steps (alternate turn
+    mode)."""
 
     def __init__(self) -> None:
         self.step = 0
@@ -118,6 +119,7 @@ class Serving:
         self.drain_level = 0  # while a drain is deferred: the level it sleeps at
         self.decode_turns = 0
         self.admissions_held = False
+        self.running_held = False  # (only with admissions held: nothing is scheduled)
 
     def folds(self) -> Folds:
         return {
@@ -132,6 +134,7 @@ class Serving:
 
     def _on_hold(self, e: ev.AdmissionsHeld) -> None:
         self.admissions_held = bool(e.held)
+        self.running_held = bool(e.held and e.running)
 
     def _on_step_started(self, e: ev.StepStarted) -> None:
         self.step, self.clock = e.step, e.clock
@@ -156,15 +159,18 @@ class Serving:
         self.decode_turns += 1
 
     def check_invariants(self) -> str | None:
-        """A sleep level exactly while sleeping, a drain level exactly while one is deferred."""
+        """A sleep level exactly while sleeping, a drain level exactly while one is deferred,
+        running work held only with admissions."""
         if (self.sleep_level in ev.SLEEP_LEVELS) != self.sleeping:
             return f"sleep level {self.sleep_level} while sleeping is {self.sleeping}"
         if (self.drain_level in ev.SLEEP_LEVELS) != self.drain_pending:
             return f"drain level {self.drain_level} while a drain pending is {self.drain_pending}"
+        if self.running_held and not self.admissions_held:
+            return "running work held while admissions are not"
         return None
 
     def snapshot(self) -> tuple[object, ...]:
         return (
             self.step, self.clock, self.sleeping, self.sleep_level, self.drain_pending,
-            self.drain_level, self.decode_turns, self.admissions_held,
+            self.drain_level, self.decode_turns, self.admissions_held, self.running_held,
         )

@@ -553,7 +553,7 @@ for _ in range(3):
     step("before")
 add("queued-1", 2)
 add("queued-2", 3)
-scheduler.set_pause_state(PauseState.PAUSED_NEW)
+scheduler.set_pause_state(PauseState[sys.argv[3]])
 for _ in range(4):
     step("paused")
 scheduler.set_pause_state(PauseState.UNPAUSED)
@@ -563,20 +563,31 @@ print("RESULT" + json.dumps(trace))
 """
 
 
-def _pause_trace(model: Path, scheduler: str) -> list[Any]:
-    return list(_script_result(PAUSE, str(model), scheduler))
+def _pause_trace(model: Path, scheduler: str, pause: str) -> list[Any]:
+    return list(_script_result(PAUSE, str(model), scheduler, pause))
 
 
 def test_vllm_paused_new_admits_nothing_queued_and_drains_what_runs_as_vllms_scheduler(
     qwen3: Path,
 ):
-    ref, mine = _pause_trace(qwen3, "vllm"), _pause_trace(qwen3, "kvsched")
+    ref = _pause_trace(qwen3, "vllm", "PAUSED_NEW")
+    mine = _pause_trace(qwen3, "kvsched", "PAUSED_NEW")
     assert mine == ref  # step by step: who produced tokens, and the unfinished count
     paused = [lengths for label, lengths, _ in mine if label == "paused"]
     assert all("queued-1" not in s and "queued-2" not in s for s in paused)
     assert paused[-1]["running"] > paused[0]["running"]  # what runs goes on
     final = mine[-1][1]
     assert final == {"queued-1": 10, "queued-2": 10, "running": 10}
+
+
+def test_vllm_paused_all_schedules_nothing_until_resumed_as_vllms_scheduler(qwen3: Path):
+    ref = _pause_trace(qwen3, "vllm", "PAUSED_ALL")
+    mine = _pause_trace(qwen3, "kvsched", "PAUSED_ALL")
+    assert mine == ref  # step by step: who produced tokens, and the unfinished count
+    before = [lengths for label, lengths, _ in mine if label == "before"][-1]
+    paused = [(lengths, n) for label, lengths, n in mine if label == "paused"]
+    assert all(lengths == before and n == 0 for lengths, n in paused)  # nothing moves
+    assert mine[-1][1] == {"queued-1": 10, "queued-2": 10, "running": 10}
 
 
 STOP_STRINGS = """

@@ -13,6 +13,8 @@ does), and kvsched folds exactly the tokens vLLM kept.
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Iterable
 from typing import Any
 
 import msgspec
@@ -26,22 +28,21 @@ def scheduled_drafts(plan: StepPlan, name_of: Any) -> dict[str, list[int]]:
     """vLLM's ``scheduled_spec_decode_tokens``: the drafts each plan row verifies, by name."""
     if not len(plan.num_drafts):
         return {}
+    (rows,) = np.nonzero(plan.num_drafts)
     bounds = np.concatenate(([0], np.cumsum(plan.ends - plan.starts)))
-    out: dict[str, list[int]] = {}
-    for i in np.nonzero(plan.num_drafts)[0].tolist():
-        first = int(bounds[i]) + 1  # (after the row's newest token)
-        out[name_of(int(plan.seq_ids[i]))] = plan.input_ids[
-            first : first + plan.num_drafts[i]
-        ].tolist()
-    return out
+    firsts = bounds[rows] + 1  # (after the row's newest token)
+    ids, names = plan.input_ids.tolist(), map(name_of, plan.seq_ids[rows].tolist())
+    spans = zip(firsts.tolist(), (firsts + plan.num_drafts[rows]).tolist(), strict=True)
+    return {name: ids[a:b] for name, (a, b) in zip(names, spans, strict=True)}
 
 
-def verified_of(plan: StepPlan) -> dict[int, int]:
-    """Sequence id -> drafts it verifies in this plan (only those that verify any)."""
+def most_tokens(plan: StepPlan) -> Iterable[int]:
+    """The most tokens each sampled row of the plan may produce: its verified drafts and one
+    more (one each without speculative decoding)."""
     if not len(plan.num_drafts):
-        return {}
-    rows = np.nonzero(plan.num_drafts)[0]
-    return dict(zip(plan.seq_ids[rows].tolist(), plan.num_drafts[rows].tolist(), strict=True))
+        return itertools.repeat(1)
+    most: list[int] = (1 + plan.num_drafts[plan.sample]).tolist()
+    return most
 
 
 def with_proposals(executed: ev.StepExecuted, proposals: dict[int, list[int]]) -> ev.StepExecuted:

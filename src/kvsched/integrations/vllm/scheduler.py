@@ -307,32 +307,39 @@ class Scheduler(startup.Unserved, SchedulerInterface):  # type: ignore[misc]  # 
         prompt_ids = getattr(mro, "prompt_token_id_logprobs_dict", None) or {}
         with_prompt = bool(prompt_tensors or prompt_ids)  # (rare: prompt logprobs asked)
         seq_ids = plan.seq_ids[plan.sample]
-        verified = drafts.verified_of(plan)
+        stops, structured = self.reg.stops, self.reg.structured
         tokens: list[int] = []
-        counts: list[int] = []
-        for seq_id in seq_ids.tolist():
+        counts: list[int] = []  # (in the event only when drafts were verified)
+        for seq_id, most in zip(seq_ids.tolist(), drafts.most_tokens(plan), strict=False):
             request = req_of[seq_id]
             name = request.request_id
             got: Any = sampled[index[name]] if sampled else ()
-            most = 1 + verified.get(seq_id, 0)
-            if not 1 <= len(got) <= most:
+            if not 0 < len(got) <= most:
                 raise AdapterMismatch(f"{name}: {len(got)} tokens, kvsched expects 1..{most}")
             if name not in requests:  # aborted after it was scheduled: folded, not returned
                 tokens += got
                 counts.append(len(got))
                 continue
             request.num_computed_tokens -= most - len(got)  # (the rejected drafts)
-            kept, stop = self._accept(request, seq_id, got)
-            tokens += kept
-            counts.append(len(kept))
+            stop = None
+            for n, token in enumerate(got, 1):  # vLLM's stop rule after each token
+                request.append_output_token_ids(token)
+                stop = stop_reason(stops[seq_id], token, request.num_output_tokens)
+                if seq_id in structured and not self.grammars.accept(request, token):
+                    stop = ("error", None)  # (as vLLM: never, under the bitmask it was given)
+                if stop is not None:
+                    got = got[:n]  # (the tokens after the one that ends it are dropped)
+                    break
+            tokens += got
+            counts.append(len(got))
             finish = None if stop is None else self._finish(request, seq_id, *stop)
             logprobs = None
             if with_logprobs and request.sampling_params.logprobs is not None:
-                logprobs = mro.logprobs.slice_request(index[name], len(kept))
+                logprobs = mro.logprobs.slice_request(index[name], len(got))
             prompt = NO_PROMPT
             if with_prompt:
                 prompt = (prompt_tensors.get(name), prompt_ids.get(name))
-            out = token_output(request, kept, finish, logprobs, prompt)
+            out = token_output(request, got, finish, logprobs, prompt)
             outputs[request.client_index].append(out)
         if self.mamba is not None:  # the forward ran: saved states now sit in their blocks
             for slot, ckpt in plan.state_save.tolist():
@@ -340,24 +347,9 @@ class Scheduler(startup.Unserved, SchedulerInterface):  # type: ignore[misc]  # 
             if self.engine.check:
                 self.mamba.check()
         executed = ev.StepExecuted(plan.step, seq_ids.copy(), np.asarray(tokens, dtype=np.int32))
-        if verified:
+        if len(plan.num_drafts):
             executed = msgspec.structs.replace(executed, counts=np.asarray(counts, np.int32))
         self._inputs.insert(0, executed)
-
-    def _accept(
-        self, request: Request, seq_id: int, got: list[int]
-    ) -> tuple[list[int], tuple[str, int | None] | None]:
-        """Append the row's tokens to the request, checking vLLM's stop rule after each (and
-        the request's grammar): the tokens kept, up to the one that ends it, and the stop."""
-        stop = None
-        for n, token in enumerate(got, 1):
-            request.append_output_token_ids(token)
-            stop = stop_reason(self.reg.stops[seq_id], token, request.num_output_tokens)
-            if seq_id in self.reg.structured and not self.grammars.accept(request, token):
-                stop = ("error", None)  # (as vLLM: never, under the bitmask it was given)
-            if stop is not None:
-                return got[:n], stop
-        return list(got), None
 
     def update_draft_token_ids(self, draft_token_ids: Any) -> None:
         """The drafts vLLM's runner proposed after the last step: into that step's outcome,
@@ -439,11 +431,12 @@ class Scheduler(startup.Unserved, SchedulerInterface):  # type: ignore[misc]  # 
         return self._pause
 
     def set_pause_state(self, pause_state: PauseState) -> None:
-        """PAUSED_NEW (and PAUSED_ALL) hold kvsched's admissions from the next step on
-        (``AdmissionsHeld``, in the log); UNPAUSED lifts the hold."""
-        held = pause_state != PauseState.UNPAUSED
-        if held != (self._pause != PauseState.UNPAUSED):
-            self._inputs.append(ev.AdmissionsHeld(held=held))
+        """PAUSED_NEW holds kvsched's admissions from the next step on, PAUSED_ALL what runs
+        too (``AdmissionsHeld``, in the log); UNPAUSED lifts the hold."""
+        if pause_state != self._pause:
+            held = pause_state != PauseState.UNPAUSED
+            running = pause_state == PauseState.PAUSED_ALL
+            self._inputs.append(ev.AdmissionsHeld(held=held, running=running))
         self._pause = pause_state
 
     def get_kv_event_publisher_config(self) -> Any:
