@@ -361,12 +361,18 @@ ROUND_2 = [
       "(True or bool(self.transfers.ready_loads()))", HOLD),
     m("reducers/work.py", "self.admissions_held = bool(e.held)", "self.admissions_held = True",
       HOLD),
+    # PAUSED_ALL: while running work is held too, nothing is scheduled (a drain still is)
+    m("reducers/work.py", "self.running_held = bool(e.held and e.running)",
+      "self.running_held = False", HOLD),
+    m("policy/scheduler.py", "        if state.serving.running_held:\n            return\n",
+      "", HOLD),
 ]  # fmt: skip
 
 # Round 2, the vLLM adapter's slips that need vLLM: run with --vllm in .venv-vllm.
 SCHEDULER_TESTS = "tests/integrations/vllm/test_vllm_scheduler.py"
 HARNESS_TESTS = "tests/integrations/vllm/test_vllm_harness.py"
 GRAMMAR_TESTS = "tests/integrations/vllm/test_vllm_grammar.py"
+SPEC_TESTS = "tests/integrations/vllm/test_vllm_speculative.py"
 VLLM_ROUND_2 = [
     m(
         "integrations/vllm/startup.py",
@@ -385,8 +391,16 @@ VLLM_ROUND_2 = [
     m("integrations/vllm/scheduler.py", "        if request.use_structured_output:\n",
       "        if False:\n", GRAMMAR_TESTS, "-k", "once_its_grammar"),
     m("integrations/vllm/scheduler.py",
-      "        return self.grammars.bitmask(self.requests, self._grammar_rows)",
+      "        return self.grammars.bitmask(self.requests, self._grammar_rows, spec)",
       "        return None", GRAMMAR_TESTS, "-k", "token_identical"),
+    # structured outputs with drafts: drafts cut by the grammar, a bitmask row per draft
+    m("integrations/vllm/grammar.py", "self.manager.validate_tokens(request, drafts)", "drafts",
+      SPEC_TESTS, "-k", "structured"),
+    m("integrations/vllm/grammar.py", "self.manager.grammar_bitmask(requests, names, spec)",
+      "self.manager.grammar_bitmask(requests, names, {})", SPEC_TESTS, "-k", "structured"),
+    # PAUSED_ALL: nothing scheduled while vLLM is paused
+    m("integrations/vllm/scheduler.py", "running = pause_state == PauseState.PAUSED_ALL",
+      "running = False", SCHEDULER_TESTS, "-k", "paused_all"),
     # (survives, left: RequestCheck raising ValueError; LLM.generate still reported
     # VLLMValidationError with the reason in vLLM 0.32, so no observable change was found)
 ]  # fmt: skip

@@ -161,8 +161,20 @@ import json, sys
 from vllm import LLM, SamplingParams, TokensPrompt
 from vllm.sampling_params import StructuredOutputsParams
 kw = {"scheduler_cls": "kvsched.integrations.vllm.Scheduler"} if sys.argv[2] == "kvsched" else {}
+if len(sys.argv) > 3:  # ngram speculative decoding with this many drafts
+    kw |= {"async_scheduling": False,
+           "speculative_config": {"method": "ngram", "num_speculative_tokens": int(sys.argv[3]),
+                                  "prompt_lookup_max": 4, "prompt_lookup_min": 1}}
 llm = LLM(sys.argv[1], enforce_eager=True, block_size=32, max_model_len=512,
           max_num_batched_tokens=256, max_num_seqs=8, dtype="float32", **kw)
+scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+schedule, verified = scheduler.schedule, {}  # per request: the drafts each decode verifies
+def counting(*args, **kwargs):
+    out = schedule(*args, **kwargs)
+    for name, drafts in out.scheduled_spec_decode_tokens.items():
+        verified.setdefault(name.split("-")[0], []).append(len(drafts))  # (its index)
+    return out
+scheduler.schedule = counting
 prompts = [TokensPrompt(prompt_token_ids=[5 + (i * k) % 400 for i in range(40 + 7 * k)])
            for k in (13, 17, 19, 23)]
 schema = {"type": "object", "required": ["a", "b"], "additionalProperties": False,
@@ -177,6 +189,7 @@ for label, so in kinds.items():
     params = SamplingParams(temperature=0.0, max_tokens=40, structured_outputs=so)
     outs = llm.generate(prompts, params, use_tqdm=False)
     got[label] = [[list(o.outputs[0].token_ids), o.outputs[0].finish_reason] for o in outs]
+got["verified"] = verified
 print("RESULT" + json.dumps(got))
 """
 

@@ -1,6 +1,7 @@
 """Speculative decoding under kvsched (ngram drafts on vLLM's CPU build): greedy outputs equal
 vLLM's own scheduler's request by request, drafts are verified and rolled back, a stop within
-the accepted drafts ends the request there, and the log verifies."""
+the accepted drafts ends the request there, structured outputs keep their grammar over the
+drafts, and the log verifies."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from kvsched.events.codec import decode_record
 from kvsched.events.reader import read_log
 from kvsched.integrations.vllm.models import build
 
+from .test_vllm_grammar import STRUCTURED
 from .test_vllm_scheduler import _script_result, _verifies
 
 SPEC = """
@@ -85,24 +87,21 @@ def test_vllm_ngram_speculative_decoding_is_token_identical_to_vllms_own_schedul
     assert (seen["preempted"] > 0) == (blocks == 8)
 
 
-STRUCTURED = """
-import json, sys
-from vllm import LLM, SamplingParams, TokensPrompt
-from vllm.sampling_params import StructuredOutputsParams
-llm = LLM(sys.argv[1], scheduler_cls="kvsched.integrations.vllm.Scheduler", enforce_eager=True,
-          block_size=32, max_model_len=128, max_num_batched_tokens=256, max_num_seqs=4,
-          dtype="float32", async_scheduling=False,
-          speculative_config={"method": "ngram", "num_speculative_tokens": 3,
-                              "prompt_lookup_max": 4, "prompt_lookup_min": 2})
-params = SamplingParams(max_tokens=8, structured_outputs=StructuredOutputsParams(regex="[ab]+"))
-(out,) = llm.generate([TokensPrompt(prompt_token_ids=list(range(5, 40)))], params, use_tqdm=False)
-print("RESULT" + json.dumps([out.outputs[0].finish_reason, out.outputs[0].stop_reason]))
-"""
-
-
-def test_vllm_structured_outputs_with_speculative_decoding_are_refused_with_the_reason(
+def test_vllm_structured_outputs_with_speculative_decoding_are_token_identical_to_vllms(
     tmp_path: Path,
 ):
+    """JSON schema, regex and choice with ngram drafts (three per decode): a structured
+    request's drafts are cut where its grammar rejects them, its bitmask covers every draft
+    position, and the tokens, finish reasons and the drafts each decode of each request
+    verifies equal vLLM's own scheduler's."""
     model = build("qwen3", tmp_path / "model", json_chars=True)
-    finish, reason = _script_result(STRUCTURED, str(model))
-    assert finish == "error" and "structured outputs with speculative decoding" in reason
+    log = tmp_path / "structured-spec.kvlog"
+    ref = _script_result(STRUCTURED, str(model), "vllm", "3")
+    mine = _script_result(
+        STRUCTURED, str(model), "kvsched", "3", env={"KVSCHED_VLLM_LOG": str(log)}
+    )
+    assert mine == ref
+    assert sum(map(sum, ref["verified"].values())) == _speculation(log)["verified"]
+    _verifies(log)
+    seen = _speculation(log)
+    assert 0 < seen["accepted"] < seen["verified"]  # drafts both accepted and rejected

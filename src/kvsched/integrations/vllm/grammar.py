@@ -9,8 +9,10 @@ kvsched never plans a request that cannot sample. A grammar that fails to compil
 request with an error, as in vLLM, and kvsched never sees that request.
 
 For each step, ``bitmask`` gives the model runner the grammar bitmask of the structured rows
-that sample (vLLM's ``get_grammar_bitmask``), and ``accept`` advances a request's grammar by
-the token it sampled.
+that sample (vLLM's ``get_grammar_bitmask``: with speculative decoding, one row per verified
+draft and one more), and ``accept`` advances a request's grammar by the tokens it kept.
+``validate`` keeps the drafts proposed for a structured request up to the first its grammar
+rejects (vLLM's ``update_draft_token_ids``).
 """
 
 from __future__ import annotations
@@ -56,14 +58,22 @@ class Grammars:
                 ready.append(request)
         return ready, failed
 
-    def bitmask(self, requests: dict[str, Request], names: list[str]) -> GrammarOutput | None:
+    def bitmask(
+        self, requests: dict[str, Request], names: list[str], spec: dict[str, list[int]]
+    ) -> GrammarOutput | None:
         """The bitmask of the structured rows that sample this step (``names``, each a
-        request in ``requests``), or None when there are none."""
+        request in ``requests``; ``spec``: the drafts each verifies), or None when there are
+        none."""
         if not names:
             return None
-        mask = self.manager.grammar_bitmask(requests, names, {})
-        return GrammarOutput(names, mask, [0] * len(names))
+        mask = self.manager.grammar_bitmask(requests, names, spec)
+        return GrammarOutput(names, mask, [len(spec.get(name, ())) for name in names])
 
-    def accept(self, request: Request, token: int) -> bool:
-        """Advance the request's grammar by ``token``; False if the grammar rejects it."""
-        return bool(self.manager.accept_tokens(request, [token]))
+    def accept(self, request: Request, tokens: list[int]) -> bool:
+        """Advance the request's grammar by ``tokens``; False if the grammar rejects them."""
+        return bool(self.manager.accept_tokens(request, tokens))
+
+    def validate(self, request: Request, drafts: list[int]) -> list[int]:
+        """The drafts up to the first the request's grammar rejects."""
+        valid: list[int] = self.manager.validate_tokens(request, drafts)
+        return valid

@@ -120,8 +120,6 @@ class Scheduler(startup.Unserved, SchedulerInterface):  # type: ignore[misc]  # 
         if name in self.requests:
             raise cfg.UnsupportedConfig(f"request {name}: resumable (streaming) requests")
         reason = refusal(request)
-        if reason is None and self.num_drafts and request.use_structured_output:
-            reason = "structured outputs with speculative decoding are not supported by kvsched"
         if reason is not None:
             logger.warning("kvsched refuses request %s: %s", name, reason)
             request.status = RequestStatus.FINISHED_ERROR
@@ -256,7 +254,8 @@ class Scheduler(startup.Unserved, SchedulerInterface):  # type: ignore[misc]  # 
     def get_grammar_bitmask(self, scheduler_output: Any) -> Any:
         if not scheduler_output.has_structured_output_requests:
             return None
-        return self.grammars.bitmask(self.requests, self._grammar_rows)
+        spec = scheduler_output.scheduled_spec_decode_tokens
+        return self.grammars.bitmask(self.requests, self._grammar_rows, spec)
 
     def _check_cached(self, seq_ids: list[int], *counts: Any) -> None:
         if self.config.legacy.report_cached_tokens:
@@ -325,11 +324,11 @@ class Scheduler(startup.Unserved, SchedulerInterface):  # type: ignore[misc]  # 
             for n, token in enumerate(got, 1):  # vLLM's stop rule after each token
                 request.append_output_token_ids(token)
                 stop = stop_reason(stops[seq_id], token, request.num_output_tokens)
-                if seq_id in structured and not self.grammars.accept(request, token):
-                    stop = ("error", None)  # (as vLLM: never, under the bitmask it was given)
                 if stop is not None:
                     got = got[:n]  # (the tokens after the one that ends it are dropped)
                     break
+            if seq_id in structured and not self.grammars.accept(request, got):
+                stop = ("error", None)  # (as vLLM: never, under the bitmask it was given)
             tokens += got
             counts.append(len(got))
             finish = None if stop is None else self._finish(request, seq_id, *stop)
@@ -356,10 +355,13 @@ class Scheduler(startup.Unserved, SchedulerInterface):  # type: ignore[misc]  # 
         for kvsched to fold with it (only rows that sampled, and requests still live)."""
         if not self._inputs or not isinstance(self._inputs[0], ev.StepExecuted):
             return
-        seq_of, proposals = self.reg.seq_of, {}
+        seq_of, structured, proposals = self.reg.seq_of, self.reg.structured, {}
         for name, ids in zip(draft_token_ids.req_ids, draft_token_ids.draft_token_ids, strict=True):
             if ids and name in self.requests and name in seq_of:
-                proposals[seq_of[name]] = list(ids)
+                seq_id = seq_of[name]
+                if seq_id in structured:  # (as vLLM: only the drafts its grammar allows)
+                    ids = self.grammars.validate(self.requests[name], list(ids))
+                proposals[seq_id] = list(ids)
         self._inputs[0] = drafts.with_proposals(self._inputs[0], proposals)
 
     def _finish(self, request: Request, seq_id: int, kind: str, stop_token: int | None) -> Any:
