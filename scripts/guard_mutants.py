@@ -366,6 +366,10 @@ ROUND_2 = [
       "self.running_held = False", HOLD),
     m("policy/scheduler.py", "        if state.serving.running_held:\n            return\n",
       "", HOLD),
+    # LoRA: a waiting sequence whose adapter would be one too many is skipped
+    m("policy/admission.py",
+      "return seq.adapter not in running and len(running) >= self._lora_slots",
+      "return False", "tests/policy/test_adapters.py"),
 ]  # fmt: skip
 
 # Round 2, the vLLM adapter's slips that need vLLM: run with --vllm in .venv-vllm.
@@ -398,6 +402,10 @@ VLLM_ROUND_2 = [
       SPEC_TESTS, "-k", "structured"),
     m("integrations/vllm/grammar.py", "self.manager.grammar_bitmask(requests, names, spec)",
       "self.manager.grammar_bitmask(requests, names, {})", SPEC_TESTS, "-k", "structured"),
+    # LoRA: max_loras becomes kvsched's model.max_adapters
+    m("integrations/vllm/config.py",
+      "max_adapters=int(lora.max_loras) if lora is not None else 0", "max_adapters=0",
+      "tests/integrations/vllm/test_vllm_lora.py"),
     # PAUSED_ALL: nothing scheduled while vLLM is paused
     m("integrations/vllm/scheduler.py", "running = pause_state == PauseState.PAUSED_ALL",
       "running = False", SCHEDULER_TESTS, "-k", "paused_all"),

@@ -74,6 +74,7 @@ ENGINE_CONFIGS = dict(
     waiting_tokens=st.booleans(),
     prealloc=st.sampled_from([0, 0, 4, 9]),
     order=st.sampled_from(["fcfs", "priority", "ttft"]),
+    max_adapters=st.sampled_from([0, 0, 1]),  # LoRA: 1 keeps two adapters from running at once
 )
 
 
@@ -82,7 +83,7 @@ ARRIVALS = dict(
     prefix=st.integers(0, len(PREFIXES) - 1),
     suffix=st.integers(0, 9),
     max_tokens=st.integers(1, 12),
-    adapter=st.sampled_from(["", "lora-a"]),
+    adapter=st.sampled_from(["", "lora-a", "lora-b"]),
     salt=st.sampled_from(["", "tenant-b"]),
     priority=st.integers(0, 2),
     session=st.sampled_from([-1, -1, 0, 1]),
@@ -113,6 +114,7 @@ class EngineMachine(RuleBasedStateMachine):
         waiting_tokens,
         prealloc,
         order,
+        max_adapters,
     ):  # type: ignore[no-untyped-def]
         bs = 4
         rules = (
@@ -126,7 +128,11 @@ class EngineMachine(RuleBasedStateMachine):
         self.config = SchedulerConfig.from_log_header(
             dict(
                 model=ModelSpec(
-                    vocab_size=VOCAB, max_context=128, state_bytes=100, kv_bytes_per_token=10
+                    vocab_size=VOCAB,
+                    max_context=128,
+                    state_bytes=100,
+                    kv_bytes_per_token=10,
+                    max_adapters=max_adapters,
                 ),
                 block_size=bs,
                 num_blocks=num_blocks,

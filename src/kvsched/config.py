@@ -96,6 +96,11 @@ class ModelSpec:
     # heads x 256 in bfloat16); ``gpu.HybridConfig.state_bytes`` computes them for a model.
     state_bytes: int = 36 * (32 * 128 * 128 * 4 + 8192 * 3 * 2)  # one sequence's state
     kv_bytes_per_token: int = 12 * 2 * 2 * 256 * 2
+    # LoRA: the adapters (``RequestArrived.adapter``) the executor applies in one step (vLLM's
+    # max_loras; not part of the KV namespace): at most this many distinct ones among the
+    # running sequences, a waiting sequence whose adapter would be one too many is skipped
+    # for the step. 0: no limit.
+    max_adapters: int = 0
 
     def __attrs_post_init__(self) -> None:
         in_range("vocab_size", self.vocab_size, 1, 1 << 31)
@@ -103,6 +108,7 @@ class ModelSpec:
         in_range("routed_experts_per_token", self.routed_experts_per_token, 0, 1 << 12)
         in_range("state_bytes", self.state_bytes, 1, 1 << 40)
         in_range("kv_bytes_per_token", self.kv_bytes_per_token, 1, 1 << 30)
+        in_range("max_adapters", self.max_adapters, 0, 1 << 16)
 
 
 @attrs.frozen(kw_only=True)

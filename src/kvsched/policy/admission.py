@@ -66,6 +66,7 @@ class Admission:
         self._cut_at_branch = self._branch and not self._within
         self._interval = config.interval_tokens if config.places("interval") else 0
         self._soft = config.soft_loads
+        self._lora_slots = config.model.max_adapters  # (0: any number of adapters run)
         self._mm_safe = config.legacy.multimodal_safe
         # (derived settings read once: each admission reads them)
         self._external_load = config.external_load
@@ -236,6 +237,8 @@ class Admission:
 
     def try_admit(self, state: EngineState, seq: Seq, budget: StepBudget, emit: Emit) -> str:
         """Admit one waiting sequence, or return why not ('skip' or 'stop') leaving no trace."""
+        if self._lora_slots and seq.adapter and self._one_adapter_too_many(state, seq):
+            return "skip"
         match = self.matcher.find_prefix(state, seq)
         if self._external_load:
             first, end = self.transfers.planned_load(state, seq, match.num_tokens)
@@ -259,6 +262,12 @@ class Admission:
         self.growth.allocate(state, [seq.seq_id], [need], emit)
         self.add_prefill(state, seq, chunk, budget, emit)
         return "admitted"
+
+    def _one_adapter_too_many(self, state: EngineState, seq: Seq) -> bool:
+        """Whether running ``seq`` would make its adapter one more than ``model.max_adapters``
+        (vLLM's max_loras: it is skipped for the step)."""
+        running = state.seqs.running_adapters()
+        return seq.adapter not in running and len(running) >= self._lora_slots
 
     def attach_prefix(self, state: EngineState, seq: Seq, match: Match, emit: Emit) -> None:
         """Commit a match: take a batch row, pin the checkpoint (hybrid) and attach the cached
@@ -321,6 +330,8 @@ class Admission:
     def _settle_into_row(self, state: EngineState, seq: Seq, budget: StepBudget, emit: Emit) -> str:
         """Settle a load that ended into a row: it runs from the blocks it keeps (the loaded
         ones are cached now) and its first chunk is scheduled, or it waits ('skip', 'stop')."""
+        if self._lora_slots and seq.adapter and self._one_adapter_too_many(state, seq):
+            return "skip"
         load = state.transfers.load_of(seq.seq_id)
         assert load is not None
         kept = self.transfers.kept_blocks(state, seq, load)

@@ -84,6 +84,9 @@ def _check_rows(state: Owners) -> None:
         raise InvariantError("the verifying flag disagrees with the rows")
     if np.any(t.ndrafts[t.free_rows] != 0) or np.any(t.ndrafts > t.max_drafts):
         raise InvariantError("drafts kept by a free row, or more than max_drafts")
+    most = state.config.model.max_adapters
+    if most and len(t.running_adapters()) > most:
+        raise InvariantError(f"more than model.max_adapters ({most}) adapters run at once")
     if used & set(t.free_rows) or len(used) + len(t.free_rows) != t.max_batch:
         raise InvariantError("batch rows are not partitioned into used and free")
     for row in used:

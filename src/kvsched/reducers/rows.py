@@ -86,6 +86,10 @@ class RowTable:
         """Rows holding a sequence (RUNNING, or LOADING_KV: see ``loading``)."""
         return np.nonzero(self.row_seq != FREE_ROW)[0]
 
+    def running_adapters(self) -> set[str]:
+        """The distinct adapters (LoRA) of the sequences that hold a row ("": none)."""
+        return {s.adapter for s in self.objs if s is not None and s.adapter}
+
     def schedulable_rows(self) -> np.ndarray:
         """Rows whose sequence can compute (not waiting for a KV load)."""
         return np.nonzero((self.row_seq != FREE_ROW) & ~self.loading)[0]

@@ -72,7 +72,6 @@ def test_vllm_priority_policy_maps_to_kvscheds_priority_order():
         ({"speculative_config": _spec(), "async": True}, "async scheduling"),
         ({"speculative_config": _spec(), "kv": (FullAttentionSpec, MambaSpec)}, "hybrid model"),
         ({"speculative_config": _spec(k=30)}, "leaves 8 prefill tokens .* of 31 tokens"),
-        ({"lora_config": object()}, "LoRA"),
         ({"max_num_batched_tokens": 36}, "leaves 28 prefill tokens"),
     ],
 )
@@ -237,7 +236,6 @@ def test_a_vllm_request_keeps_vllms_block_digests_when_the_adapter_is_told_to():
 @pytest.mark.parametrize(
     ("over", "reason"),
     [
-        ({"lora_request": object()}, "LoRA"),
         ({"mm_features": [object()]}, "multimodal"),
         ({"sampling_params": None}, "pooling"),
         (
@@ -249,6 +247,18 @@ def test_a_vllm_request_keeps_vllms_block_digests_when_the_adapter_is_told_to():
 def test_vllm_requests_with_unsupported_features_are_refused_with_the_reason(over, reason):
     assert reason in (refusal(_request(**over)) or "")
     assert refusal(_request()) is None
+
+
+def test_vllm_a_lora_request_arrives_with_its_lora_name_as_its_adapter_and_max_loras_binds():
+    lora = NS(lora_name="sql-v2", lora_int_id=3)
+    assert refusal(_request(lora_request=lora)) is None
+    assert arrival(_request(lora_request=lora), seq_id=1, t0=0.0).adapter == "sql-v2"
+    assert arrival(_request(), seq_id=2, t0=0.0).adapter == ""
+    vc = _vllm_config()
+    vc.lora_config = NS(max_loras=2)
+    assert cfg.scheduler_config(vc, _kv_cache(FullAttentionSpec), 32).model.max_adapters == 2
+    plain = cfg.scheduler_config(_vllm_config(), _kv_cache(FullAttentionSpec), 32)
+    assert plain.model.max_adapters == 0
 
 
 def test_vllm_a_request_with_a_structured_output_is_served():

@@ -129,8 +129,6 @@ def _refuse_unsupported(vllm_config: Any, kv_cache_config: Any) -> None:
     spec = getattr(vllm_config, "speculative_config", None)
     if spec is not None:
         _refuse_speculation(vllm_config, spec, bool(mamba))
-    if getattr(vllm_config, "lora_config", None) is not None:
-        raise UnsupportedConfig("LoRA is not supported by the kvsched adapter")
     transfer = getattr(vllm_config, "kv_transfer_config", None)
     if transfer is not None and getattr(transfer, "kv_connector", None):
         raise UnsupportedConfig("KV connectors are not supported by the kvsched adapter")
@@ -185,6 +183,7 @@ def scheduler_config(vllm_config: Any, kv_cache_config: Any, block_size: int) ->
             f"block ({block_size}); raise max_num_batched_tokens or lower max_num_seqs"
         )
     hybrid = _hybrid_sizes(kv_cache_config, max_seqs)
+    lora = getattr(vllm_config, "lora_config", None)
     return SchedulerConfig(
         model=ModelSpec(
             name=str(model.model),
@@ -192,6 +191,7 @@ def scheduler_config(vllm_config: Any, kv_cache_config: Any, block_size: int) ->
             kv_dtype=str(cache.cache_dtype),
             kv_layout="vllm",
             max_context=int(model.max_model_len),
+            max_adapters=int(lora.max_loras) if lora is not None else 0,
         ),
         block_size=int(block_size),
         num_blocks=hybrid["num_blocks"],

@@ -115,3 +115,41 @@ def build(kind: str, path: str | Path, seed: int = 0, json_chars: bool = False) 
     model.to(dtype).save_pretrained(path)
     _save_tokenizer(path, json_chars)
     return path
+
+
+def build_lora(path: str | Path, seed: int, rank: int = 8) -> Path:
+    """Write a LoRA adapter (PEFT's layout) for the tiny "qwen3" model: seeded random
+    updates of every layer's query and value projections, large enough to change greedy
+    tokens."""
+    import torch
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    if (path / "adapter_config.json").exists():
+        return path
+    path.mkdir(parents=True, exist_ok=True)
+    config = _qwen3()
+    width = config.hidden_size
+    outs = {
+        "q_proj": config.num_attention_heads * config.head_dim,
+        "v_proj": config.num_key_value_heads * config.head_dim,
+    }
+    generator = torch.Generator().manual_seed(seed)
+    weights = {}
+    for layer in range(config.num_hidden_layers):
+        for name, out in outs.items():
+            key = f"base_model.model.model.layers.{layer}.self_attn.{name}"
+            weights[f"{key}.lora_A.weight"] = torch.randn(rank, width, generator=generator)
+            weights[f"{key}.lora_B.weight"] = torch.randn(out, rank, generator=generator)
+    save_file(weights, str(path / "adapter_model.safetensors"))
+    adapter = {
+        "peft_type": "LORA",
+        "r": rank,
+        "lora_alpha": 2 * rank,
+        "target_modules": sorted(outs),
+        "bias": "none",
+        "base_model_name_or_path": "tiny-qwen3",
+        "task_type": "CAUSAL_LM",
+    }
+    (path / "adapter_config.json").write_text(json.dumps(adapter))
+    return path

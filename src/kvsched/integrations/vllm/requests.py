@@ -28,8 +28,6 @@ def refusal(request: Any) -> str | None:
         return "prompt embeddings are not supported by the kvsched adapter"
     if request.mm_features:
         return "multimodal inputs are not supported by the kvsched adapter"
-    if request.lora_request is not None:
-        return "LoRA requests are not supported by the kvsched adapter"
     reason = params_refusal(params)
     if reason is not None:
         return reason
@@ -61,15 +59,19 @@ def arrival(
     kvsched's "higher first": the sign flips. ``eos_token_id`` is -1 under ``ignore_eos``.
     ``skip_reading_prefix_cache`` (vLLM sets it for prompt logprobs, so that every prompt
     position is computed) becomes ``skip_prefix_hit``.
-    ``use_block_hashes``: the prompt's blocks keep vLLM's digests (``vllm_block_hashes``)."""
+    ``use_block_hashes``: the prompt's blocks keep vLLM's digests (``vllm_block_hashes``).
+    A LoRA request's adapter is its LoRA's name, part of its blocks' identity (as in vLLM's
+    block hashes) and counted against ``model.max_adapters`` (vLLM's ``max_loras``)."""
     params = request.sampling_params
     eos = params.eos_token_id
+    lora = request.lora_request
     return ev.RequestArrived(
         seq_id=seq_id,
         prompt=np.asarray(request.prompt_token_ids, dtype=np.int32),
         max_tokens=int(request.max_tokens),
         arrival_time=max(0.0, float(request.arrival_time) - t0),
         priority=-int(request.priority),
+        adapter=lora.lora_name if lora is not None and lora.lora_int_id > 0 else "",
         cache_salt=request.cache_salt or "",
         eos_token_id=-1 if eos is None else int(eos),
         temperature=float(params.temperature),
