@@ -439,7 +439,8 @@ class SequenceTable(DraftRows):
             for a in (
                 self.row_seq, self.row_state, self.computed, self.ntokens, self.nblocks,
                 self.registered, self.last_token, self.loading, self.saved, self._consts,
-                self.temperature, self.table, self.tail,
+                self.temperature, self.table, self.tail, self.ndrafts, self.draft_ids,
+                self.verifying,
             )
         )
         pending = (self.has_pending, *(a.tobytes() for a in self.pending_arrays()))

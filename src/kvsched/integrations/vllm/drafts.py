@@ -3,7 +3,7 @@ model runner proposes, and the tokens a verified row produced.
 
 vLLM's synchronous engine core proposes drafts after each step (``update_draft_token_ids``,
 after ``update_from_output``); the adapter adds them to that step's ``StepExecuted``, which
-kvsched folds at the next step (``Seq.drafts``). kvsched's policy chooses how many of them
+kvsched folds at the next step (``DraftRows``). kvsched's policy chooses how many of them
 each decode verifies (``DecodeScheduled.num_drafts``, at most ``num_speculative_tokens``);
 the plan carries them after the row's newest token, and they become vLLM's
 ``scheduled_spec_decode_tokens``. The runner returns the accepted drafts and one more token
