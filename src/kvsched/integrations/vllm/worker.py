@@ -66,7 +66,7 @@ class WorkerView:
                 elif n > sent:  # running: only the blocks appended since its last table
                     new = group_ids(tables[i, sent:n].tolist(), start, end, sent, runtime[i], {})
                 if name not in prev:  # (vLLM sends these for requests absent from the last step)
-                    cached.all_token_ids[name] = list(request.all_token_ids)
+                    cached.all_token_ids[name] = request.all_token_ids.copy()  # (as vLLM)
                 req_ids.append(name)
                 new_block_ids.append(new)
                 computed.append(start)
