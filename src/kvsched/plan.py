@@ -91,6 +91,20 @@ class StepPlan:
     def kv_tokens_read(self) -> int:
         return int(self.ends.sum())
 
+    @property
+    def token_bounds(self) -> np.ndarray:
+        """Where each row's tokens start in ``input_ids``, then their total: row i's are
+        ``input_ids[bounds[i]:bounds[i + 1]]``."""
+        bounds: np.ndarray = np.concatenate(([0], np.cumsum(self.ends - self.starts)))
+        return bounds
+
+    @property
+    def verified_drafts(self) -> np.ndarray:
+        """The drafts each row verifies (zeros when no row does)."""
+        if len(self.num_drafts):
+            return self.num_drafts
+        return np.zeros(self.num_seqs, np.int32)
+
 
 PLAN_FIELDS: tuple[str, ...] = tuple(f.name for f in attrs.fields(StepPlan))
 

@@ -139,8 +139,7 @@ class FingerprintExecutor:
         out: list[int] = []
         counts: list[int] = []
         proposed: list[int] = []
-        verified = plan.num_drafts if len(plan.num_drafts) else np.zeros(plan.num_seqs, np.int32)
-        bounds = np.concatenate(([0], np.cumsum(plan.ends - plan.starts)))
+        verified, bounds = plan.verified_drafts, plan.token_bounds
         for i in rows.tolist():
             h, start, d = self._h[i], int(plan.starts[i]), int(verified[i])
             first = len(h) - 1 - d  # h index of the row's newest token
@@ -273,7 +272,7 @@ class FingerprintExecutor:
     def _forward(self, plan: StepPlan) -> np.ndarray:
         """Compute every sequence's chunk (saving ``state_save_within`` states on the way);
         returns h[end - 1] per sequence."""
-        bounds = np.concatenate(([0], np.cumsum(plan.ends - plan.starts)))
+        bounds = plan.token_bounds
         last = np.zeros(plan.num_seqs, dtype=np.uint64)
         within = self._within(plan)
         self._h = []

@@ -193,8 +193,7 @@ class SimulatedExecutor:
 
     def _speculate(self, plan: StepPlan) -> StepExecuted:
         """Verify each sampling row's drafts, then propose the next ones."""
-        verified = plan.num_drafts if len(plan.num_drafts) else np.zeros(plan.num_seqs, np.int32)
-        bounds = np.concatenate(([0], np.cumsum(plan.ends - plan.starts)))
+        verified, bounds = plan.verified_drafts, plan.token_bounds
         vocab, seed = self.vocab_size, self.seed
         seq_ids, out, counts, proposed = [], [], [], []
         for i in np.nonzero(plan.sample)[0].tolist():

@@ -276,7 +276,7 @@ class TorchExecutor:
             block_size=self.block_size,
             device=self.device,
         )
-        last_rows = np.cumsum(plan.ends - plan.starts) - 1
+        last_rows = plan.token_bounds[1:] - 1
         index = torch.from_numpy(last_rows[sample].astype(np.int64)).to(self.device)
         logits: torch.Tensor = self.model(batch, self.cache, index)
         return logits

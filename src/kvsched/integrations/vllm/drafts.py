@@ -29,8 +29,7 @@ def scheduled_drafts(plan: StepPlan, name_of: Any) -> dict[str, list[int]]:
     if not len(plan.num_drafts):
         return {}
     (rows,) = np.nonzero(plan.num_drafts)
-    bounds = np.concatenate(([0], np.cumsum(plan.ends - plan.starts)))
-    firsts = bounds[rows] + 1  # (after the row's newest token)
+    firsts = plan.token_bounds[rows] + 1  # (after the row's newest token)
     ids, names = plan.input_ids.tolist(), map(name_of, plan.seq_ids[rows].tolist())
     spans = zip(firsts.tolist(), (firsts + plan.num_drafts[rows]).tolist(), strict=True)
     return {name: ids[a:b] for name, (a, b) in zip(names, spans, strict=True)}

@@ -359,9 +359,10 @@ class Scheduler(startup.Unserved, SchedulerInterface):  # type: ignore[misc]  # 
         for name, ids in zip(draft_token_ids.req_ids, draft_token_ids.draft_token_ids, strict=True):
             if ids and name in self.requests and name in seq_of:
                 seq_id = seq_of[name]
+                ids = list(ids)
                 if seq_id in structured:  # (as vLLM: only the drafts its grammar allows)
-                    ids = self.grammars.validate(self.requests[name], list(ids))
-                proposals[seq_id] = list(ids)
+                    ids = self.grammars.validate(self.requests[name], ids)
+                proposals[seq_id] = ids
         self._inputs[0] = drafts.with_proposals(self._inputs[0], proposals)
 
     def _finish(self, request: Request, seq_id: int, kind: str, stop_token: int | None) -> Any:
