@@ -252,6 +252,10 @@ class Speculation:
     # token; the drafts' positions take KV blocks like any token's. 0: drafts are ignored.
     # Attention models only (a hybrid model's state per draft position is not modelled).
     max_drafts: int = 0
+    # Overlapped steps (vLLM's async scheduling): step N+1 is planned while step N's outcome
+    # is still out; N's outcome is an input of step N+1 or N+2. A row that samples in the
+    # step in flight counts a placeholder for the token it does not know yet.
+    pipelined: bool = False
 
     def __attrs_post_init__(self) -> None:
         in_range("speculation.tokens", self.tokens, 0, 64)
@@ -351,6 +355,16 @@ class SchedulerConfig:
             ):
                 if on:
                     raise refuse("cache_when_planned", name, "is not supported with")
+        if self.speculation.pipelined:  # (not in the first cut of overlapped steps)
+            for name, on in (
+                ("hybrid", self.hybrid),
+                ("speculation.max_drafts", self.speculation.max_drafts),
+                ("speculation.tokens", self.speculation.tokens),
+                ("external.enabled", self.external.enabled),
+                ("model.routed_experts_per_token", self.model.routed_experts_per_token),
+            ):
+                if on:
+                    raise refuse("speculation.pipelined", name, "is not supported with")
         if self.checkpoints.memory and self.checkpoints.budget != CHECKPOINT_BUDGET:
             raise refuse(
                 "checkpoints.budget", "checkpoints.memory (which sets the count)", "is ignored with"

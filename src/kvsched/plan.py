@@ -105,6 +105,25 @@ class StepPlan:
             return self.num_drafts
         return np.zeros(self.num_seqs, np.int32)
 
+    def fill_placeholders(self, newest: dict[int, int]) -> StepPlan:
+        """This plan with each placeholder input id (-1: overlapped steps, a token sampled in
+        the step still running when this one was planned) replaced by its sequence's token
+        in ``newest`` (what the executor sampled in the step before, by sequence id; 0 for
+        one it lacks: that step failed, and this one is voided); itself when it has none."""
+        at = np.nonzero(self.input_ids < 0)[0]
+        if not len(at):
+            return self
+        rows = np.searchsorted(self.token_bounds, at, side="right") - 1
+        ids = self.input_ids.copy()
+        ids[at] = [newest.get(s, 0) for s in self.seq_ids[rows].tolist()]
+        ids.setflags(write=False)
+        return attrs.evolve(self, input_ids=ids)
+
+    @staticmethod
+    def sampled(seq_ids: np.ndarray, tokens: np.ndarray) -> dict[int, int]:
+        """The ``newest`` of the step after one that sampled ``tokens`` (one per sequence)."""
+        return dict(zip(seq_ids.tolist(), tokens.tolist(), strict=True))
+
 
 PLAN_FIELDS: tuple[str, ...] = tuple(f.name for f in attrs.fields(StepPlan))
 

@@ -28,6 +28,17 @@ def test_the_demo_returns_the_metrics_of_its_chat_workload():
     assert demo.result.metrics["prefill_tokens"] == m["prefill_tokens"]
 
 
+def test_a_pipelined_demo_serves_the_same_tokens_and_its_log_verifies(tmp_path: Path):
+    log = tmp_path / "pipelined.log"
+    sync = run_demo(**TINY)
+    pipelined = run_demo(**TINY, pipelined=True, check=True, log=str(log))
+
+    assert pipelined.metrics["generated_tokens"] == sync.metrics["generated_tokens"]
+    assert pipelined.metrics["finished"] == 4
+    result = verify_log(str(log))
+    assert result.ok and result.steps == pipelined.metrics["steps"]
+
+
 def test_the_external_demo_second_engine_loads_what_the_first_one_saved(tmp_path: Path):
     log = tmp_path / "b.kvlog"
 

@@ -52,6 +52,11 @@ from kvsched.replay.traces import FORMATS, detect_format
 def _check_demo(args: argparse.Namespace) -> None:
     """Everything ``demo`` checks before its first step."""
     check_run_options(args)
+    if args.pipelined and (args.hybrid or args.external or args.executor == "torch"):
+        raise SetupError(
+            "--pipelined (overlapped steps) runs an attention model without a KV store: drop "
+            "--hybrid, --external and --executor torch (the demo's torch model is hybrid)"
+        )
     check_output("--log", args.log, args.overwrite)
     check_report(args.report, args.overwrite)
 
@@ -68,6 +73,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         model=args.model,
         hybrid=args.hybrid,
         external=args.external,
+        pipelined=args.pipelined,
         check=args.check,
         log=args.log,
         publish=args.publish,
@@ -398,5 +404,11 @@ def add_demo(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         action="store_true",
         help="serve the workload twice through one in-process KV store: the second engine"
         " (empty cache) loads the first one's saved prefixes; the second run is reported",
+    )
+    demo.add_argument(
+        "--pipelined",
+        action="store_true",
+        help="overlapped steps (vLLM's async scheduling): each step is planned while the one"
+        " before runs, and its outcome is folded a step later",
     )
     demo.set_defaults(func=cmd_demo)

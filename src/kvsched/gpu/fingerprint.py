@@ -99,6 +99,7 @@ class FingerprintExecutor:
         self.state = np.zeros(max(num_state_slots, 1), dtype=np.uint64)
         self.mismatches: list[str] = []
         self.sleep_level = 0
+        self.newest: dict[int, int] = {}  # the last step's tokens (placeholders)
 
     @property
     def num_blocks(self) -> int:
@@ -122,6 +123,7 @@ class FingerprintExecutor:
     def execute(self, plan: StepPlan) -> StepExecuted:
         if self.sleep_level:
             raise RuntimeError(f"the executor sleeps (level {self.sleep_level}): wake it first")
+        plan = plan.fill_placeholders(self.newest)  # (overlapped steps)
         self._check(plan)
         self._before(plan)
         last = self._forward(plan)
@@ -131,6 +133,7 @@ class FingerprintExecutor:
         if self.drafts or len(plan.num_drafts):
             return self._speculate(plan, rows, seq_ids)
         tokens = self._sample(plan, rows, last[rows])
+        self.newest = StepPlan.sampled(seq_ids, tokens)
         return StepExecuted(plan.step, seq_ids, tokens, self.cost.step_time(plan))
 
     def _speculate(self, plan: StepPlan, rows: np.ndarray, seq_ids: np.ndarray) -> StepExecuted:

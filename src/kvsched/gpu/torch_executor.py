@@ -91,6 +91,7 @@ class TorchExecutor:
         self._source: Path | None = None
         self._host_weights: dict[str, torch.Tensor] | None = None
         self.sleep_level = 0  # 0 awake; 1 no cache; 2 no cache and no weights
+        self.newest: dict[int, int] = {}  # the last step's tokens (placeholders)
         if isinstance(model_dir_or_model, HybridModel):
             model = model_dir_or_model.to(device=self.device)
             if dtype is not None:
@@ -229,6 +230,7 @@ class TorchExecutor:
         t0 = time.perf_counter()
         if self.sleep_level:
             raise RuntimeError(f"the executor sleeps (level {self.sleep_level}): wake it first")
+        plan = plan.fill_placeholders(self.newest)  # (overlapped steps)
         self._check(plan)
         cache, nb, ns = self.cache, self.num_blocks, self.num_state_slots
         # validate everything before touching the cache
@@ -261,6 +263,7 @@ class TorchExecutor:
         self.last_logits = logits
         seq_ids = np.asarray(plan.seq_ids[sample], dtype=np.int64).copy()
         self.last_seq_ids = seq_ids
+        self.newest = StepPlan.sampled(seq_ids, tokens)
         return StepExecuted(plan.step, seq_ids, tokens, time.perf_counter() - t0)
 
     def _forward(self, plan: StepPlan, sample: np.ndarray) -> torch.Tensor:

@@ -102,7 +102,7 @@ class Growth:
         past the block of their newest token, never written."""
         t = state.seqs
         rows = t.running_rows()
-        keep = -(-t.known_of(rows) // self.bs)
+        keep = -(-t.planned_known(rows) // self.bs)  # (placeholders' positions are written)
         spare = t.block_counts(rows) > keep
         return rows[spare], keep[spare]
 

@@ -118,24 +118,25 @@ class Policy:
             self.checkpoints.publish(state, emit)
         if self.config.external_save:
             self.transfers.start_saves(state, published, emit)
-        if not len(outcome.seq_ids):
-            return
         t = state.seqs
-        rows = t.rows_of(outcome.seq_ids)  # (the outcome's samplers: the fold's lookup, kept)
+        landed = t.landed  # (the outcome's samplers; overlapped steps: those still running)
+        if not len(landed):
+            return
+        rows = t.rows_of(landed)  # (the fold's lookup, kept)
         stop = t.is_eos(rows)
         length = t.outputs_done(rows) | (t.known_of(rows) >= self.config.model.max_context)
         migrate = self.config.external.role == "prefill"  # (prefill role: its first token ends it)
         done = np.nonzero(stop | length | migrate)[0]
         if not len(done):
             return
-        seqs = [t.seq(int(s)) for s in outcome.seq_ids[done]]
+        seqs = [t.seq(int(s)) for s in landed[done]]
         reasons = tuple(
             "stop" if stop[i] else "length" if length[i] else "migrated" for i in done.tolist()
         )
         if state.hybrid and not migrate:
             for seq in seqs:
                 self.checkpoints.save_sequence_end(state, seq, emit)
-        ids = outcome.seq_ids[done].copy()
+        ids = landed[done].copy()
         if self.config.legacy.report_cached_tokens:
             local, ckpt, external = np.asarray(
                 [s.cached_tokens for s in seqs], dtype=np.int64

@@ -8,9 +8,10 @@ raises an ``InputError`` naming the offending input, and never changes the state
 2. Every field has its declared type and a value the codec can encode and the state can
    hold: integers within int64, finite floats, 1-D integer arrays (``MalformedInput``).
 3. An executor outcome answers the step that ran: ``StepExecuted`` / ``StepFailed`` of the
-   pending step, exactly one per step that scheduled work (``OutcomeMismatch``); the sampled
-   ids are exactly the sequences that sample, once each, with one in-vocabulary token each
-   and, for MoE, one set of expert ids per computed token.
+   pending step, exactly one per step that scheduled work (``OutcomeMismatch``; overlapped
+   steps: the launched steps' outcomes oldest first, the newest's by the step after next);
+   the sampled ids are exactly the sequences that sample, once each, with one in-vocabulary
+   token each and, for MoE, one set of expert ids per computed token.
 4. A transfer report concerns a transfer in flight: a load outcome a sequence whose load is
    loading, a save outcome a save not yet answered, each at most once (``UnknownTransfer``).
 
@@ -260,7 +261,8 @@ def _check_against_state(state: Owners, inputs: Sequence[ev.Event], order: list[
     (once each, one in-vocabulary token each), with a finite duration and, for MoE, one set
     of expert ids per computed token; transfer reports of transfers in flight, each once."""
     seqs, model = state.seqs, state.config.model
-    answered = False  # the pending step's outcome has been given
+    owed = seqs.awaiting_outcomes()  # (step, sampler ids), oldest first
+    answered = 0  # outcomes given, of the owed steps in order
     loads_done: set[int] = set()
     saves_done: set[int] = set()
     for i in order:
@@ -268,16 +270,15 @@ def _check_against_state(state: Owners, inputs: Sequence[ev.Event], order: list[
         if type(e) not in _RANK:
             break  # (client requests come last and are not checked against the state)
         if isinstance(e, (ev.StepExecuted, ev.StepFailed)):
-            if answered or not seqs.has_pending:
+            if answered == len(owed):
                 raise OutcomeMismatch(i, e, f"no step awaits an outcome (step {e.step} given)")
-            if e.step != seqs.pending_step:
-                raise OutcomeMismatch(
-                    i, e, f"outcome of step {e.step}, but step {seqs.pending_step} ran"
-                )
-            answered = True
+            step, expected = owed[answered]
+            if e.step != step:
+                raise OutcomeMismatch(i, e, f"outcome of step {e.step}, but step {step} ran")
+            answered += 1
             if isinstance(e, ev.StepFailed):
                 continue
-            expected, experts = seqs.sampling_seq_ids(), e.routed_experts
+            experts = e.routed_experts
             plain = e.counts is None and e.draft_counts is None and e.drafts is None
             odd = not plain or len(e.tokens) != len(e.seq_ids)
             reason = _speculation_error(seqs, e) if odd else None
@@ -318,12 +319,14 @@ def _check_against_state(state: Owners, inputs: Sequence[ev.Event], order: list[
             saves_done.add(e.save_id)
         elif isinstance(e, ev.KVLookupAnswered) and e.num_blocks < 0:
             raise MalformedInput(i, e, "num_blocks must be >= 0")
-    if seqs.has_pending and not answered:
+    # (overlapped steps: the newest step's outcome may come one step later)
+    if len(owed) - answered > int(seqs.pipelined):
         raise OutcomeMismatch(
             len(inputs),
             None,
-            f"the outcome of step {seqs.pending_step} (StepExecuted or StepFailed) is missing: "
-            "every step that scheduled work needs one",
+            f"the outcome of step {owed[answered][0]} (StepExecuted or StepFailed) is missing: "
+            "every step that scheduled work needs one"
+            + (", at the latest in the step after next" if seqs.pipelined else ""),
         )
 
 

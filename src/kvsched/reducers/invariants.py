@@ -75,6 +75,9 @@ def check_all(state: Owners) -> None:
 
 def _check_rows(state: Owners) -> None:
     t = state.seqs
+    problem = t.check_pipeline()
+    if problem is not None:
+        raise InvariantError(problem)
     used = set(t.running_rows().tolist())
     pending = set(t.pending_arrays()[0].tolist())
     for row in np.nonzero(t.verifying)[0].tolist():
@@ -124,8 +127,9 @@ def _check_seq(state: Owners, seq: Seq) -> None:
     computed, nblocks = int(t.computed[row]), int(t.nblocks[row])
     if not seq.n_tokens <= n_tokens < seq.n_tokens + bs:
         raise InvariantError(f"sequence {seq.seq_id}: token count disagrees with its row")
-    # (the newest token is never computed: it is the next decode's input)
-    if computed >= n_tokens or computed > nblocks * bs:
+    # (the newest token is never computed: it is the next decode's input; overlapped steps:
+    # nor the newest placeholder)
+    if computed >= n_tokens + int(t.ahead[row]) or computed > nblocks * bs:
         raise InvariantError(f"sequence {seq.seq_id}: computed {computed} out of range")
     planned = int(t.planned_of(np.asarray([row]))[0]) if state.config.cache_when_planned else 0
     if int(t.registered[row]) > max(computed, planned) // bs:

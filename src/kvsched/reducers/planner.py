@@ -41,8 +41,12 @@ def plan_step(state: EngineState) -> StepPlan:
         token_rows = np.repeat(rows, lens)
     slots = table.table[token_rows, positions // bs].astype(np.int64) * bs + positions % bs
     input_ids = np.empty(total, dtype=np.int32)
-    decode = starts == table.ntokens[rows] - 1  # (its newest token, and any drafts)
-    input_ids[bounds[:-1][decode]] = table.last_token[rows[decode]]
+    known = table.planned_known(rows)  # (overlapped steps: placeholders too)
+    decode = starts == known - 1  # (its newest token, and any drafts)
+    newest = table.last_token[rows[decode]]
+    if table.pipelined:  # a placeholder's token is the executor's own from the step before
+        newest = np.where(table.ahead[rows[decode]] > 0, -1, newest)
+    input_ids[bounds[:-1][decode]] = newest
     for i in np.nonzero(~decode)[0].tolist():
         seq = state.seqs.seq(int(table.row_seq[rows[i]]))
         input_ids[bounds[i] : bounds[i + 1]] = seq.tokens[starts[i] : ends[i]]
@@ -73,7 +77,7 @@ def plan_step(state: EngineState) -> StepPlan:
         seq_ids=table.row_seq[rows],
         starts=starts,
         ends=ends,
-        sample=ends >= table.ntokens[rows],
+        sample=ends >= known,
         input_ids=input_ids,
         positions=positions,
         slot_mapping=slots,

@@ -212,10 +212,6 @@ class RowTable:
         """Whether each row's newest token is its end-of-sequence token."""
         return self.last_token[rows] == self.eos[rows]  # type: ignore[no-any-return]
 
-    def awaiting_decode(self, rows: np.ndarray) -> np.ndarray:
-        """Whether each row has computed all but its newest token (its next work decodes)."""
-        return self.computed[rows] == self.ntokens[rows] - 1  # type: ignore[no-any-return]
-
     def rows_needing_blocks(self, rows: np.ndarray) -> np.ndarray:
         """Those of ``rows`` whose next token's position lies past their block table."""
         return (  # type: ignore[no-any-return]
@@ -251,11 +247,17 @@ class RowTable:
             full = self.planned_of(rows) // bs
             grown = full > self.registered[rows]
             return rows[grown], self.registered[rows[grown]], full[grown]
+        computed = self.cacheable()
         if rows is None:
-            grown = np.nonzero(self.computed // bs > self.registered)[0]
+            grown = np.nonzero(computed // bs > self.registered)[0]
         else:
-            grown = rows[self.computed[rows] // bs > self.registered[rows]]
-        return grown, self.registered[grown], self.computed[grown] // bs
+            grown = rows[computed[rows] // bs > self.registered[rows]]
+        return grown, self.registered[grown], computed[grown] // bs
+
+    def cacheable(self) -> np.ndarray:
+        """Each row's computed tokens whose KV may be cached (all of them; ``PipelinedRows``:
+        not those a step in flight writes)."""
+        return self.computed
 
     def blocks_in(self, rows: np.ndarray, firsts: np.ndarray, lasts: np.ndarray) -> np.ndarray:
         """Entries [first, last) of each row's block table, concatenated (a new array)."""
@@ -277,13 +279,12 @@ class RowTable:
         """(rows, starts, ends) of the work scheduled in the current step, in plan order."""
         return self._pending_rows, self._pending_starts, self._pending_ends
 
-    def sampling_seq_ids(self) -> np.ndarray:
-        """Sequences whose pending work reaches their newest token (they sample)."""
-        return self.row_seq[  # type: ignore[no-any-return]
-            self._pending_rows[self._pending_ends >= self.ntokens[self._pending_rows]]
-        ]
-
     # ------------------------------------------------------------------------ commands
+
+    def clear_pending(self) -> None:
+        """The pending step's work is done with (its outcome folded, or launched)."""
+        self._pending_rows = self._pending_starts = self._pending_ends = _NO_ROWS
+        self.has_pending = False
 
     def set_nblocks(self, row: int, n: int) -> None:
         """Shrink (or set) a row's block count; entries past it are kept zero (the null

@@ -31,9 +31,9 @@ from kvsched.identity import (
     tail_extra,
 )
 from kvsched.reducers.blocks import BlockPool
-from kvsched.reducers.drafts import DraftRows
 from kvsched.reducers.errors import RefChange, ReplayMismatch
 from kvsched.reducers.holdings import LoadHoldings
+from kvsched.reducers.pipeline import PipelinedRows
 from kvsched.reducers.seq import FREE_ROW, History, Seq
 from kvsched.statemachines import SEQUENCE, fire, fire_many
 
@@ -54,7 +54,7 @@ class Arrival(NamedTuple):
     top: int | None  # the prompt's largest token id (unsigned) if the hashing read it all
 
 
-class SequenceTable(DraftRows):
+class SequenceTable(PipelinedRows):
     def __init__(
         self,
         model: ModelSpec,
@@ -66,8 +66,11 @@ class SequenceTable(DraftRows):
         history: Mapping[int, History] | None = None,
         holdings: LoadHoldings | None = None,
         max_drafts: int = 0,
+        pipelined: bool = False,
     ) -> None:
-        super().__init__(max_batch, max_blocks, block_size, model.max_context, max_drafts)
+        super().__init__(
+            max_batch, max_blocks, block_size, model.max_context, max_drafts, pipelined
+        )
         self.model = model
         self.identity = identity  # the block identity scheme (config.IDENTITY_SCHEMES)
         self._pool = pool
@@ -78,6 +81,7 @@ class SequenceTable(DraftRows):
         self.seqs: dict[int, Seq] = {}
         self.waiting: dict[int, Seq] = {}  # insertion-ordered
         self.failed: list[int] = []  # sequences computed by the latest failed step
+        self.landed = _NO_ROWS  # the sequences whose sampled tokens the latest outcome folded
         self.num_finished = 0
         self._roots: dict[tuple[str, str], bytes] = {}  # (a cache of namespace_root)
 
@@ -120,6 +124,8 @@ class SequenceTable(DraftRows):
 
     def _on_step_started(self, e: ev.StepStarted) -> None:
         self.step = e.step
+        if self.pipelined:  # (the step before runs while this one is planned)
+            self.launch()
 
     def arrival(self, e: ev.RequestArrived) -> Arrival:
         """An arrival's tokens (a session's history first), its multimodal spans in those
@@ -198,37 +204,55 @@ class SequenceTable(DraftRows):
         (``e.counts``), up to its end (eos, ``max_tokens``, the context), and has computed
         every position but its newest token's (the rejected drafts' KV is stale); the drafts
         proposed for the next step replace the ones it had."""
+        if self.pipelined:
+            self._land_outcome(e)
+            return
         rows, starts, ends = self.pending_arrays()
         verified = self._end_verifying() if self.any_verifying else _NO_ROWS
-        self._pending_rows = self._pending_starts = self._pending_ends = _NO_ROWS
-        self.has_pending = False
+        self.clear_pending()
+        self.landed = e.seq_ids
         if len(e.routed_experts) and len(rows):
             self._record_experts(rows, starts, ends, e.routed_experts)
         sampling = rows[ends >= self.ntokens[rows]]
         if len(rows):
             self.computed[rows] = ends
-            for row in rows[self.failures[rows] > 0].tolist():  # a success resets the count
-                seq = self.objs[row]
-                assert seq is not None
-                seq.num_failures = 0
-                self.failures[row] = 0
+            self._reset_failures(rows)
         if not len(e.seq_ids):
             return
         # The outcome names the samplers, usually in plan order (then no lookup is needed;
         # the answer is kept for the next ``rows_of(e.seq_ids)``).
-        sampled, bs = self.rows_of(e.seq_ids, sampling), self.block_size
+        sampled = self.rows_of(e.seq_ids, sampling)
         if e.counts is not None and len(e.counts) and int(e.counts.max()) > 1:
             self._append_each(sampled, e.counts, e.tokens, self._hash_last_block)
         else:
-            self.tail[sampled, self.ntokens[sampled] % bs] = e.tokens
-            self.ntokens[sampled] += 1
-            self.last_token[sampled] = e.tokens
-            for row in sampled[self.ntokens[sampled] % bs == 0].tolist():
-                self._hash_last_block(row)
+            self._append_one(sampled, e.tokens)
         if len(verified):
             self._settle_drafts(verified, bool(len(e.routed_experts)))
         if self.max_drafts:
             self._take_drafts(rows, sampled, e.draft_counts, e.drafts)
+
+    def _land_outcome(self, e: ev.StepExecuted) -> None:
+        """Overlapped steps: the oldest launched step's outcome (``PipelinedRows.land``)."""
+        computed, sampled, tokens = self.land(e.seq_ids, e.tokens)
+        self._reset_failures(computed)
+        self.landed = self.row_seq[sampled]
+        self._append_one(sampled, tokens)
+
+    def _append_one(self, rows: np.ndarray, tokens: np.ndarray) -> None:
+        """One sampled token per row, appended; each block it fills is flushed and hashed."""
+        bs = self.block_size
+        self.tail[rows, self.ntokens[rows] % bs] = tokens
+        self.ntokens[rows] += 1
+        self.last_token[rows] = tokens
+        for row in rows[self.ntokens[rows] % bs == 0].tolist():
+            self._hash_last_block(row)
+
+    def _reset_failures(self, rows: np.ndarray) -> None:
+        for row in rows[self.failures[rows] > 0].tolist():  # a success resets the count
+            seq = self.objs[row]
+            assert seq is not None
+            seq.num_failures = 0
+            self.failures[row] = 0
 
     def _hash_last_block(self, row: int) -> None:
         """The row's newest block just filled: flush it and append its digest."""
@@ -254,17 +278,21 @@ class SequenceTable(DraftRows):
 
     def _on_step_failed(self, e: ev.StepFailed) -> None:
         """The forward raised: none of its effects happened (no KV or state written, no
-        token sampled); the sequences it computed count one failure each."""
-        rows = self._pending_rows
-        self._pending_rows = self._pending_starts = self._pending_ends = _NO_ROWS
-        self.has_pending = False
+        token sampled); the sequences it computed count one failure each (overlapped steps:
+        and the step launched after it is voided, its sequences failed with it)."""
+        later = _NO_ROWS
+        if self.pipelined:
+            rows, later = self.fail_in_flight()
+        else:
+            rows = self._pending_rows
+            self.clear_pending()
         self._drop_drafts(rows)  # (a retry decodes without them)
         for row in rows.tolist():
             seq = self.objs[row]
             assert seq is not None
             seq.num_failures += 1
             self.failures[row] = seq.num_failures
-        self.failed = self.row_seq[rows].tolist()
+        self.failed = list(dict.fromkeys(self.row_seq[np.concatenate((rows, later))].tolist()))
 
     # --------------------------------------------------------------- admission folds
 
@@ -330,7 +358,7 @@ class SequenceTable(DraftRows):
         if isinstance(e, ev.DecodeScheduled):
             starts = self.computed[rows]
             ends = starts + 1
-            if np.any(ends != self.ntokens[rows]):
+            if np.any(ends != self.planned_known(rows)):
                 raise ReplayMismatch("a decode of a sequence that is not decoding")
             if e.num_drafts is not None:
                 ends = ends + self._schedule_drafts(rows, e.num_drafts)

@@ -143,6 +143,7 @@ class EngineState:
         self.seqs = SequenceTable(
             config.model, config.max_batch, max_blocks, bs, self.pool, config.identity,
             self.sessions.history, self.holdings, config.speculation.max_drafts,
+            config.speculation.pipelined,
         )
         self.seqs.cache_when_planned = config.cache_when_planned
         self.sessions.bind(self.seqs)
@@ -234,7 +235,7 @@ class EngineState:
         serving = not (self.sleeping or self.serving.running_held) and (
             admitting or t.num_running > 0
         )
-        saving = bool(self.ckpts.reserved)
+        saving = bool(self.ckpts.reserved) or bool(t.in_flight)  # (an outcome still to land)
         return serving or saving or self.transfers.busy or self.serving.drain_pending
 
     # -------------------------------------------------------------------- invariants

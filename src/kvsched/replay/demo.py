@@ -17,6 +17,7 @@ from kvsched.config import (
     ExternalStore,
     ModelSpec,
     SchedulerConfig,
+    Speculation,
 )
 from kvsched.connectors import InProcessStore, StoreConnector, TransferEngine
 from kvsched.connectors.buffers import HostBlockBuffer, HostStateBuffer
@@ -113,6 +114,7 @@ def run_demo(
     model: str | None = None,
     hybrid: bool = False,
     external: bool = False,
+    pipelined: bool = False,
     check: bool = False,
     log: str | None = None,
     publish: str | None = None,
@@ -135,6 +137,7 @@ def run_demo(
             max_batch=max_batch,
             hybrid=hybrid or executor == "torch",  # the torch model is hybrid
             external=ExternalStore(enabled=external),
+            speculation=Speculation(pipelined=pipelined),
         )
         event_log = open_log(log, config)
         sinks: list[Publisher] = []

@@ -111,7 +111,8 @@ def run(
     recovered from its event log (see ``replay.recovery``). ``external`` connects the engine
     to a KV store (lookups, loads and saves; see ``replay.external``). ``controls``: inputs
     given at the first step whose clock reaches their time (e.g. a sleep:
-    ``DrainRequested(level)``, later ``WakeRequested()``).
+    ``DrainRequested(level)``, later ``WakeRequested()``). With overlapped steps
+    (``speculation.pipelined``) each step's outcome is an input of the step after next.
     """
     wall = time.perf_counter()
     followers: dict[int, list[Turn]] = {}
@@ -137,11 +138,17 @@ def run(
         outcome.extend(ExternalKV.recovered_inputs(engine))
     summary = RunSummary()
     steps = 0
+    # Overlapped steps: each step's outcome is an input of the step after next (the executor
+    # runs a step while the next one is planned).
+    pipelined = engine.config.speculation.pipelined
+    late: list[ev.Event] = []
     try:
         for _ in range(max_steps):
+            if pipelined:
+                outcome, late = late, outcome
             transfers = external.inputs() if external is not None else []
             outcome.extend(transfers)
-            busy = engine.has_work or bool(outcome)
+            busy = engine.has_work or bool(outcome) or bool(late)
             if not queue and not pending and not busy:
                 break
             if not busy:  # idle: jump to the next arrival or control
