@@ -27,7 +27,7 @@ from kvsched.policy.ordering import PrefillOrder
 from kvsched.policy.transfers import Transfers
 from kvsched.policy.turns import PrefillTurns
 from kvsched.reducers.future import reads_future, reuse_error
-from kvsched.reducers.sequences import Arrival
+from kvsched.reducers.sequences import Arrival, Seq
 from kvsched.reducers.state import EngineState
 from kvsched.statemachines import CkptState, LoadState, SeqState, TurnState
 
@@ -120,31 +120,41 @@ class Policy:
             self.transfers.start_saves(state, published, emit)
         t = state.seqs
         landed = t.landed  # (the outcome's samplers; overlapped steps: those still running)
-        if not len(landed):
-            return
-        rows = t.rows_of(landed)  # (the fold's lookup, kept)
-        stop = t.is_eos(rows)
-        length = t.outputs_done(rows) | (t.known_of(rows) >= self.config.model.max_context)
+        seqs, reasons = self._ended_by_delivery(state) if t.delivered else ([], [])
         migrate = self.config.external.role == "prefill"  # (prefill role: its first token ends it)
-        done = np.nonzero(stop | length | migrate)[0]
-        if not len(done):
+        if len(landed):
+            rows = t.rows_of(landed)  # (the fold's lookup, kept)
+            stop = t.is_eos(rows)
+            length = t.outputs_done(rows) | (t.known_of(rows) >= self.config.model.max_context)
+            for i in np.nonzero(stop | length | migrate)[0].tolist():
+                seqs.append(t.seq(int(landed[i])))
+                reasons.append("stop" if stop[i] else "length" if length[i] else "migrated")
+        if not seqs:
             return
-        seqs = [t.seq(int(s)) for s in landed[done]]
-        reasons = tuple(
-            "stop" if stop[i] else "length" if length[i] else "migrated" for i in done.tolist()
-        )
         if state.hybrid and not migrate:
             for seq in seqs:
                 self.checkpoints.save_sequence_end(state, seq, emit)
-        ids = landed[done].copy()
+        ids = np.asarray([seq.seq_id for seq in seqs], dtype=np.int64)
         if self.config.legacy.report_cached_tokens:
             local, ckpt, external = np.asarray(
                 [s.cached_tokens for s in seqs], dtype=np.int64
             ).reshape(-1, 3).T.copy()
-            finished = ev.SequenceFinished(ids, reasons, local, ckpt, external)
+            finished = ev.SequenceFinished(ids, tuple(reasons), local, ckpt, external)
         else:
-            finished = ev.SequenceFinished(ids, reasons)
+            finished = ev.SequenceFinished(ids, tuple(reasons))
         self.growth.end(state, seqs, finished, emit, keep_for_session=True)
+
+    def _ended_by_delivery(self, state: EngineState) -> tuple[list[Seq], list[str]]:
+        """(overlapped steps) The preempted sequences the outcome's tokens ended, and why."""
+        seqs, reasons = [], []
+        for seq in map(state.seqs.seq, state.seqs.delivered):
+            if seq.tokens[seq.n_tokens - 1] == seq.eos_token_id:
+                seqs.append(seq)
+                reasons.append("stop")
+            elif seq.n_output >= seq.max_tokens or seq.n_tokens >= self.config.model.max_context:
+                seqs.append(seq)
+                reasons.append("length")
+        return seqs, reasons
 
     @staticmethod
     def _awaiting_identities(state: EngineState) -> list[tuple[int, int, bytes]]:
@@ -285,6 +295,8 @@ class Policy:
         table = state.seqs
         preempted = state.stats.preemptions
         rows = table.schedulable_rows()
+        if table.pipelined:
+            rows = table.not_at_end(rows)
         decode_mask = table.awaiting_decode(rows)
         decode_rows, chunk_rows = rows[decode_mask], rows[~decode_mask]
         alternate = self.config.turns.mode == "alternate"

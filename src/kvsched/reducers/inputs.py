@@ -261,7 +261,7 @@ def _check_against_state(state: Owners, inputs: Sequence[ev.Event], order: list[
     (once each, one in-vocabulary token each), with a finite duration and, for MoE, one set
     of expert ids per computed token; transfer reports of transfers in flight, each once."""
     seqs, model = state.seqs, state.config.model
-    owed = seqs.awaiting_outcomes()  # (step, sampler ids), oldest first
+    owed = seqs.awaiting_outcomes  # (step, sampler ids), oldest first
     answered = 0  # outcomes given, of the owed steps in order
     loads_done: set[int] = set()
     saves_done: set[int] = set()

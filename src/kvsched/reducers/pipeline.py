@@ -11,8 +11,10 @@ placeholder is its newest position decodes it, with input id -1 (the executor fe
 it sampled for that row in the step before, as vLLM's GPU runner does).
 
 A step's outcome *lands* (``land``) oldest first: the token of each sampler that is still in
-its row replaces its placeholder; a sequence that left its row since the launch (ended,
-preempted, aborted) drops its token, matched by row and departure, never by position.
+its row replaces its placeholder. A sequence that left its row since the launch is matched
+by row and departure, never by position: one that ended or was aborted drops its token; a
+preempted one gets it (as vLLM delivers a preempted request's in-flight output), and is not
+admitted again before it lands (``stale_ids``).
 Nothing is cached before it is written: a block enters the prefix index once the step that
 writes it has landed (``cacheable``; under ``cache_when_planned``, at planning as vLLM does).
 
@@ -25,12 +27,14 @@ retry their work as after any failed step.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable, Mapping
 
 import attrs
 import numpy as np
 
+from kvsched.events import types as ev
 from kvsched.reducers.drafts import DraftRows
-from kvsched.reducers.seq import FREE_ROW, Seq
+from kvsched.reducers.seq import Seq
 
 _NO_ROWS = np.zeros(0, dtype=np.int64)
 
@@ -48,6 +52,19 @@ class InFlight:
     void: bool = False  # planned on a step that failed: its outcome is dropped
 
 
+@attrs.frozen
+class Landed:
+    """What an outcome lands: the rows its step computed and those that sampled (still
+    holding their sequences), their tokens; the sequences that left their rows since the
+    launch (preempted, ended) and their tokens."""
+
+    rows: np.ndarray
+    samplers: np.ndarray
+    tokens: np.ndarray
+    left_ids: np.ndarray
+    left_tokens: np.ndarray
+
+
 class PipelinedRows(DraftRows):
     def __init__(
         self,
@@ -59,7 +76,7 @@ class PipelinedRows(DraftRows):
         pipelined: bool = False,
     ) -> None:
         super().__init__(max_batch, max_blocks, block_size, max_context, max_drafts)
-        self.pipelined = pipelined
+        self.pipelined = pipelined  # (RowTable's, False there)
         self.ahead = np.zeros(max_batch, dtype=np.int64)  # placeholders per row
         self.freed_columns.append(self.ahead)  # (a row freed drops its placeholders)
         self.in_flight: deque[InFlight] = deque()
@@ -69,19 +86,17 @@ class PipelinedRows(DraftRows):
 
     def planned_known(self, rows: np.ndarray) -> np.ndarray:
         """Tokens each row knows plus its placeholders (what planning reads)."""
-        known: np.ndarray = self.ntokens[rows]
-        return known + self.ahead[rows] if self.pipelined else known
+        return self.ntokens[rows] + self.ahead[rows]  # type: ignore[no-any-return]
 
     def awaiting_decode(self, rows: np.ndarray) -> np.ndarray:
         """Whether each row has computed all but its newest position (its next work decodes)."""
-        return self.computed[rows] == self.planned_known(rows) - 1  # type: ignore[no-any-return]
+        return (  # type: ignore[no-any-return]
+            self.computed[rows] == self.ntokens[rows] + self.ahead[rows] - 1
+        )
 
-    def schedulable_rows(self) -> np.ndarray:
-        """Rows whose sequence can compute: not waiting for a KV load, nor (overlapped steps)
-        at its end once its placeholders' tokens land (``max_tokens``, the context)."""
-        rows = super().schedulable_rows()
-        if not self.pipelined or not len(rows):
-            return rows
+    def not_at_end(self, rows: np.ndarray) -> np.ndarray:
+        """(overlapped steps) Those of ``rows`` not at their end once their placeholders'
+        tokens land (``max_tokens``, the context): they are not scheduled again."""
         known = self.planned_known(rows)
         done = (known - self.n_prompt[rows] >= self.max_tokens[rows]) | (
             known >= self.max_context
@@ -90,8 +105,12 @@ class PipelinedRows(DraftRows):
 
     def sampling_seq_ids(self) -> np.ndarray:
         """Sequences whose pending work reaches their newest position (they sample)."""
-        rows, _, ends = self.pending_arrays()
-        return self.row_seq[rows[ends >= self.planned_known(rows)]]  # type: ignore[no-any-return]
+        return self.row_seq[  # type: ignore[no-any-return]
+            self._pending_rows[
+                self._pending_ends
+                >= self.ntokens[self._pending_rows] + self.ahead[self._pending_rows]
+            ]
+        ]
 
     def cacheable(self) -> np.ndarray:
         """Each row's computed tokens less those a live step in flight writes."""
@@ -104,6 +123,7 @@ class PipelinedRows(DraftRows):
                 out[rows] = np.minimum(out[rows], starts)
         return out
 
+    @property
     def awaiting_outcomes(self) -> list[tuple[int, np.ndarray]]:
         """(step, expected sampler ids) of each step whose outcome is owed, oldest first: the
         launched ones, then the pending one (launched when the next step starts)."""
@@ -138,6 +158,11 @@ class PipelinedRows(DraftRows):
 
     # ----------------------------------------------------------------------- commands
 
+    def _launch(self, e: ev.StepStarted) -> None:
+        """``StepStarted``'s fold with overlapped steps: the step before goes out."""
+        self.step = e.step
+        self.launch()
+
     def launch(self) -> None:
         """The pending step goes out (the next step starts before its outcome lands)."""
         if not self.has_pending:
@@ -151,27 +176,58 @@ class PipelinedRows(DraftRows):
         )
         self.clear_pending()
 
-    def land(
-        self, seq_ids: np.ndarray, tokens: np.ndarray
-    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """The oldest launched step's outcome: (rows it computed, rows that sampled, their
-        tokens in the same order), of the rows still holding their sequence; the samplers'
-        placeholders are taken off (the caller appends the tokens). A voided step lands
-        nothing."""
+    def land(self, seq_ids: np.ndarray, tokens: np.ndarray) -> Landed:
+        """The oldest launched step's outcome, its samplers' placeholders taken off (the
+        caller appends the tokens). A voided step lands nothing."""
         flight = self.in_flight.popleft()
         if flight.void:
-            return _NO_ROWS, _NO_ROWS, tokens[:0]
+            return Landed(_NO_ROWS, _NO_ROWS, tokens[:0], _NO_ROWS, tokens[:0])
         if not np.array_equal(seq_ids, flight.sampler_ids):  # (plan order is the common case)
             order = np.argsort(seq_ids)
             place = order[np.searchsorted(seq_ids, flight.sampler_ids, sorter=order)]
             tokens = tokens[place]
-        rows, samplers = flight.rows, flight.samplers
+        rows, samplers, ids = flight.rows, flight.samplers, flight.sampler_ids
+        gone_ids, gone_tokens = _NO_ROWS, tokens[:0]
         if flight.left:
             gone = np.fromiter(flight.left, np.int64)
             kept = ~np.isin(samplers, gone)
+            gone_ids, gone_tokens = ids[~kept], tokens[~kept]
             rows, samplers, tokens = rows[~np.isin(rows, gone)], samplers[kept], tokens[kept]
         self.ahead[samplers] -= 1
-        return rows, samplers, tokens
+        return Landed(rows, samplers, tokens, gone_ids, gone_tokens)
+
+    def deliver(
+        self, landed: Landed, waiting: Mapping[int, Seq], on_full: Callable[[Seq], None]
+    ) -> list[int]:
+        """Append each landed token of a sequence that left its row to it if it waits
+        (preempted; ``on_full(seq)`` for each block it fills); returns their ids."""
+        delivered = []
+        left = zip(landed.left_ids.tolist(), landed.left_tokens.tolist(), strict=True)
+        for seq_id, token in left:
+            seq = waiting.get(seq_id)
+            if seq is None:
+                continue  # (ended or aborted: dropped)
+            n = seq.n_tokens
+            if len(seq.tokens) <= n:
+                grown = np.empty(max(16, 2 * len(seq.tokens)), dtype=np.int32)
+                grown[:n] = seq.tokens[:n]
+                seq.tokens = grown
+            seq.tokens[n] = token
+            seq.n_tokens = n + 1
+            if seq.n_tokens % self.block_size == 0:
+                on_full(seq)
+            delivered.append(seq_id)
+        return delivered
+
+    def stale_ids(self) -> set[int]:
+        """Sequences that left their rows (preempted) with a token in a live step in flight:
+        it lands in the sequence, which is not admitted again before (vLLM's rule)."""
+        out: set[int] = set()
+        for flight in self.in_flight:
+            if flight.left and not flight.void:
+                gone = np.isin(flight.samplers, np.fromiter(flight.left, np.int64))
+                out.update(flight.sampler_ids[gone].tolist())
+        return out
 
     def fail_in_flight(self) -> tuple[np.ndarray, np.ndarray]:
         """The oldest launched step failed: it and the step launched after it (voided) roll
@@ -201,12 +257,25 @@ class PipelinedRows(DraftRows):
         self.ahead[rows] = 0
         return rows
 
-    def deactivate(self, seq: Seq) -> None:
-        row = seq.row
-        super().deactivate(seq)
-        if row != FREE_ROW:
-            for flight in self.in_flight:
-                flight.left.add(row)
+    def departed(self, row: int) -> None:
+        """(``RowTable.deactivate``, overlapped steps) The row's sequence left it."""
+        for flight in self.in_flight:
+            flight.left.add(row)
+
+    def land_outcome(
+        self,
+        e: ev.StepExecuted,
+        waiting: Mapping[int, Seq],
+        row_full: Callable[[int], None],
+        seq_full: Callable[[Seq], None],
+    ) -> tuple[np.ndarray, list[int]]:
+        """``StepExecuted``'s fold with overlapped steps: the oldest launched step's outcome
+        lands; returns the sequences whose rows got tokens and the preempted ones that did."""
+        landed = self.land(e.seq_ids, e.tokens)
+        if self.failures[landed.rows].any():  # a success resets the count
+            self._reset_failures(landed.rows)
+        self._append_one(landed.samplers, landed.tokens, row_full)
+        return self.row_seq[landed.samplers], self.deliver(landed, waiting, seq_full)
 
 
-__all__ = ["InFlight", "PipelinedRows"]
+__all__ = ["InFlight", "Landed", "PipelinedRows"]

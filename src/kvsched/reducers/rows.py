@@ -16,10 +16,12 @@ It also keeps the work scheduled in the current step until its outcome arrives
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import cast
 
 import numpy as np
 
+from kvsched.config import ModelSpec
 from kvsched.events import types as ev
 from kvsched.reducers.errors import ReplayMismatch
 from kvsched.reducers.seq import FREE_ROW, Seq
@@ -70,6 +72,7 @@ class RowTable:
         # The latest answers of rows_of (a cache: (version, id array, rows), newest last).
         self._rows_memo: list[tuple[int, np.ndarray, np.ndarray]] = []
         self.step = 0
+        self.pipelined = False  # overlapped steps (``PipelinedRows``)
         # Work of the current step awaiting the executor's outcome: the rows, first and end
         # positions of each piece, in the order it was scheduled (the plan's order).
         self.pending_step = 0
@@ -247,12 +250,15 @@ class RowTable:
             full = self.planned_of(rows) // bs
             grown = full > self.registered[rows]
             return rows[grown], self.registered[rows[grown]], full[grown]
-        computed = self.cacheable()
+        computed = self.cacheable() if self.pipelined else self.computed
         if rows is None:
             grown = np.nonzero(computed // bs > self.registered)[0]
         else:
             grown = rows[computed[rows] // bs > self.registered[rows]]
         return grown, self.registered[grown], computed[grown] // bs
+
+    def departed(self, row: int) -> None:
+        """A row's sequence left it (overlapped steps: ``PipelinedRows`` records it)."""
 
     def cacheable(self) -> np.ndarray:
         """Each row's computed tokens whose KV may be cached (all of them; ``PipelinedRows``:
@@ -281,10 +287,46 @@ class RowTable:
 
     # ------------------------------------------------------------------------ commands
 
+    def _append_one(
+        self, rows: np.ndarray, tokens: np.ndarray, on_full: Callable[[int], None]
+    ) -> None:
+        """One sampled token per row, appended; ``on_full(row)`` for each block it fills."""
+        bs = self.block_size
+        self.tail[rows, self.ntokens[rows] % bs] = tokens
+        self.ntokens[rows] += 1
+        self.last_token[rows] = tokens
+        for row in rows[self.ntokens[rows] % bs == 0].tolist():
+            on_full(row)
+
+    def _reset_failures(self, rows: np.ndarray) -> None:
+        for row in rows[self.failures[rows] > 0].tolist():  # a success resets the count
+            seq = self.objs[row]
+            assert seq is not None
+            seq.num_failures = 0
+            self.failures[row] = 0
+
+    def _record_experts(
+        self,
+        rows: np.ndarray,
+        starts: np.ndarray,
+        ends: np.ndarray,
+        flat: np.ndarray,
+        model: ModelSpec,
+    ) -> None:
+        """Each computed token's routed-expert ids, into its sequence."""
+        ids = flat.reshape(-1, model.routed_experts_per_token)
+        offset = 0
+        for row, start, end in zip(rows.tolist(), starts.tolist(), ends.tolist(), strict=True):
+            seq = self.objs[row]
+            assert seq is not None
+            seq.record_experts(start, ids[offset : offset + end - start])
+            offset += end - start
+
     def clear_pending(self) -> None:
         """The pending step's work is done with (its outcome folded, or launched)."""
-        self._pending_rows = self._pending_starts = self._pending_ends = _NO_ROWS
-        self.has_pending = False
+        self._pending_rows, self._pending_starts, self._pending_ends, self.has_pending = (
+            _NO_ROWS, _NO_ROWS, _NO_ROWS, False
+        )
 
     def set_nblocks(self, row: int, n: int) -> None:
         """Shrink (or set) a row's block count; entries past it are kept zero (the null
@@ -356,3 +398,5 @@ class RowTable:
             column[row] = 0
         self.free_rows.append(row)
         seq.row = FREE_ROW
+        if self.pipelined:
+            self.departed(row)

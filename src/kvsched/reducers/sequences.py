@@ -82,12 +82,13 @@ class SequenceTable(PipelinedRows):
         self.waiting: dict[int, Seq] = {}  # insertion-ordered
         self.failed: list[int] = []  # sequences computed by the latest failed step
         self.landed = _NO_ROWS  # the sequences whose sampled tokens the latest outcome folded
+        self.delivered: list[int] = []  # (overlapped steps) and the preempted ones it reached
         self.num_finished = 0
         self._roots: dict[tuple[str, str], bytes] = {}  # (a cache of namespace_root)
 
     def folds(self) -> dict[type[ev.Event], Callable[[Any], RefChange | None]]:
         return {
-            ev.StepStarted: self._on_step_started,
+            ev.StepStarted: self._launch if self.pipelined else self._on_step_started,
             ev.RequestArrived: self.arrival_fold,
             ev.StepExecuted: self._on_executed,
             ev.StepFailed: self._on_step_failed,
@@ -124,8 +125,6 @@ class SequenceTable(PipelinedRows):
 
     def _on_step_started(self, e: ev.StepStarted) -> None:
         self.step = e.step
-        if self.pipelined:  # (the step before runs while this one is planned)
-            self.launch()
 
     def arrival(self, e: ev.RequestArrived) -> Arrival:
         """An arrival's tokens (a session's history first), its multimodal spans in those
@@ -205,18 +204,22 @@ class SequenceTable(PipelinedRows):
         every position but its newest token's (the rejected drafts' KV is stale); the drafts
         proposed for the next step replace the ones it had."""
         if self.pipelined:
-            self._land_outcome(e)
+            self.landed, self.delivered = self.land_outcome(
+                e, self.waiting, self._hash_last_block, self._hash_block
+            )
             return
         rows, starts, ends = self.pending_arrays()
         verified = self._end_verifying() if self.any_verifying else _NO_ROWS
         self.clear_pending()
         self.landed = e.seq_ids
+        self.delivered = []
         if len(e.routed_experts) and len(rows):
-            self._record_experts(rows, starts, ends, e.routed_experts)
+            self._record_experts(rows, starts, ends, e.routed_experts, self.model)
         sampling = rows[ends >= self.ntokens[rows]]
         if len(rows):
             self.computed[rows] = ends
-            self._reset_failures(rows)
+            if self.failures[rows].any():  # a success resets the count
+                self._reset_failures(rows)
         if not len(e.seq_ids):
             return
         # The outcome names the samplers, usually in plan order (then no lookup is needed;
@@ -224,40 +227,24 @@ class SequenceTable(PipelinedRows):
         sampled = self.rows_of(e.seq_ids, sampling)
         if e.counts is not None and len(e.counts) and int(e.counts.max()) > 1:
             self._append_each(sampled, e.counts, e.tokens, self._hash_last_block)
-        else:
-            self._append_one(sampled, e.tokens)
+        else:  # (one token each: RowTable._append_one, inline on this hot path)
+            self.tail[sampled, self.ntokens[sampled] % self.block_size] = e.tokens
+            self.ntokens[sampled] += 1
+            self.last_token[sampled] = e.tokens
+            for row in sampled[self.ntokens[sampled] % self.block_size == 0].tolist():
+                self._hash_last_block(row)
         if len(verified):
             self._settle_drafts(verified, bool(len(e.routed_experts)))
         if self.max_drafts:
             self._take_drafts(rows, sampled, e.draft_counts, e.drafts)
 
-    def _land_outcome(self, e: ev.StepExecuted) -> None:
-        """Overlapped steps: the oldest launched step's outcome (``PipelinedRows.land``)."""
-        computed, sampled, tokens = self.land(e.seq_ids, e.tokens)
-        self._reset_failures(computed)
-        self.landed = self.row_seq[sampled]
-        self._append_one(sampled, tokens)
-
-    def _append_one(self, rows: np.ndarray, tokens: np.ndarray) -> None:
-        """One sampled token per row, appended; each block it fills is flushed and hashed."""
-        bs = self.block_size
-        self.tail[rows, self.ntokens[rows] % bs] = tokens
-        self.ntokens[rows] += 1
-        self.last_token[rows] = tokens
-        for row in rows[self.ntokens[rows] % bs == 0].tolist():
-            self._hash_last_block(row)
-
-    def _reset_failures(self, rows: np.ndarray) -> None:
-        for row in rows[self.failures[rows] > 0].tolist():  # a success resets the count
-            seq = self.objs[row]
-            assert seq is not None
-            seq.num_failures = 0
-            self.failures[row] = 0
-
     def _hash_last_block(self, row: int) -> None:
         """The row's newest block just filled: flush it and append its digest."""
+        self._hash_block(self.flush(row))
+
+    def _hash_block(self, seq: Seq) -> None:
+        """The sequence's newest block (its tokens in ``seq.tokens``) gets its digest."""
         bs = self.block_size
-        seq = self.flush(row)
         start = seq.n_tokens - bs
         parent = seq.hashes.last(seq.root)
         # A block the prompt's last span reaches into keeps that span's content hash.
@@ -265,27 +252,12 @@ class SequenceTable(PipelinedRows):
         block = seq.tokens[start : seq.n_tokens]
         seq.hashes.append(block_hash(self.identity, seq.root, parent, block, extra))
 
-    def _record_experts(
-        self, rows: np.ndarray, starts: np.ndarray, ends: np.ndarray, flat: np.ndarray
-    ) -> None:
-        ids = flat.reshape(-1, self.model.routed_experts_per_token)
-        offset = 0
-        for row, start, end in zip(rows.tolist(), starts.tolist(), ends.tolist(), strict=True):
-            seq = self.objs[row]
-            assert seq is not None
-            seq.record_experts(start, ids[offset : offset + end - start])
-            offset += end - start
-
     def _on_step_failed(self, e: ev.StepFailed) -> None:
         """The forward raised: none of its effects happened (no KV or state written, no
         token sampled); the sequences it computed count one failure each (overlapped steps:
         and the step launched after it is voided, its sequences failed with it)."""
-        later = _NO_ROWS
-        if self.pipelined:
-            rows, later = self.fail_in_flight()
-        else:
-            rows = self._pending_rows
-            self.clear_pending()
+        rows, later = self.fail_in_flight() if self.pipelined else (self._pending_rows, _NO_ROWS)
+        self.clear_pending()
         self._drop_drafts(rows)  # (a retry decodes without them)
         for row in rows.tolist():
             seq = self.objs[row]
@@ -468,7 +440,7 @@ class SequenceTable(PipelinedRows):
                 self.row_seq, self.row_state, self.computed, self.ntokens, self.nblocks,
                 self.registered, self.last_token, self.loading, self.saved, self._consts,
                 self.temperature, self.table, self.tail, self.ndrafts, self.draft_ids,
-                self.verifying,
+                self.verifying, self.ahead,
             )
         )
         pending = (self.has_pending, *(a.tobytes() for a in self.pending_arrays()))

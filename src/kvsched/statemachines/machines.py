@@ -77,6 +77,7 @@ SEQUENCE_SPEC = MachineSpec(
         T(_SE.decode, _S.RUNNING, _S.RUNNING),
         T(_SE.preempt, _S.RUNNING, _S.WAITING),
         T(_SE.finish, _S.RUNNING, _S.FINISHED),
+        T(_SE.finish, _S.WAITING, _S.FINISHED),
         T(_SE.abort, _S.WAITING, _S.ABORTED),
         T(_SE.abort, _S.RUNNING, _S.ABORTED),
         T(_SE.abort, _S.LOADING_KV, _S.ABORTED),
@@ -93,7 +94,9 @@ SEQUENCE_SPEC = MachineSpec(
         "never be scheduled. While the transfer flies an abort or end of session is recorded "
         "and applied once it ends; `abort` and `preempt` leave LOADING_KV only after the "
         "transfer ended (the transfer table refuses them before). A sequence migrated from a "
-        "prefill worker arrives as a plain request whose prefix is loaded."
+        "prefill worker arrives as a plain request whose prefix is loaded. With overlapped "
+        "steps a sequence preempted while its token was in flight gets it in WAITING, and "
+        "`finish` from there when that token ends it."
     ),
 )
 

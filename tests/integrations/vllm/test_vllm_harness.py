@@ -74,6 +74,7 @@ def drive(
     )
     if log is not None:
         vllm_config.additional_config = {"kvsched": {"log": str(log), "check_invariants": True}}
+    vllm_config.scheduler_config.async_scheduling = order == "async"  # (the CPU build's: off)
     sched = h.make(kind, vllm_config, kv)
     vocab = vllm_config.model_config.get_vocab_size()
     try:
@@ -166,9 +167,27 @@ def test_vllm_adapter_with_drafts_and_a_cache_reset_gives_the_outputs_of_vllms_s
     _verifies(log)
 
 
-def _adapter(model: str) -> Any:
+def _adapter(model: str, overlap: bool = False) -> Any:
     vllm_config, kv = h.configs(model, blocks=50, max_seqs=4, batched=256, block_size=BLOCK)
+    vllm_config.scheduler_config.async_scheduling = overlap
     return h.make("kvsched", vllm_config, kv)
+
+
+def test_vllm_adapter_under_async_scheduling_plans_a_step_while_the_last_one_runs(model: str):
+    sched = _adapter(model, overlap=True)
+    sched.add_request(h.vllm_request(h.Add("a", tuple(range(3, 40)), 3), VOCAB, None))
+    first = sched.schedule()
+    second = sched.schedule()  # (vLLM's asynchronous order: before the first's output)
+    assert first.num_scheduled_tokens == {"a": 37}
+    assert second.num_scheduled_tokens == {"a": 1}  # the token the first step samples
+    assert second.scheduled_cached_reqs.num_computed_tokens == [37]
+    driver = h.Driver(sched, VOCAB)
+    driver.update(first, driver.run_model(first))
+    third = sched.schedule()
+    assert third.num_scheduled_tokens == {"a": 1}  # (its second token, still unknown)
+    driver.update(second, driver.run_model(second))
+    assert sched.schedule().total_num_scheduled_tokens == 0  # max_tokens 3: all scheduled
+    sched.shutdown()
 
 
 def test_vllm_adapter_schedules_an_empty_step_while_an_earlier_steps_output_is_out(model: str):
@@ -259,10 +278,13 @@ def test_vllm_adapter_on_a_hybrid_model_gives_vllms_outputs_in_both_orders_and_i
 
 
 @pytest.mark.parametrize("blocks", [100, 7], ids=["roomy", "preempting"])
-def test_vllm_adapter_in_the_async_order_runs_vllms_synchronous_schedule(model: str, blocks: int):
-    """Every request arrives before the first step: in vLLM's asynchronous order the adapter's
-    steps with work (every other one) are exactly vLLM's Scheduler's steps in the
-    synchronous order, since each is planned after the last outcome."""
+def test_vllm_adapter_in_the_async_order_schedules_each_step_as_vllms_async_scheduler(
+    model: str, blocks: int
+):
+    """Every request arrives before the first step: in vLLM's asynchronous order the adapter
+    overlaps its steps as vLLM's AsyncScheduler does (each planned while the last one runs,
+    a placeholder decoded for each token still out, a stopped request's extra token
+    dropped): the same steps, outputs and finishes."""
     rng = np.random.default_rng(3)
     shared = tuple(rng.integers(3, 400, 2 * BLOCK).tolist())
     script: list[h.Op] = []
@@ -270,7 +292,7 @@ def test_vllm_adapter_in_the_async_order_runs_vllms_synchronous_schedule(model: 
         prompt = (shared if i % 2 else ()) + tuple(rng.integers(3, 400, 10 + 10 * i).tolist())
         script.append(h.Add(f"r{i}", prompt, 40 + 10 * i, stop_after=6 if i == 3 else None))
     script.append(h.Steps(400))
-    ref = drive(model, "vllm", script, "sync", blocks)
+    ref = drive(model, "vllm-async", script, "async", blocks)
     mine = drive(model, "kvsched", script, "async", blocks)
     assert mine.steps == ref.steps
     assert mine.outputs == ref.outputs and mine.finished == ref.finished

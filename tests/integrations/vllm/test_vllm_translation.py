@@ -56,6 +56,18 @@ def test_vllm_kv_cache_and_budgets_become_kvscheds_config():
     assert not config.dedup_cached_blocks  # vLLM's block tables are append-only
 
 
+def test_vllm_async_scheduling_overlaps_kvscheds_steps_for_an_attention_model_only():
+    attention = _kv_cache(FullAttentionSpec)
+    on = cfg.scheduler_config(_vllm_config(async_scheduling=True), attention, 32)
+    off = cfg.scheduler_config(_vllm_config(), attention, 32)
+    hybrid = cfg.scheduler_config(
+        _vllm_config(async_scheduling=True), _kv_cache(FullAttentionSpec, MambaSpec), 32
+    )
+
+    assert on.speculation.pipelined and not off.speculation.pipelined
+    assert hybrid.hybrid and not hybrid.speculation.pipelined  # (empty steps while one is out)
+
+
 def test_vllm_priority_policy_maps_to_kvscheds_priority_order():
     config = cfg.scheduler_config(_vllm_config(policy="priority"), _kv_cache(FullAttentionSpec), 32)
     assert config.order == "priority"

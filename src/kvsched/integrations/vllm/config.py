@@ -184,6 +184,10 @@ def scheduler_config(vllm_config: Any, kv_cache_config: Any, block_size: int) ->
         )
     hybrid = _hybrid_sizes(kv_cache_config, max_seqs)
     lora = getattr(vllm_config, "lora_config", None)
+    # vLLM's async scheduling: overlapped steps (an attention model without drafts; else the
+    # adapter schedules an empty step while one is out)
+    overlap = bool(getattr(sched, "async_scheduling", False)) and not hybrid["hybrid"]
+    overlap = overlap and not drafts
     return SchedulerConfig(
         model=ModelSpec(
             name=str(model.model),
@@ -207,7 +211,7 @@ def scheduler_config(vllm_config: Any, kv_cache_config: Any, block_size: int) ->
         # this run (docs/vllm.md, "kvsched's hybrid caching under vLLM").
         cache_when_planned=True,
         admit_after_preemption=False,  # as vLLM: nothing is admitted in a step that preempts
-        speculation=Speculation(max_drafts=drafts),
+        speculation=Speculation(max_drafts=drafts, pipelined=overlap),
         checkpoints=Checkpoints(budget=hybrid["checkpoint_budget"], **CHECKPOINT_POLICIES[PRESET])
         if hybrid["hybrid"]
         else Checkpoints(),

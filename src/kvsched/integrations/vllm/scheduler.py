@@ -103,8 +103,10 @@ class Scheduler(startup.Unserved, SchedulerInterface):  # type: ignore[misc]  # 
         self._expected: dict[int, str] = {}  # finishes vLLM reported, kvsched retires next
         self._errors: list[tuple[Request, str]] = []  # refused: reported at the next update
         # Steps scheduled whose output vLLM has not given back, oldest first (None: an empty
-        # step, scheduled while an earlier one was out).
-        self._awaiting: deque[StepResult | None] = deque()
+        # step, scheduled while an earlier one was out), each with the sequences retired
+        # since, by name (their tokens in it are dropped; a preempted sequence's are
+        # delivered, as vLLM's async scheduler does, and kvsched appends them too).
+        self._awaiting: deque[tuple[StepResult, dict[int, str]] | None] = deque()
         self.num_drafts = cfg.num_drafts(vllm_config)  # speculative decoding (0: off)
         self._prefix_stats = PrefixCacheStats()
         self._events: list[Any] = []
@@ -154,10 +156,16 @@ class Scheduler(startup.Unserved, SchedulerInterface):  # type: ignore[misc]  # 
     # ------------------------------------------------------------------ one step
 
     def schedule(self, throttle_prefills: bool = False) -> SchedulerOutput:
-        """One kvsched step as vLLM's ``SchedulerOutput``. Under vLLM's asynchronous order
-        (step N+1 scheduled before step N's output is given back) a step whose predecessor's
-        outcome is still out is empty: kvsched plans a step only after folding the last."""
-        if any(r is not None for r in self._awaiting):
+        """One kvsched step as vLLM's ``SchedulerOutput``. Under vLLM's async scheduling (step
+        N+1 scheduled before step N's output is given back) kvsched plans N+1 while N runs
+        (overlapped steps, ``speculation.pipelined``); where it does not overlap (a hybrid
+        model, drafts, a structured request), a step whose predecessor's outcome is still
+        out is empty."""
+        out = sum(r is not None for r in self._awaiting)
+        overlaps = self.config.speculation.pipelined and not (
+            self.reg.structured or self.grammars.waiting
+        )
+        if out and (out > 1 or not overlaps):
             self._awaiting.append(None)
             self.worker.empty_step()
             return SchedulerOutput.make_empty()
@@ -165,7 +173,7 @@ class Scheduler(startup.Unserved, SchedulerInterface):  # type: ignore[misc]  # 
             self._settle_grammars()
         inputs, self._inputs = self._inputs, []
         result = self.engine.step(inputs, time.monotonic() - self.clock0)
-        self._awaiting.append(result)
+        self._awaiting.append((result, {}))
         preempted = self._fold_decisions(result)
         plan = result.plan
         check_plan(plan)
@@ -265,6 +273,8 @@ class Scheduler(startup.Unserved, SchedulerInterface):  # type: ignore[misc]  # 
 
     def _retire(self, seq_id: int, reason: str) -> None:
         request = self.reg.forget(seq_id)
+        for out in filter(None, self._awaiting):  # (its token in a step still out: dropped)
+            out[1][seq_id] = request.request_id
         expected = self._expected.pop(seq_id, None)
         if reason != "aborted" and expected is None:
             raise AdapterMismatch(f"kvsched finished {request.request_id} ({reason}); vLLM did not")
@@ -279,7 +289,7 @@ class Scheduler(startup.Unserved, SchedulerInterface):  # type: ignore[misc]  # 
             raise AdapterMismatch("update_from_output for a step kvsched did not schedule")
         step = self._awaiting.popleft()
         if step is not None:
-            self._record_outcome(step.plan, model_runner_output, outputs)
+            self._record_outcome(step[0].plan, model_runner_output, outputs, step[1])
         elif model_runner_output.sampled_token_ids:
             raise AdapterMismatch("tokens sampled in a step kvsched scheduled empty")
         for request, reason in self._errors:
@@ -294,9 +304,12 @@ class Scheduler(startup.Unserved, SchedulerInterface):  # type: ignore[misc]  # 
             result.setdefault(0, EngineCoreOutputs()).scheduler_stats = stats
         return result
 
-    def _record_outcome(self, plan: StepPlan, mro: Any, outputs: dict[int, list[Any]]) -> None:
+    def _record_outcome(
+        self, plan: StepPlan, mro: Any, outputs: dict[int, list[Any]], left: dict[int, str]
+    ) -> None:
         """Each sampled token: into the next step's ``StepExecuted`` and, unless its request
-        was aborted meanwhile, onto the vLLM request with an output (and vLLM's stop rule)."""
+        was aborted or retired (``left``) meanwhile, onto the vLLM request with an output
+        (and vLLM's stop rule)."""
         if plan.is_empty:
             return
         sampled, index = mro.sampled_token_ids, mro.req_id_to_index
@@ -310,15 +323,16 @@ class Scheduler(startup.Unserved, SchedulerInterface):  # type: ignore[misc]  # 
         tokens: list[int] = []
         counts: list[int] = []  # (in the event only when drafts were verified)
         for seq_id, most in zip(seq_ids.tolist(), drafts.most_tokens(plan), strict=False):
-            request = req_of[seq_id]
-            name = request.request_id
+            name = left.get(seq_id) or req_of[seq_id].request_id
             got: Any = sampled[index[name]] if sampled else ()
             if not 0 < len(got) <= most:
                 raise AdapterMismatch(f"{name}: {len(got)} tokens, kvsched expects 1..{most}")
-            if name not in requests:  # aborted after it was scheduled: folded, not returned
+            if name not in requests or seq_id in left:  # (aborted or finished after it was
+                # scheduled: folded, and dropped by kvsched too)
                 tokens += got
                 counts.append(len(got))
                 continue
+            request = req_of[seq_id]
             request.num_computed_tokens -= most - len(got)  # (the rejected drafts)
             stop = None
             for n, token in enumerate(got, 1):  # vLLM's stop rule after each token
