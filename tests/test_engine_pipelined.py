@@ -228,6 +228,40 @@ def test_a_sequence_first_scheduled_in_a_voided_step_recomputes_its_work():
     assert [seqs.num_tokens(seqs.seq(i)) for i in (0, 1)] == [6, 6]
 
 
+def test_a_sequence_preempted_while_its_token_is_out_gets_it_before_it_is_readmitted():
+    engine = Engine(PIPELINED, check_invariants=True)
+    prompt = np.arange(1, 7, dtype=np.int32)
+    first = engine.step([ev.RequestArrived(0, prompt, 5, eos_token_id=EOS)], 0.0)
+    second = engine.step([], 1.0)  # (decodes the placeholder of the first step's token)
+    token = ev.StepExecuted(first.plan.step, np.asarray([0]), np.asarray([9], np.int32))
+    drain = [token, ev.DrainRequested(), ev.WakeRequested()]
+    third = engine.step(drain, 2.0)  # (the drain preempts it: its second token is still out)
+
+    assert any(isinstance(d, ev.SequencePreempted) for d in third.decisions)
+    assert third.plan.is_empty  # (not readmitted while its token is out: vLLM's rule)
+    seqs = engine.state.seqs
+    eos = ev.StepExecuted(second.plan.step, np.asarray([0]), np.asarray([EOS], np.int32))
+    fourth = engine.step([eos], 3.0)
+    (done,) = [d for d in fourth.decisions if isinstance(d, ev.SequenceFinished)]
+    assert done.seq_ids.tolist() == [0] and done.reasons == ("stop",)  # ended while waiting
+    assert fourth.plan.is_empty and seqs.find(0) is None
+
+
+def test_a_preempted_sequence_resumes_with_the_token_that_landed_in_it():
+    engine = Engine(PIPELINED, check_invariants=True)
+    prompt = np.arange(1, 7, dtype=np.int32)
+    first = engine.step([ev.RequestArrived(0, prompt, 5)], 0.0)
+    second = engine.step([], 1.0)
+    token = ev.StepExecuted(first.plan.step, np.asarray([0]), np.asarray([9], np.int32))
+    engine.step([token, ev.DrainRequested(), ev.WakeRequested()], 2.0)
+    late = ev.StepExecuted(second.plan.step, np.asarray([0]), np.asarray([8], np.int32))
+    fourth = engine.step([late], 3.0)
+
+    seqs = engine.state.seqs
+    assert seqs.seq(0).token_view().tolist() == [*prompt.tolist(), 9, 8]
+    assert fourth.plan.seq_ids.tolist() == [0] and fourth.plan.ends.tolist() == [8]
+
+
 def test_an_abort_while_its_step_runs_drops_its_token():
     engine = Engine(PIPELINED, check_invariants=True)
     first = engine.step([ev.RequestArrived(0, np.arange(1, 7, dtype=np.int32), 5)], 0.0)

@@ -224,14 +224,11 @@ class Admission:
             return
         if state.serving.admissions_held:
             return  # (ready loads above hold their blocks: they settle even while held)
-        stale = table.stale_ids() if table.pipelined else ()
         for seq in ordered:
             if table.num_running >= self.config.max_batch and not self._soft:
                 return  # (a load takes no row: while every row runs, loads still start)
             if seq.preempted_at == state.step:
                 continue  # preempted to make room this step: not readmitted in the same step
-            if seq.seq_id in stale:
-                continue  # (overlapped steps) its token in a step in flight lands first
             if self._external_load and self.transfers.awaits_lookup(state, seq, emit):
                 continue  # the store is being asked: skipped until it answers
             verdict = self.try_admit(state, seq, budget, emit)

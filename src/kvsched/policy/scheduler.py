@@ -119,8 +119,8 @@ class Policy:
         if self.config.external_save:
             self.transfers.start_saves(state, published, emit)
         t = state.seqs
-        landed = t.landed  # (the outcome's samplers; overlapped steps: those still running)
-        seqs, reasons = self._ended_by_delivery(state) if t.delivered else ([], [])
+        landed = t.landed_ids()  # (the fold's samplers; overlapped steps: those running)
+        seqs, reasons = self._ended_by_delivery(state) if t.delivered_ids() else ([], [])
         migrate = self.config.external.role == "prefill"  # (prefill role: its first token ends it)
         if len(landed):
             rows = t.rows_of(landed)  # (the fold's lookup, kept)
@@ -147,7 +147,7 @@ class Policy:
     def _ended_by_delivery(self, state: EngineState) -> tuple[list[Seq], list[str]]:
         """(overlapped steps) The preempted sequences the outcome's tokens ended, and why."""
         seqs, reasons = [], []
-        for seq in map(state.seqs.seq, state.seqs.delivered):
+        for seq in map(state.seqs.seq, state.seqs.delivered_ids()):
             if seq.tokens[seq.n_tokens - 1] == seq.eos_token_id:
                 seqs.append(seq)
                 reasons.append("stop")

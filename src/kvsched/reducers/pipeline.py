@@ -13,8 +13,10 @@ it sampled for that row in the step before, as vLLM's GPU runner does).
 A step's outcome *lands* (``land``) oldest first: the token of each sampler that is still in
 its row replaces its placeholder. A sequence that left its row since the launch is matched
 by row and departure, never by position: one that ended or was aborted drops its token; a
-preempted one gets it (as vLLM delivers a preempted request's in-flight output), and is not
-admitted again before it lands (``stale_ids``).
+preempted one gets it (as vLLM delivers a preempted request's in-flight output). It is never
+admitted again before the token lands (vLLM's rule holds by construction): it was preempted
+while planning the step after the launch, which does not readmit it, and the token lands
+before the next step is planned (``check_pipeline``).
 Nothing is cached before it is written: a block enters the prefix index once the step that
 writes it has landed (``cacheable``; under ``cache_when_planned``, at planning as vLLM does).
 
@@ -80,9 +82,20 @@ class PipelinedRows(DraftRows):
         self.ahead = np.zeros(max_batch, dtype=np.int64)  # placeholders per row
         self.freed_columns.append(self.ahead)  # (a row freed drops its placeholders)
         self.in_flight: deque[InFlight] = deque()
+        self._landed = _NO_ROWS  # the sequences whose rows the latest outcome's tokens reached
+        self._delivered: list[int] = []  # and (overlapped steps) the preempted ones it reached
 
     # ------------------------------------------------------------------------- queries
 
+
+    def landed_ids(self) -> np.ndarray:
+        """The sequences whose rows the latest outcome's tokens reached (overlapped steps:
+        those still running)."""
+        return self._landed
+
+    def delivered_ids(self) -> list[int]:
+        """(overlapped steps) The preempted sequences the latest outcome's tokens reached."""
+        return self._delivered
 
     def planned_known(self, rows: np.ndarray) -> np.ndarray:
         """Tokens each row knows plus its placeholders (what planning reads)."""
@@ -150,6 +163,10 @@ class PipelinedRows(DraftRows):
                 count[live] += 1
         if not np.array_equal(count, self.ahead):
             return "placeholders disagree with the steps in flight"
+        for flight in filter(lambda f: not f.void, self.in_flight):
+            gone = flight.sampler_ids[np.isin(flight.samplers, list(flight.left))]
+            if np.isin(gone, self.row_seq).any():
+                return f"a sequence of {gone.tolist()} runs again before its token lands"
         if not self.cache_when_planned and np.any(
             self.registered > self.cacheable() // self.block_size
         ):
@@ -218,16 +235,6 @@ class PipelinedRows(DraftRows):
                 on_full(seq)
             delivered.append(seq_id)
         return delivered
-
-    def stale_ids(self) -> set[int]:
-        """Sequences that left their rows (preempted) with a token in a live step in flight:
-        it lands in the sequence, which is not admitted again before (vLLM's rule)."""
-        out: set[int] = set()
-        for flight in self.in_flight:
-            if flight.left and not flight.void:
-                gone = np.isin(flight.samplers, np.fromiter(flight.left, np.int64))
-                out.update(flight.sampler_ids[gone].tolist())
-        return out
 
     def fail_in_flight(self) -> tuple[np.ndarray, np.ndarray]:
         """The oldest launched step failed: it and the step launched after it (voided) roll

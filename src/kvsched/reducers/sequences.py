@@ -81,8 +81,6 @@ class SequenceTable(PipelinedRows):
         self.seqs: dict[int, Seq] = {}
         self.waiting: dict[int, Seq] = {}  # insertion-ordered
         self.failed: list[int] = []  # sequences computed by the latest failed step
-        self.landed = _NO_ROWS  # the sequences whose sampled tokens the latest outcome folded
-        self.delivered: list[int] = []  # (overlapped steps) and the preempted ones it reached
         self.num_finished = 0
         self._roots: dict[tuple[str, str], bytes] = {}  # (a cache of namespace_root)
 
@@ -204,15 +202,14 @@ class SequenceTable(PipelinedRows):
         every position but its newest token's (the rejected drafts' KV is stale); the drafts
         proposed for the next step replace the ones it had."""
         if self.pipelined:
-            self.landed, self.delivered = self.land_outcome(
+            self._landed, self._delivered = self.land_outcome(
                 e, self.waiting, self._hash_last_block, self._hash_block
             )
             return
         rows, starts, ends = self.pending_arrays()
         verified = self._end_verifying() if self.any_verifying else _NO_ROWS
         self.clear_pending()
-        self.landed = e.seq_ids
-        self.delivered = []
+        self._landed, self._delivered = e.seq_ids, []
         if len(e.routed_experts) and len(rows):
             self._record_experts(rows, starts, ends, e.routed_experts, self.model)
         sampling = rows[ends >= self.ntokens[rows]]
