@@ -42,6 +42,7 @@ from kvsched.config import Checkpoints, ModelSpec, SchedulerConfig
 from kvsched.engine import Engine
 from kvsched.events.types import RequestArrived, StepExecuted
 from kvsched.gpu.sim import CostModel, SimulatedExecutor
+from kvsched.integrations.vllm.models import STATE_DTYPE
 from kvsched.plan import StepPlan
 from kvsched.replay.runs import replay
 from kvsched.replay.workload import Turn, Workload
@@ -139,6 +140,7 @@ def _llm(model: str, max_model_len: int, max_seqs: int, blocks: int, batched: in
         enable_prefix_caching=True,
         seed=0,
         skip_tokenizer_init=True,
+        mamba_ssm_cache_dtype=STATE_DTYPE,
     )
 
 

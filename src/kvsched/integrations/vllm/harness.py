@@ -38,6 +38,8 @@ from typing import Any
 
 import attrs
 
+from kvsched.integrations.vllm.models import STATE_DTYPE
+
 __all__ = [
     "Abort",
     "Add",
@@ -160,6 +162,7 @@ def hybrid_configs(model_dir: str, blocks: int, max_seqs: int) -> tuple[Any, Any
         seed=0,
         skip_tokenizer_init=True,
         num_gpu_blocks_override=blocks,
+        mamba_ssm_cache_dtype=STATE_DTYPE,  # (the same block size on every CPU)
     )
     _ENGINES.append(llm)  # (alive: its engine's shutdown would clear the configs' sizes)
     sched = llm.llm_engine.engine_core.engine_core.scheduler

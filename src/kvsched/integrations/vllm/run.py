@@ -31,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+from kvsched.integrations.vllm.models import STATE_DTYPE
 from kvsched.integrations.vllm.workloads import CHAT_SIZES, POPULAR_SIZES, chat, popular
 
 SCHEDULER = "kvsched.integrations.vllm.Scheduler"
@@ -76,6 +77,8 @@ def make_llm(args: argparse.Namespace) -> Any:
     if not args.hybrid:
         kw["block_size"] = 32
         kw["dtype"] = "float32"
+    else:  # (models.STATE_DTYPE: the same block size on every CPU)
+        kw["mamba_ssm_cache_dtype"] = STATE_DTYPE
     if args.blocks:
         kw["num_gpu_blocks_override"] = args.blocks
     if args.scheduler == "kvsched":
