@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from kvsched.config import ModelSpec, SchedulerConfig
+from kvsched.config import ModelSpec, SchedulerConfig, Speculation
 from kvsched.engine import Engine
 from kvsched.events.types import StepExecuted
 from kvsched.gpu.torch_executor import TorchExecutor
@@ -106,3 +106,39 @@ def test_oracle_engine_preemption_and_recompute_match_hf_greedy(tiny_dir: Path, 
     )
     summary = _run_and_compare(cfg, wl, tiny_dir, hf_model)
     assert summary.preemptions > 0, "the workload should force preemptions"
+
+
+def test_oracle_engine_overlapped_steps_with_preemption_match_hf_greedy(  # type: ignore[no-untyped-def]
+    tmp_path: Path,
+) -> None:
+    """Overlapped steps (``speculation.pipelined``) on an attention-only model: each plan
+    decodes its placeholders with the token the executor sampled in the step before (input id
+    -1), sequences preempted while a token is out get it, and every token is HF's."""
+    from transformers import Qwen3_5ForCausalLM
+
+    from kvsched.gpu.fixtures import build_tiny_model
+
+    path, _ = build_tiny_model(tmp_path / "attn", seed=3, layer_types=["full_attention"] * 2,
+                               num_hidden_layers=2)
+    hf = Qwen3_5ForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    cfg = SchedulerConfig(
+        model=ModelSpec(vocab_size=512),
+        block_size=16,
+        num_blocks=9,
+        max_batch=4,
+        max_prefill_tokens=64,
+        speculation=Speculation(pipelined=True),
+    )
+    wl = chat_workload(
+        sessions=3,
+        turns=2,
+        system_tokens=40,
+        user_tokens=(5, 30),
+        output_tokens=(4, 10),
+        vocab_size=512,
+        seed=1,
+    )
+    engine = Engine(cfg, check_invariants=True)
+    summary = _run_and_compare(cfg, wl, path, hf, engine)
+    assert engine.state.stats.preemptions > 0  # (tokens out while sequences were preempted)
+    assert summary.steps > 0
