@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections import defaultdict
 from pathlib import Path
 
+import msgspec
 import torch
 
 from kvsched.config import ModelSpec, SchedulerConfig, Speculation
@@ -19,19 +20,33 @@ from kvsched.plan import StepPlan
 from kvsched.replay.driver import RunSummary, run
 from kvsched.replay.workload import Workload, chat_workload
 
+# three two-turn chat sessions sharing a 40-token system prompt
+CHAT = dict(
+    sessions=3, turns=2, system_tokens=40, user_tokens=(5, 30), output_tokens=(4, 10),
+    vocab_size=512, seed=1,
+)
+
 
 def _run_and_compare(  # type: ignore[no-untyped-def]
-    cfg: SchedulerConfig, wl: Workload, tiny_dir: Path, hf_model, engine: Engine | None = None
+    cfg: SchedulerConfig,
+    wl: Workload,
+    tiny_dir: Path,
+    hf_model,
+    engine: Engine | None = None,
+    step_s: float | None = None,
 ) -> RunSummary:
     """Serve ``wl`` with the scheduler (``engine``, default a fresh one for ``cfg``) on the
     torch executor; every request's tokens must be HF's greedy continuation of its full
-    context."""
+    context. ``step_s``: each step takes this long on the simulated clock (default: its wall
+    time), so that arrivals meet the same steps in every run."""
     ex = TorchExecutor(tiny_dir, cfg.num_blocks, cfg.block_size, cfg.num_state_slots, "cpu")
     outputs: dict[int, list[int]] = defaultdict(list)
 
     class Recording:
         def execute(self, plan: StepPlan) -> StepExecuted:
             res = ex.execute(plan)
+            if step_s is not None:
+                res = msgspec.structs.replace(res, duration_s=step_s)
             for sid, tok in zip(res.seq_ids.tolist(), res.tokens.tolist(), strict=True):
                 outputs[sid].append(tok)
             return res
@@ -67,15 +82,7 @@ def test_oracle_engine_hybrid_chat_matches_hf_greedy(tiny_dir: Path, hf_model) -
             checkpoint_budget=32,
         )
     )
-    wl = chat_workload(
-        sessions=3,
-        turns=2,
-        system_tokens=40,
-        user_tokens=(5, 30),
-        output_tokens=(4, 10),
-        vocab_size=512,
-        seed=1,
-    )
+    wl = chat_workload(**CHAT)
     summary = _run_and_compare(cfg, wl, tiny_dir, hf_model)
     assert summary.hit_tokens > 0, "the workload should exercise checkpoint restores"
 
@@ -129,16 +136,8 @@ def test_oracle_engine_overlapped_steps_with_preemption_match_hf_greedy(  # type
         max_prefill_tokens=64,
         speculation=Speculation(pipelined=True),
     )
-    wl = chat_workload(
-        sessions=3,
-        turns=2,
-        system_tokens=40,
-        user_tokens=(5, 30),
-        output_tokens=(4, 10),
-        vocab_size=512,
-        seed=1,
-    )
+    wl = chat_workload(**CHAT)
     engine = Engine(cfg, check_invariants=True)
-    summary = _run_and_compare(cfg, wl, path, hf, engine)
+    summary = _run_and_compare(cfg, wl, path, hf, engine, step_s=0.01)
     assert engine.state.stats.preemptions > 0  # (tokens out while sequences were preempted)
     assert summary.steps > 0
