@@ -143,6 +143,7 @@ WATCH, REPORT = "tests/stream/test_watch.py", "tests/replay/test_report.py"
 TRANSLATION = "tests/integrations/vllm/test_vllm_translation.py"
 HOLD = "tests/policy/test_admission_hold.py"
 SKIP = "tests/policy/test_skip_prefix_hit.py"
+PIPELINED = "tests/test_engine_pipelined.py"
 EXISTS = "if os.path.isfile(path) and not overwrite:"
 NONEMPTY = "if where.is_dir() and any(where.iterdir()) and not overwrite:"
 SWEPT = 'getattr(args, key.replace("-", "_"), None)'
@@ -370,6 +371,19 @@ ROUND_2 = [
     m("policy/admission.py",
       "return seq.adapter not in running and len(running) >= self._lora_slots",
       "return False", "tests/policy/test_adapters.py"),
+    # overlapped steps (speculation.pipelined)
+    m("reducers/pipeline.py", "            kept = ~np.isin(samplers, gone)\n",
+      "            kept = np.ones(len(samplers), bool)\n", PIPELINED),
+    m("reducers/planner.py", "newest = np.where(table.ahead[rows[decode]] > 0, -1, newest)",
+      "newest = newest", PIPELINED),
+    m("policy/scheduler.py", "            rows = table.not_at_end(rows)\n", "            pass\n",
+      PIPELINED),
+    m("reducers/pipeline.py", "            later = self._roll_back(voided)",
+      "            later = _NO_ROWS", PIPELINED),
+    m("reducers/rows.py", "computed = self.cacheable() if self.pipelined else self.computed",
+      "computed = self.computed", PIPELINED),
+    m("policy/scheduler.py", "            if seq.tokens[seq.n_tokens - 1] == seq.eos_token_id:",
+      "            if False:", PIPELINED),
 ]  # fmt: skip
 
 # Round 2, the vLLM adapter's slips that need vLLM: run with --vllm in .venv-vllm.
