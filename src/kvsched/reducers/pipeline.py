@@ -157,16 +157,14 @@ class PipelinedRows(DraftRows):
         if np.any(self.ahead < 0) or np.any(self.ahead[self.free_rows] != 0):
             return "a negative placeholder count, or one in a free row"
         count = np.zeros_like(self.ahead)
-        for flight in self.in_flight:
-            if not flight.void:
-                live = flight.samplers[~np.isin(flight.samplers, list(flight.left))]
-                count[live] += 1
-        if not np.array_equal(count, self.ahead):
-            return "placeholders disagree with the steps in flight"
         for flight in filter(lambda f: not f.void, self.in_flight):
-            gone = flight.sampler_ids[np.isin(flight.samplers, list(flight.left))]
+            left = np.isin(flight.samplers, list(flight.left))
+            count[flight.samplers[~left]] += 1
+            gone = flight.sampler_ids[left]
             if np.isin(gone, self.row_seq).any():
                 return f"a sequence of {gone.tolist()} runs again before its token lands"
+        if not np.array_equal(count, self.ahead):
+            return "placeholders disagree with the steps in flight"
         if not self.cache_when_planned and np.any(
             self.registered > self.cacheable() // self.block_size
         ):
@@ -270,19 +268,18 @@ class PipelinedRows(DraftRows):
             flight.left.add(row)
 
     def land_outcome(
-        self,
-        e: ev.StepExecuted,
-        waiting: Mapping[int, Seq],
-        row_full: Callable[[int], None],
-        seq_full: Callable[[Seq], None],
-    ) -> tuple[np.ndarray, list[int]]:
+        self, e: ev.StepExecuted, waiting: Mapping[int, Seq], seq_full: Callable[[Seq], None]
+    ) -> tuple[np.ndarray, np.ndarray]:
         """``StepExecuted``'s fold with overlapped steps: the oldest launched step's outcome
-        lands; returns the sequences whose rows got tokens and the preempted ones that did."""
+        lands (the preempted sequences' tokens delivered, ``seq_full`` for each block one
+        fills); returns (rows, tokens) of the samplers still in their rows, for the caller
+        to append."""
         landed = self.land(e.seq_ids, e.tokens)
         if self.failures[landed.rows].any():  # a success resets the count
             self._reset_failures(landed.rows)
-        self._append_one(landed.samplers, landed.tokens, row_full)
-        return self.row_seq[landed.samplers], self.deliver(landed, waiting, seq_full)
+        self._landed = self.row_seq[landed.samplers]
+        self._delivered = self.deliver(landed, waiting, seq_full)
+        return landed.samplers, landed.tokens
 
 
 __all__ = ["InFlight", "Landed", "PipelinedRows"]

@@ -16,7 +16,6 @@ It also keeps the work scheduled in the current step until its outcome arrives
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import cast
 
 import numpy as np
@@ -286,17 +285,6 @@ class RowTable:
         return self._pending_rows, self._pending_starts, self._pending_ends
 
     # ------------------------------------------------------------------------ commands
-
-    def _append_one(
-        self, rows: np.ndarray, tokens: np.ndarray, on_full: Callable[[int], None]
-    ) -> None:
-        """One sampled token per row, appended; ``on_full(row)`` for each block it fills."""
-        bs = self.block_size
-        self.tail[rows, self.ntokens[rows] % bs] = tokens
-        self.ntokens[rows] += 1
-        self.last_token[rows] = tokens
-        for row in rows[self.ntokens[rows] % bs == 0].tolist():
-            on_full(row)
 
     def _reset_failures(self, rows: np.ndarray) -> None:
         for row in rows[self.failures[rows] > 0].tolist():  # a success resets the count

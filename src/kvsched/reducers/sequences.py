@@ -201,33 +201,32 @@ class SequenceTable(PipelinedRows):
         (``e.counts``), up to its end (eos, ``max_tokens``, the context), and has computed
         every position but its newest token's (the rejected drafts' KV is stale); the drafts
         proposed for the next step replace the ones it had."""
-        if self.pipelined:
-            self._landed, self._delivered = self.land_outcome(
-                e, self.waiting, self._hash_last_block, self._hash_block
-            )
-            return
-        rows, starts, ends = self.pending_arrays()
-        verified = self._end_verifying() if self.any_verifying else _NO_ROWS
-        self.clear_pending()
-        self._landed, self._delivered = e.seq_ids, []
-        if len(e.routed_experts) and len(rows):
-            self._record_experts(rows, starts, ends, e.routed_experts, self.model)
-        sampling = rows[ends >= self.ntokens[rows]]
-        if len(rows):
-            self.computed[rows] = ends
-            if self.failures[rows].any():  # a success resets the count
-                self._reset_failures(rows)
-        if not len(e.seq_ids):
-            return
-        # The outcome names the samplers, usually in plan order (then no lookup is needed;
-        # the answer is kept for the next ``rows_of(e.seq_ids)``).
-        sampled = self.rows_of(e.seq_ids, sampling)
+        if self.pipelined:  # (the oldest launched step lands: ``PipelinedRows``)
+            sampled, tokens = self.land_outcome(e, self.waiting, self._hash_block)
+            rows = verified = _NO_ROWS
+        else:
+            rows, starts, ends = self.pending_arrays()
+            verified = self._end_verifying() if self.any_verifying else _NO_ROWS
+            self.clear_pending()
+            self._landed, self._delivered = e.seq_ids, []
+            if len(e.routed_experts) and len(rows):
+                self._record_experts(rows, starts, ends, e.routed_experts, self.model)
+            sampling = rows[ends >= self.ntokens[rows]]
+            if len(rows):
+                self.computed[rows] = ends
+                if self.failures[rows].any():  # a success resets the count
+                    self._reset_failures(rows)
+            if not len(e.seq_ids):
+                return
+            # The outcome names the samplers, usually in plan order (then no lookup is
+            # needed; the answer is kept for the next ``rows_of(e.seq_ids)``).
+            sampled, tokens = self.rows_of(e.seq_ids, sampling), e.tokens
         if e.counts is not None and len(e.counts) and int(e.counts.max()) > 1:
-            self._append_each(sampled, e.counts, e.tokens, self._hash_last_block)
-        else:  # (one token each: RowTable._append_one, inline on this hot path)
-            self.tail[sampled, self.ntokens[sampled] % self.block_size] = e.tokens
+            self._append_each(sampled, e.counts, tokens, self._hash_last_block)
+        else:
+            self.tail[sampled, self.ntokens[sampled] % self.block_size] = tokens
             self.ntokens[sampled] += 1
-            self.last_token[sampled] = e.tokens
+            self.last_token[sampled] = tokens
             for row in sampled[self.ntokens[sampled] % self.block_size == 0].tolist():
                 self._hash_last_block(row)
         if len(verified):
