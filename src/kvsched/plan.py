@@ -119,11 +119,6 @@ class StepPlan:
         ids.setflags(write=False)
         return attrs.evolve(self, input_ids=ids)
 
-    @staticmethod
-    def sampled(seq_ids: np.ndarray, tokens: np.ndarray) -> dict[int, int]:
-        """The ``newest`` of the step after one that sampled ``tokens`` (one per sequence)."""
-        return dict(zip(seq_ids.tolist(), tokens.tolist(), strict=True))
-
 
 PLAN_FIELDS: tuple[str, ...] = tuple(f.name for f in attrs.fields(StepPlan))
 

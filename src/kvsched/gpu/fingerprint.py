@@ -133,7 +133,7 @@ class FingerprintExecutor:
         if self.drafts or len(plan.num_drafts):
             return self._speculate(plan, rows, seq_ids)
         tokens = self._sample(plan, rows, last[rows])
-        self.newest = StepPlan.sampled(seq_ids, tokens)
+        self.newest = dict(zip(seq_ids.tolist(), tokens.tolist(), strict=True))
         return StepExecuted(plan.step, seq_ids, tokens, self.cost.step_time(plan))
 
     def _speculate(self, plan: StepPlan, rows: np.ndarray, seq_ids: np.ndarray) -> StepExecuted:

@@ -263,7 +263,7 @@ class TorchExecutor:
         self.last_logits = logits
         seq_ids = np.asarray(plan.seq_ids[sample], dtype=np.int64).copy()
         self.last_seq_ids = seq_ids
-        self.newest = StepPlan.sampled(seq_ids, tokens)
+        self.newest = dict(zip(seq_ids.tolist(), tokens.tolist(), strict=True))
         return StepExecuted(plan.step, seq_ids, tokens, time.perf_counter() - t0)
 
     def _forward(self, plan: StepPlan, sample: np.ndarray) -> torch.Tensor:
