@@ -12,7 +12,7 @@ import attrs
 import numpy as np
 import pytest
 
-from kvsched.config import ConfigError, ModelSpec, SchedulerConfig, Speculation
+from kvsched.config import PLACEMENTS, ConfigError, ModelSpec, SchedulerConfig, Speculation
 from kvsched.engine import Engine, StepResult, create_log
 from kvsched.events import types as ev
 from kvsched.gpu.fingerprint import FingerprintExecutor
@@ -127,20 +127,31 @@ def assert_same_tokens(sync: dict[int, dict[int, int]], pipe: dict[int, dict[int
         assert max(pipe[seq]) <= max(tokens) + 1, seq
 
 
+@pytest.mark.parametrize("hybrid", [False, True], ids=["attention", "hybrid"])
 @pytest.mark.parametrize("num_blocks", [14, 60], ids=["preempting", "roomy"])
-def test_overlapped_steps_produce_the_synchronous_engines_tokens(num_blocks: int):
-    cfg = attrs.evolve(SYNC, num_blocks=num_blocks)
-    sync_x, pipe_x = FingerprintExecutor(VOCAB, num_blocks, BS), FingerprintExecutor(
-        VOCAB, num_blocks, BS
-    )
+def test_overlapped_steps_produce_the_synchronous_engines_tokens(num_blocks: int, hybrid: bool):
+    """(hybrid, every placement rule: the fingerprint executor's state slots hold what
+    they computed, so a hit restored from a checkpoint not yet written, or from the wrong
+    one, or a final state saved after a token dropped past the end of sequence, is a
+    mismatch)"""
+    cfg = attrs.evolve(SYNC, num_blocks=num_blocks, hybrid=hybrid)
+    if hybrid:
+        rules = tuple(p for p in PLACEMENTS if p != "oracle")  # (it needs the future)
+        every = attrs.evolve(cfg.checkpoints, placement=rules, decode_interval=4)
+        cfg = attrs.evolve(cfg, checkpoints=every)
+    slots = cfg.num_state_slots if hybrid else 0
+    sync_x = FingerprintExecutor(VOCAB, num_blocks, BS, slots)
+    pipe_x = FingerprintExecutor(VOCAB, num_blocks, BS, slots)
     sync = run(Engine(cfg, check_invariants=True), sync_x, workload(), lag=1)
-    pipe_cfg = attrs.evolve(PIPELINED, num_blocks=num_blocks)
+    pipe_cfg = attrs.evolve(cfg, speculation=Speculation(pipelined=True))
     pipe = run(Engine(pipe_cfg, check_invariants=True), pipe_x, workload(), lag=2)
 
     assert_same_tokens(tokens_at(sync), tokens_at(pipe))
     assert finished(pipe) == finished(sync)
     assert "stop" in finished(sync).values() and "length" in finished(sync).values()
     assert sync_x.mismatches == [] and pipe_x.mismatches == []
+    hits = [d for r, _ in pipe for d in r.decisions if isinstance(d, ev.PrefixMatched)]
+    assert any(d.ckpt_id >= 0 for d in hits) == hybrid  # (restored from a checkpoint)
     overlapped = [r for r, _ in pipe if -1 in r.plan.input_ids]
     assert overlapped, "no step was planned with a placeholder"
 
@@ -285,12 +296,32 @@ def test_a_log_of_overlapped_steps_verifies(tmp_path: Path):
 @pytest.mark.parametrize(
     "other",
     [
-        {"hybrid": True},
         {"speculation": Speculation(pipelined=True, max_drafts=2)},
         {"model": ModelSpec(vocab_size=VOCAB, routed_experts_per_token=2)},
     ],
-    ids=["hybrid", "drafts", "routed-experts"],
+    ids=["drafts", "routed-experts"],
 )
 def test_overlapped_steps_refuse_what_they_do_not_support_yet(other: dict):
     with pytest.raises(ConfigError, match=r"speculation\.pipelined"):
         attrs.evolve(PIPELINED, **other)
+
+
+def test_a_hybrid_request_waits_for_a_state_a_step_still_out_saves_and_then_hits_it():
+    """b arrives while the step that saves a's state after their shared 16 tokens (a's
+    prompt) is out: it waits for that step's outcome (within two steps) rather than
+    recompute them, though the step has room for its first chunk."""
+    cfg = attrs.evolve(PIPELINED, hybrid=True)
+    shared = [1 + i % 10 for i in range(16)]
+    a = ev.RequestArrived(0, np.asarray(shared, np.int32), 4)
+    b = ev.RequestArrived(1, np.asarray([*shared, 7, 7], np.int32), 4)
+    executor = FingerprintExecutor(VOCAB, 60, BS, cfg.num_state_slots)
+    steps = run(Engine(cfg, check_invariants=True), executor, {1: [a], 2: [b]}, lag=2)
+    hits = {
+        d.seq_id: (r.step, d.num_tokens, d.ckpt_id)
+        for r, _ in steps
+        for d in r.decisions
+        if isinstance(d, ev.PrefixMatched)
+    }
+    admitted_at, hit, ckpt_id = hits[1]
+    assert (hit, admitted_at) == (16, 3) and ckpt_id >= 0  # (published in step 3)
+    assert executor.mismatches == []

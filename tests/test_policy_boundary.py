@@ -356,7 +356,7 @@ PLANTED = {
     "an object met in a loop": "def f(self, state):\n    for c in state.ckpts.evictable():\n"
     "        c.hits += 1\n",
     "a deletion": "def f(self, state, h):\n    del state.pool.index[h]\n",
-    "a container mutation": "def f(self, state):\n    state.ckpts.awaiting.append(3)\n",
+    "a container mutation": "def f(self, state):\n    state.ckpts.by_producer.clear()\n",
     "an owner's writing method": "def f(self, state, change):\n    state.pool.apply(change)\n",
     "a numpy write": "def f(self, state, rows):\n    np.add.at(state.pool.ref, rows, 1)\n",
     "a numpy out=": "def f(self, state, a):\n    np.add(a, 1, out=state.seqs.computed)\n",
@@ -522,7 +522,7 @@ def _owner_reads(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> Iterator[tuple[a
 def test_the_column_scan_knows_the_owners_columns() -> None:
     assert {"computed", "ntokens", "table", "row_seq", "objs", "waiting"} <= _COLUMNS["seqs"]
     assert {"ref", "index", "experts"} <= _COLUMNS["pool"]
-    assert {"awaiting", "saves_by_kind"} <= _COLUMNS["ckpts"]
+    assert {"_saves", "by_producer", "saves_by_kind"} <= _COLUMNS["ckpts"]
     assert _CLASSES["RowTable"] == _CLASSES["SequenceTable"] == "seqs"
     scalars_and_queries = {"num_blocks", "num_available", "num_running", "computed_at"}
     assert not scalars_and_queries & (_COLUMNS["pool"] | _COLUMNS["seqs"])
@@ -551,7 +551,7 @@ PLANTED_READS = {
     "a column of an annotated owner": "def f(t: SequenceTable, row: int):\n"
     "    return t.table[row]\n",
     "a container": "def f(self, state):\n    ckpts = state.ckpts\n"
-    "    return list(ckpts.awaiting)\n",
+    "    return list(ckpts.by_producer)\n",
     "a tuple binding": "def f(self, state, rows):\n    t, bs = state.seqs, 16\n"
     "    return t.ntokens[rows] // bs\n",
     "a private field": "def f(self, state):\n    return state.seqs._pending_rows\n",

@@ -357,7 +357,6 @@ class SchedulerConfig:
                     raise refuse("cache_when_planned", name, "is not supported with")
         if self.speculation.pipelined:  # (not in the first cut of overlapped steps)
             for name, on in (
-                ("hybrid", self.hybrid),
                 ("speculation.max_drafts", self.speculation.max_drafts),
                 ("speculation.tokens", self.speculation.tokens),
                 ("external.enabled", self.external.enabled),

@@ -10,6 +10,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import msgspec
+import pytest
 import torch
 
 from kvsched.config import ModelSpec, SchedulerConfig, Speculation
@@ -87,9 +88,15 @@ def test_oracle_engine_hybrid_chat_matches_hf_greedy(tiny_dir: Path, hf_model) -
     assert summary.hit_tokens > 0, "the workload should exercise checkpoint restores"
 
 
-def test_oracle_engine_preemption_and_recompute_match_hf_greedy(tiny_dir: Path, hf_model) -> None:  # type: ignore[no-untyped-def]
-    # A cache of 14 blocks for 4 concurrent requests: decode growth preempts (recompute), and
-    # preempted requests come back through checkpoint restores or a recompute from scratch.
+@pytest.mark.parametrize("overlapped", [False, True], ids=["synchronous", "overlapped"])
+def test_oracle_engine_preemption_and_recompute_match_hf_greedy(  # type: ignore[no-untyped-def]
+    tiny_dir: Path, hf_model, overlapped: bool
+) -> None:
+    """A cache of 14 blocks for 4 concurrent requests: decode growth preempts (recompute),
+    and preempted requests come back through checkpoint restores or a recompute from
+    scratch. Overlapped: checkpoints published once their step's outcome lands (two steps
+    later), preemption while tokens are out, placeholders decoded with the token sampled
+    the step before."""
     cfg = SchedulerConfig.from_dict(
         dict(
             model=ModelSpec(vocab_size=512),
@@ -99,6 +106,7 @@ def test_oracle_engine_preemption_and_recompute_match_hf_greedy(tiny_dir: Path, 
             max_prefill_tokens=32,
             hybrid=True,
             checkpoint_budget=4,  # (kvsched's rules place no "decode": no decode interval)
+            speculation={"pipelined": overlapped},
         )
     )
     wl = chat_workload(
@@ -111,8 +119,10 @@ def test_oracle_engine_preemption_and_recompute_match_hf_greedy(tiny_dir: Path, 
         rate_per_s=1000.0,
         seed=2,
     )
-    summary = _run_and_compare(cfg, wl, tiny_dir, hf_model)
+    step_s = 0.01 if overlapped else None  # (arrivals meet the same steps in every run)
+    summary = _run_and_compare(cfg, wl, tiny_dir, hf_model, step_s=step_s)
     assert summary.preemptions > 0, "the workload should force preemptions"
+    assert summary.hit_tokens > 0, "and restore checkpoints"
 
 
 def test_oracle_engine_overlapped_steps_with_preemption_match_hf_greedy(  # type: ignore[no-untyped-def]
@@ -141,3 +151,4 @@ def test_oracle_engine_overlapped_steps_with_preemption_match_hf_greedy(  # type
     summary = _run_and_compare(cfg, wl, path, hf, engine, step_s=0.01)
     assert engine.state.stats.preemptions > 0  # (tokens out while sequences were preempted)
     assert summary.steps > 0
+

@@ -83,7 +83,7 @@ def assert_nothing_held(h: Harness) -> None:
     assert ck.ckpts == {} and ck.index == {} and ck.partials == {}
     assert sorted(ck.free_slots) == list(range(ck.first_ckpt_slot, ck.num_slots))
     assert all(s.pinned_ckpt == -1 and s.n_pinned == 0 for s in state.seqs.seqs.values())
-    assert state.ckpts.awaiting == []
+    assert state.ckpts.awaiting_ids() == []
     assert state.pool.ref.sum() == 0
     state.check_invariants()
 

@@ -277,6 +277,31 @@ def test_invariants_catch_a_slot_owned_twice_or_lost_and_a_stale_index_entry():
     assert "indexed" in (table.check_invariants({}) or "")
 
 
+def test_invariants_catch_a_reservation_that_no_step_will_publish():
+    table = make_table(max_batch=1, budget=2)
+    reserve(table, 16, b"k")
+    fold(table, ev.StepStarted(1, 0.0))  # the step that reserved it is out
+    assert table.check_invariants({}) is None
+    table._saves.awaiting.clear()  # (what the one-step queue did with two steps out)
+    assert "reserved by no step" in (table.check_invariants({}) or "")
+
+
+def test_with_two_steps_out_each_outcome_publishes_only_its_own_steps_saves():
+    table = make_table(max_batch=1, budget=3)
+    fold(table, ev.StepStarted(5, 0.0))
+    first = reserve(table, 16, b"k1")
+    fold(table, ev.StepStarted(6, 0.0))  # step 5 launched, step 6 planned while it runs
+    second = reserve(table, 32, b"k2")
+    fold(table, ev.StepStarted(7, 0.0))  # step 6 launched too: both are out
+    assert table.awaiting_ids(5) == [first.ckpt_id]
+    assert table.awaiting_ids(6) == [second.ckpt_id]
+    assert table.awaiting_ids() == [first.ckpt_id, second.ckpt_id]
+    table._pool.add(first.anchor, path(1))  # type: ignore[attr-defined]
+    fold(table, ev.CheckpointPublished(first.ckpt_id))  # step 5's outcome lands
+    assert table.awaiting_ids(5) == [] and table.awaiting_ids(6) == [second.ckpt_id]
+    assert table.check_invariants({}) is None
+
+
 def test_holders_are_published_paths_and_every_frozen_block_even_while_reserved():
     table = make_table(max_batch=1, budget=3)
     r = reserve(table, 20, b"r", frozen=7)

@@ -52,10 +52,10 @@ from kvsched.replay.traces import FORMATS, detect_format
 def _check_demo(args: argparse.Namespace) -> None:
     """Everything ``demo`` checks before its first step."""
     check_run_options(args)
-    if args.pipelined and (args.hybrid or args.external or args.executor == "torch"):
+    if args.pipelined and args.external:
         raise SetupError(
-            "--pipelined (overlapped steps) runs an attention model without a KV store: drop "
-            "--hybrid, --external and --executor torch (the demo's torch model is hybrid)"
+            "--pipelined (overlapped steps) runs without a KV store: drop --external or "
+            "--pipelined"
         )
     check_output("--log", args.log, args.overwrite)
     check_report(args.report, args.overwrite)

@@ -74,6 +74,7 @@ class Admission:
         self._prompt_end = config.places("prompt_end")
         self._chunk_end = config.places("chunk_end")
         self._oracle = config.hybrid and config.places("oracle")
+        self._pipelined = config.hybrid and config.speculation.pipelined
 
     # ---------------------------------------------------------------------- chunks
 
@@ -240,6 +241,8 @@ class Admission:
         if self._lora_slots and seq.adapter and self._one_adapter_too_many(state, seq):
             return "skip"
         match = self.matcher.find_prefix(state, seq)
+        if self._pipelined and self.matcher.deeper_state_in_flight(state, seq, match.num_tokens):
+            return "stop"  # (its state lands within two steps; the later ones wait behind it)
         if self._external_load:
             first, end = self.transfers.planned_load(state, seq, match.num_tokens)
             if end:

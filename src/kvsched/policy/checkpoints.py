@@ -92,8 +92,13 @@ class Checkpoints:
 
     def save_sequence_end(self, state: EngineState, seq: Seq, emit: Emit) -> None:
         """A sequence finishing now: save its final state (rule sequence_end, or session_end
-        for a session's turn) before the next forward overwrites its runtime slot."""
+        for a session's turn) before the next forward overwrites its runtime slot; none for
+        a preempted sequence that a landing token ended (overlapped steps: it holds no
+        state). (A launched step that decoded the sequence's last token leaves the state
+        after it: named by known tokens, it is saved.)"""
         config = self.config
+        if seq.row < 0:
+            return
         if config.places("sequence_end"):
             kind = "sequence_end"
         elif config.places("session_end") and seq.session_id >= 0:
@@ -107,8 +112,10 @@ class Checkpoints:
     def decode_saves(self, state: EngineState, rows: np.ndarray, emit: Emit) -> None:
         """The decode rules: save the states the scheduled decode steps reach at their
         rule's interval (``decode``: decode_checkpoint_interval; ``decode_blocks`` and
-        ``decode_latest``: block boundaries)."""
+        ``decode_latest``: block boundaries). With overlapped steps a decode whose position
+        is a placeholder saves nothing: its state's name hashes a token still in flight."""
         config, table = self.config, state.seqs
+        rows = table.newest_known(rows)
         rules = [
             (kind, interval)
             for kind, interval in (
@@ -125,12 +132,13 @@ class Checkpoints:
 
     # ------------------------------------------------------------------- publication
 
-    def publish(self, state: EngineState, emit: Emit) -> None:
-        """After a successful step: publish what it saved (a duplicate identity is abandoned);
-        a published ``decode_latest`` checkpoint replaces its producer's older ones."""
+    def publish(self, state: EngineState, step: int, emit: Emit) -> None:
+        """After ``step`` succeeded: publish what it saved (a duplicate identity is
+        abandoned); a published ``decode_latest`` checkpoint replaces its producer's older
+        ones."""
         ckpts = state.ckpts
         pool = state.pool
-        for ckpt_id in ckpts.awaiting_ids():
+        for ckpt_id in ckpts.awaiting_ids(step):
             c = ckpts.get(ckpt_id)
             if ckpts.find(c.key) is not None:
                 emit(ev.CheckpointAbandoned(ckpt_id, "superseded"))
@@ -147,7 +155,8 @@ class Checkpoints:
                         emit(ev.CheckpointReleased(old.ckpt_id, "replaced"))
 
     def abandon(self, state: EngineState, emit: Emit) -> None:
-        """After a failed step: its saves never happened (publish rollback)."""
+        """After a failed step: its saves never happened (publish rollback), nor those of a
+        step launched after it (overlapped steps: voided, planned on the failed one)."""
         for ckpt_id in state.ckpts.awaiting_ids():
             emit(ev.CheckpointAbandoned(ckpt_id, "step failed"))
 

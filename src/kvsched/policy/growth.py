@@ -113,19 +113,20 @@ class Growth:
         rows, keep = self._spares(state)
         return int((state.seqs.block_counts(rows) - keep).sum())
 
-    def return_spares(self, state: EngineState, emit: Emit) -> None:
-        """Give back every running row's spare blocks. Callers short of room do this before
-        giving anything else up (a session hold, a checkpoint, a sequence), so preallocation
-        causes no preemption or eviction of its own."""
+    def return_spares(self, state: EngineState, emit: Emit) -> bool:
+        """Give back every running row's spare blocks (True if there were any). Callers
+        short of room do this before giving anything else up (a session hold, a checkpoint,
+        a sequence), so preallocation causes no preemption or eviction of its own."""
         if not self.config.decode_prealloc_tokens:
-            return
+            return False
         rows, keep = self._spares(state)
         if not len(rows):
-            return
+            return False
         t = state.seqs
         ends = t.block_counts(rows)
         counts = (ends - keep).astype(I32)
         emit(ev.BlocksFreed(t.ids_at(rows), counts, t.blocks_in(rows, keep, ends)))
+        return True
 
     # --------------------------------------------------------------------- caching
 
@@ -163,13 +164,14 @@ class Growth:
         replaced = np.zeros(len(blocks), dtype=np.int32)
         canonical = [pool.cached_block(h) for h in hashes]
         swap = self.config.dedup_cached_blocks
-        if any(c is not None for c in canonical) or len(set(hashes)) < len(hashes):
-            self._deduplicate(hashes, canonical, blocks, replaced, swap)
+        if swap and (any(c is not None for c in canonical) or len(set(hashes)) < len(hashes)):
+            _deduplicate(hashes, canonical, blocks, replaced)
+        if not swap:
+            entries = (hashes, canonical, blocks)
+            _keep_private(t, pool, grown, firsts, lasts, entries, replaced)
         path = blocks
         if self.config.mtp_holds_overlap:
             path = self._keep_overlaps(t, grown, firsts, lasts, blocks, replaced)
-        if not swap:
-            self._detach_after_private(t, grown, firsts, lasts, replaced, pool)
         marks, experts = _NO_MARKS, _EMPTY16
         if self.config.model.routed_experts_per_token:
             marks, experts = self._cached_experts(state, grown, firsts, lasts, path)
@@ -208,28 +210,6 @@ class Growth:
             emit(ev.BlocksEvicted(ids, b"".join(h for _, _, h in evict)))
 
     @staticmethod
-    def _deduplicate(
-        hashes: list[bytes],
-        canonical: list[int | None],
-        blocks: np.ndarray,
-        replaced: np.ndarray,
-        swap: bool,
-    ) -> None:
-        """Entries whose hash is cached (or staged earlier in the same event) name the cached
-        block and the copy it replaces; without ``swap``, they keep their own block and are
-        marked ``PRIVATE_COPY`` (not indexed)."""
-        staged: dict[bytes, int] = {}
-        for j, h in enumerate(hashes):
-            cached = canonical[j]
-            target = cached if cached is not None else staged.setdefault(h, int(blocks[j]))
-            if target == blocks[j]:
-                continue
-            if swap:
-                replaced[j], blocks[j] = blocks[j], target
-            else:
-                replaced[j] = ev.PRIVATE_COPY
-
-    @staticmethod
     def _keep_overlaps(
         t: SequenceTable,
         rows: np.ndarray,
@@ -255,29 +235,6 @@ class Growth:
                 chain[k] = seq.overlap_block
             j += last - first
         return chain
-
-    @staticmethod
-    def _detach_after_private(
-        t: SequenceTable,
-        rows: np.ndarray,
-        firsts: np.ndarray,
-        lasts: np.ndarray,
-        replaced: np.ndarray,
-        pool: BlockPool,
-    ) -> None:
-        """Without dedup: a sequence's blocks after a private copy (in this event, or its
-        own block before them not being the indexed one) stay unindexed (``UNINDEXED``)."""
-        j = 0
-        for row, first, last in zip(rows.tolist(), firsts.tolist(), lasts.tolist(), strict=True):
-            seq = t.seq_at(row)
-            own = t.path_blocks(seq, first - 1, first)[0] if first else 0  # (chain block)
-            detached = bool(first) and pool.cached_block(seq.hashes[first - 1]) != own
-            for k in range(j, j + last - first):
-                if detached and replaced[k] == 0:
-                    replaced[k] = ev.UNINDEXED
-                overlap = seq.overlap_at == first + k - j  # (its chain is the cached block)
-                detached = detached or (replaced[k] != 0 and not overlap)
-            j += last - first
 
     def _cached_experts(
         self,
@@ -424,3 +381,50 @@ class Growth:
                 return
             victim = state.seqs.seq_at(running.pop(0))
             self.preempt(state, victim, emit, "blocks")
+
+
+def _deduplicate(
+    hashes: list[bytes], canonical: list[int | None], blocks: np.ndarray, replaced: np.ndarray
+) -> None:
+    """Entries whose hash is cached (or staged earlier in the same event) name the cached
+    block and the copy it replaces."""
+    staged: dict[bytes, int] = {}
+    for j, h in enumerate(hashes):
+        cached = canonical[j]
+        target = cached if cached is not None else staged.setdefault(h, int(blocks[j]))
+        if target != blocks[j]:
+            replaced[j], blocks[j] = blocks[j], target
+
+
+def _keep_private(
+    t: SequenceTable,
+    pool: BlockPool,
+    rows: np.ndarray,
+    firsts: np.ndarray,
+    lasts: np.ndarray,
+    entries: tuple[list[bytes], list[int | None], np.ndarray],
+    replaced: np.ndarray,
+) -> None:
+    """Without dedup, each entry keeps its own block: one whose hash is cached elsewhere
+    (or indexed earlier in the same event) is a ``PRIVATE_COPY``; one after a private
+    copy in its sequence's chain (in this event, or its own block before them not being
+    the indexed one) stays unindexed (``UNINDEXED``) and indexes nothing for a later
+    entry of the same hash; the others are indexed."""
+    hashes, canonical, blocks = entries
+    indexed: set[bytes] = set()
+    j = 0
+    for row, first, last in zip(rows.tolist(), firsts.tolist(), lasts.tolist(), strict=True):
+        seq = t.seq_at(row)
+        own = t.path_blocks(seq, first - 1, first)[0] if first else 0  # (chain block)
+        detached = bool(first) and pool.cached_block(seq.hashes[first - 1]) != own
+        for k in range(j, j + last - first):
+            cached = canonical[k]
+            if (cached is not None and cached != blocks[k]) or hashes[k] in indexed:
+                replaced[k] = ev.PRIVATE_COPY
+            elif detached:
+                replaced[k] = ev.UNINDEXED
+            else:
+                indexed.add(hashes[k])
+            overlap = seq.overlap_at == first + k - j  # (its chain is the cached block)
+            detached = detached or (replaced[k] != 0 and not overlap)
+        j += last - first

@@ -21,7 +21,7 @@ from __future__ import annotations
 from kvsched.config import SchedulerConfig
 from kvsched.identity import partial_key, tail_extra
 from kvsched.policy import spans
-from kvsched.policy.common import NO_MATCH, Match
+from kvsched.policy.common import NO_MATCH, Match, cdiv
 from kvsched.reducers.checkpoints import Checkpoint
 from kvsched.reducers.sequences import Seq
 from kvsched.reducers.state import EngineState
@@ -115,7 +115,8 @@ class Matcher:
         """The deepest usable checkpoint anchored at block ``depth`` (partial tails first)."""
         ckpts, bs = state.ckpts, self.bs
         anchor = seq.hashes[depth - 1] if depth else seq.root
-        tails = ckpts.find_partials(anchor) if not seq.want_experts else {}
+        tails_usable = not seq.want_experts and self._fits_beside_a_frozen_tail(seq)
+        tails = ckpts.find_partials(anchor) if tails_usable else {}
         for step in sorted(tails, reverse=True) if tails else ():
             if step <= limit and spans.boundary_safe(seq.mm_spans, step):
                 extra = tail_extra(seq.mm_spans, depth * bs, step)
@@ -130,3 +131,21 @@ class Matcher:
                 return aligned
         return None
 
+    def _fits_beside_a_frozen_tail(self, seq: Seq) -> bool:
+        """Whether ``seq`` fits the cache alone beside a partial checkpoint's frozen tail
+        block, which the checkpoint holds (pinned by the sequence, so never evicted) while
+        the sequence runs. Else a partial hit would have it preempted for that block and
+        matched to the same checkpoint again, forever: it takes an aligned one."""
+        longest = min(seq.n_prompt + seq.max_tokens, self.config.model.max_context)
+        return cdiv(longest, self.bs) + 1 <= self.config.num_blocks - 1
+
+    def deeper_state_in_flight(self, state: EngineState, seq: Seq, hit: int) -> bool:
+        """(overlapped steps) Whether a step still out saves a state on ``seq``'s prefix
+        deeper than its hit of ``hit`` tokens: it is published once that step's outcome
+        lands (within two steps), and the sequence waits for it rather than recompute what
+        it covers (as vLLM, whose hybrid requests wait for a state cached in the step)."""
+        keys = state.ckpts.in_flight_keys() if state.hybrid else set()
+        if not keys:
+            return False
+        top = (seq.n_tokens - 1) // self.bs
+        return any(seq.hashes[d - 1] in keys for d in range(hit // self.bs + 1, top + 1))

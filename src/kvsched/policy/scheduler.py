@@ -96,11 +96,13 @@ class Policy:
         if cdiv(total + 1, bs) > self.config.num_blocks - 1:
             return f"prompt of {total} tokens needs more KV blocks than the cache has"
         longest = min(total + e.max_tokens, model.max_context)
-        if cdiv(longest, bs) > self.config.num_blocks - 1:
+        held = int(self.config.mtp_holds_overlap)  # (MTP: a hit's cached block, held too)
+        if cdiv(longest, bs) + held > self.config.num_blocks - 1:
             # It could never finish alone: it would be preempted and recomputed forever.
             return (
                 f"prompt of {total} tokens plus max_tokens {e.max_tokens} needs more KV blocks"
-                f" than the cache has ({self.config.num_blocks - 1})"
+                f" than the cache has ({self.config.num_blocks - 1}"
+                + (", one held beside its MTP recompute)" if held else ")")
             )
         for span in e.mm_spans:
             if not 0 <= span.start < span.end <= len(prompt):
@@ -112,10 +114,10 @@ class Policy:
         saved, start saves to the store, and retire the sequences whose newest token ends
         them (eos, max_tokens or context)."""
         saving = self.config.external_save and state.hybrid
-        published = self._awaiting_identities(state) if saving else []
+        published = self._awaiting_identities(state, outcome.step) if saving else []
         self.growth.cache_computed(state, emit)
         if state.hybrid:  # (an attention model saves no checkpoint)
-            self.checkpoints.publish(state, emit)
+            self.checkpoints.publish(state, outcome.step, emit)
         if self.config.external_save:
             self.transfers.start_saves(state, published, emit)
         t = state.seqs
@@ -157,10 +159,10 @@ class Policy:
         return seqs, reasons
 
     @staticmethod
-    def _awaiting_identities(state: EngineState) -> list[tuple[int, int, bytes]]:
-        """(seq id, tokens, identity) of each checkpoint the executed step saved."""
+    def _awaiting_identities(state: EngineState, step: int) -> list[tuple[int, int, bytes]]:
+        """(seq id, tokens, identity) of each checkpoint the executed ``step`` saved."""
         ckpts = state.ckpts
-        return [(c.seq_id, c.step, c.key) for c in map(ckpts.get, ckpts.awaiting_ids())]
+        return [(c.seq_id, c.step, c.key) for c in map(ckpts.get, ckpts.awaiting_ids(step))]
 
     def abort(
         self, state: EngineState, seq_id: int, reason: str, emit: Emit, close_session: bool = False
@@ -373,13 +375,17 @@ class Policy:
         table = state.seqs
         drafting = self.config.speculation.max_drafts > 0 and not state.hybrid
         drafts = self.growth.drafts_to_verify(state, rows) if drafting else None
-        if drafts is None:
-            needing = table.rows_needing_blocks(rows)
-            counts = np.ones(len(needing), I32)
-        else:
-            short = table.blocks_short(rows, drafts)
-            needing, counts = rows[short > 0], short[short > 0].astype(I32)
-        if counts.sum() > state.pool.num_available:
+        while True:  # (once more after the spares are given back: they may hold drafts)
+            if drafts is None:
+                needing = table.rows_needing_blocks(rows)
+                counts = np.ones(len(needing), I32)
+            else:
+                short = table.blocks_short(rows, drafts)
+                needing, counts = rows[short > 0], short[short > 0].astype(I32)
+            short_of_room = counts.sum() > state.pool.num_available
+            if not short_of_room or not self.growth.return_spares(state, emit):
+                break
+        if short_of_room:
             needing, counts = self._make_room(state, needing, counts, emit)
             held = table.still_held(rows)
             drafts = None if drafts is None else drafts[np.isin(rows, held)]

@@ -46,6 +46,7 @@ from kvsched.events import types as ev
 from kvsched.identity import partial_key, tail_extra
 from kvsched.reducers.blocks import BlockPool
 from kvsched.reducers.ckpt_columns import CheckpointColumns, ColumnsView, Record
+from kvsched.reducers.ckpt_saves import SaveQueue
 from kvsched.reducers.errors import RefChange, ReplayMismatch
 from kvsched.statemachines import CHECKPOINT, CkptState, fire
 
@@ -124,9 +125,7 @@ class CheckpointTable:
         self.saves = 0
         self.restores = 0
         self.evictions = 0
-        self.reserved: list[int] = []  # reserved by the step being scheduled
-        self.reserved_keys: dict[bytes, int] = {}  # their identities
-        self.awaiting: list[int] = []  # reserved by the step being executed: to publish
+        self._saves = SaveQueue()  # reserved, not yet published: by the step that saves them
         self.save_pins: dict[int, int] = {}  # save id -> the checkpoint its lease pins
         self.load_slots: dict[int, int] = {}  # seq id -> the slot its rowless load writes
         self.columns = CheckpointColumns(self.num_slots)  # the records by slot (ckpt_columns)
@@ -180,7 +179,7 @@ class CheckpointTable:
 
     def reserved_now(self, key: bytes) -> bool:
         """Whether the step being scheduled already reserved a save of this identity."""
-        return key in self.reserved_keys
+        return key in self._saves.reserved_keys
 
     def find_partials(self, anchor: bytes) -> dict[int, int]:
         """{tail length: count} of published partial checkpoints after ``anchor``."""
@@ -204,9 +203,20 @@ class CheckpointTable:
         """Every live checkpoint (reserved, published or pinned), oldest first (a view)."""
         return self.ckpts.values()
 
-    def awaiting_ids(self) -> list[int]:
-        """The checkpoints awaiting publication after the step (a copy)."""
-        return list(self.awaiting)
+    def awaiting_ids(self, step: int | None = None) -> list[int]:
+        """The checkpoints that launched ``step`` saves (None: every launched step), to
+        publish once its outcome lands (a copy)."""
+        return self._saves.awaiting_ids(step)
+
+    def in_flight_keys(self) -> set[bytes]:
+        """The identities of the checkpoints launched steps save (published once their
+        outcomes land)."""
+        return {self.ckpts[i].key for i in self._saves.awaiting_ids()}
+
+    @property
+    def reserving(self) -> bool:
+        """Whether the step being scheduled reserved a save (its outcome is owed)."""
+        return bool(self._saves.reserved)
 
     def saves_by_rule(self) -> Mapping[str, int]:
         """Checkpoints ever saved, by placement rule (a read-only view)."""
@@ -240,8 +250,7 @@ class CheckpointTable:
         c.state = fire(CHECKPOINT, e, c.ckpt_id, c.state, facts)
 
     def _on_step_started(self, e: ev.StepStarted) -> None:
-        self.awaiting, self.reserved = self.reserved, []
-        self.reserved_keys = {}
+        self._saves.start(e.step)
 
     def _on_reserved(self, e: ev.CheckpointReserved) -> RefChange | None:
         if e.ckpt_id != self.next_id or not self.free_slots or self.free_slots[-1] != e.slot:
@@ -264,8 +273,7 @@ class CheckpointTable:
         self._sync(c)
         self.by_producer.setdefault(c.seq_id, []).append(c.ckpt_id)
         self.used += cost
-        self.reserved.append(c.ckpt_id)
-        self.reserved_keys[c.key] = c.ckpt_id
+        self._saves.reserve(c.ckpt_id, c.key)
         self.saves += 1
         self.saves_by_kind[c.kind] = self.saves_by_kind.get(c.kind, 0) + 1
         if path is None:
@@ -286,8 +294,9 @@ class CheckpointTable:
 
     def _on_published(self, e: ev.CheckpointPublished) -> RefChange:
         c = self.get(e.ckpt_id)
-        if c.ckpt_id not in self.awaiting or c.key in self.index:
+        if not self._saves.launched(c.ckpt_id) or c.key in self.index:
             raise ReplayMismatch(f"checkpoint {c.ckpt_id} cannot be published")
+        self._saves.remove(c.ckpt_id, c.key)
         held = c.phase == BEFORE
         path = c.path if held else self._prefix_path(c.ckpt_id, c.step, c.anchor)
         self._fire(c, e)
@@ -297,7 +306,6 @@ class CheckpointTable:
             tails = self.partials.setdefault(c.anchor, {})
             tails[c.step] = tails.get(c.step, 0) + 1
         self._touch(c)
-        self.awaiting.remove(c.ckpt_id)
         return RefChange() if held else RefChange(attach=(path,))
 
     def _on_dropped(
@@ -324,11 +332,7 @@ class CheckpointTable:
         if not produced:
             del self.by_producer[c.seq_id]
         self.free_slots.append(c.slot)
-        for queue in (self.reserved, self.awaiting):
-            if c.ckpt_id in queue:
-                queue.remove(c.ckpt_id)
-        if self.reserved_keys.get(c.key) == c.ckpt_id:
-            del self.reserved_keys[c.key]
+        self._saves.remove(c.ckpt_id, c.key)
         if isinstance(e, ev.CheckpointEvicted):
             self.evictions += 1
             if e.priority is not None:
@@ -453,12 +457,10 @@ class CheckpointTable:
         unknown = set(pins_by_ckpt) - set(self.ckpts)
         if unknown:
             return f"sequences pin unknown checkpoints {sorted(unknown)}"
-        queued = self.reserved + self.awaiting
-        stale = [i for i in queued if self.ckpts[i].state != CkptState.RESERVED]
-        if stale:
-            return f"checkpoints {stale} await publication but are not reserved"
-        if self.reserved_keys != {self.ckpts[i].key: i for i in self.reserved}:
-            return "the reserved-identity index is not the keys of this step's reservations"
+        reserved = {i: c.key for i, c in self.ckpts.items() if c.state == CkptState.RESERVED}
+        queue_problem = self._saves.problem(reserved)
+        if queue_problem is not None:
+            return queue_problem
         wrong = self.columns.mismatch({c.slot: _row(c) for c in self.ckpts.values()})
         if wrong is not None:
             return wrong
@@ -482,8 +484,7 @@ class CheckpointTable:
             tuple(self.free_slots),
             tuple(sorted(self.index.items())),
             self.next_id,
-            tuple(self.reserved),
-            tuple(self.awaiting),
+            self._saves.snapshot(),
             tuple(sorted(self.save_pins.items())),
             self.clock,
             tuple(sorted(self.load_slots.items())),

@@ -107,6 +107,11 @@ class PipelinedRows(DraftRows):
             self.computed[rows] == self.ntokens[rows] + self.ahead[rows] - 1
         )
 
+    def newest_known(self, rows: np.ndarray) -> np.ndarray:
+        """Those of ``rows`` whose newest position's token is known (no placeholder): a
+        state saved after it can be named (a checkpoint's identity hashes its tokens)."""
+        return rows[self.ahead[rows] == 0]  # type: ignore[no-any-return]
+
     def not_at_end(self, rows: np.ndarray) -> np.ndarray:
         """(overlapped steps) Those of ``rows`` not at their end once their placeholders'
         tokens land (``max_tokens``, the context): they are not scheduled again."""

@@ -235,7 +235,7 @@ class EngineState:
         serving = not (self.sleeping or self.serving.running_held) and (
             admitting or t.num_running > 0
         )
-        saving = bool(self.ckpts.reserved) or bool(t.in_flight)  # (an outcome still to land)
+        saving = self.ckpts.reserving or bool(t.in_flight)  # (an outcome still to land)
         return serving or saving or self.transfers.busy or self.serving.drain_pending
 
     # -------------------------------------------------------------------- invariants

@@ -239,14 +239,23 @@ script = [h.Add("a", shared + fresh(300), 20), h.Steps(2),
 got = {}
 for order in ("sync", "async"):
     for kind in ("vllm" if order == "sync" else "vllm-async", "kvsched"):
+        vllm_config.scheduler_config.async_scheduling = order == "async"  # (CPU's: off)
         if kind == "kvsched":
             vllm_config.additional_config = {"kvsched": {
                 "log": f"{log}.{order}", "check_invariants": True}}
         sched = h.make(kind, vllm_config, kv)
         t = h.drive(sched, script, order, 512, hash_block)
         sched.shutdown()
-        got[f"{order}/{kind}"] = {"steps": t.steps, "outputs": t.outputs,
+        got[f"{order}/{kind}"] = {"steps": t.steps, "outputs": t.outputs, "empty": t.empty,
                                   "finished": t.finished, "preempted": sorted(t.preempted)}
+# b arrives while the step that saves the state at a's shared prefix is out
+late = [h.Add("a", shared + fresh(300), 20), h.Steps(1), h.Add("b", shared + fresh(100), 15),
+        h.Steps(100)]
+for kind in ("vllm-async", "kvsched"):
+    vllm_config.additional_config = {}
+    sched = h.make(kind, vllm_config, kv)
+    got[f"late/{kind}"] = {"steps": h.drive(sched, late, "async", 512, hash_block).steps}
+    sched.shutdown()
 got["prompts"] = {op.name: len(op.prompt) for op in script if isinstance(op, h.Add)}
 print("RESULT" + json.dumps(got))
 """
@@ -258,13 +267,24 @@ def test_vllm_adapter_on_a_hybrid_model_gives_vllms_outputs_in_both_orders_and_i
 ):
     """Tiny Qwen3-Next (three mamba groups and one attention group, 640-token blocks, vLLM's
     own hybrid configs), shared prefixes, a stop, an abort: in the synchronous order the
-    adapter schedules every step as vLLM's Scheduler; in both orders the outputs equal
-    vLLM's (Scheduler, AsyncScheduler); both logs verify."""
+    adapter schedules every step as vLLM's Scheduler; in the asynchronous order it overlaps
+    its steps as AsyncScheduler does (no more empty steps than it, as many steps); in both
+    orders the outputs equal vLLM's (Scheduler, AsyncScheduler); both logs verify."""
     model = build("qwen3-next", tmp_path_factory.mktemp("qwen3-next") / "model")
     log = tmp_path / "hybrid.kvlog"
     quiet = {"VLLM_LOGGING_LEVEL": "ERROR"}
     got = _script_result(HYBRID, str(model), str(blocks), str(log), env=quiet)
     assert got["sync/kvsched"]["steps"] == got["sync/vllm"]["steps"]
+    overlapped, theirs = got["async/kvsched"], got["async/vllm-async"]
+    assert overlapped["empty"] == theirs["empty"]  # (without overlap: one in two was empty)
+    assert len(overlapped["steps"]) == len(theirs["steps"])
+    # b waits for the state a step still out saves, then hits it (100 of its 1,380 tokens
+    # computed), no later than under AsyncScheduler
+    first_b = {k: next(i for i, s in enumerate(got[f"late/{k}"]["steps"]) if "b" in s)
+               for k in ("kvsched", "vllm-async")}  # fmt: skip
+    for k, i in first_b.items():
+        assert got[f"late/{k}"]["steps"][i]["b"] == 100, k
+    assert first_b["kvsched"] <= first_b["vllm-async"]
     for order, ref in (("sync", "vllm"), ("async", "vllm-async")):
         mine, theirs = got[f"{order}/kvsched"], got[f"{order}/{ref}"]
         assert mine["finished"] == theirs["finished"]

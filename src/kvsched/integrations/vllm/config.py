@@ -184,10 +184,9 @@ def scheduler_config(vllm_config: Any, kv_cache_config: Any, block_size: int) ->
         )
     hybrid = _hybrid_sizes(kv_cache_config, max_seqs)
     lora = getattr(vllm_config, "lora_config", None)
-    # vLLM's async scheduling: overlapped steps (an attention model without drafts; else the
+    # vLLM's async scheduling: overlapped steps (a model without drafts; with drafts the
     # adapter schedules an empty step while one is out)
-    overlap = bool(getattr(sched, "async_scheduling", False)) and not hybrid["hybrid"]
-    overlap = overlap and not drafts
+    overlap = bool(getattr(sched, "async_scheduling", False)) and not drafts
     return SchedulerConfig(
         model=ModelSpec(
             name=str(model.model),

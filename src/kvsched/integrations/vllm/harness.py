@@ -100,6 +100,7 @@ class Trace:
     outputs: dict[str, list[int]] = attrs.Factory(dict)  # tokens each request received
     finished: dict[str, str] = attrs.Factory(dict)  # how each request ended
     preempted: set[str] = attrs.Factory(set)  # requests preempted at least once
+    empty: int = 0  # steps scheduled while requests were unfinished that ran nothing
 
 
 def configs(
@@ -287,6 +288,8 @@ class Driver:
         if names:
             self.trace.steps.append(dict(so.num_scheduled_tokens))
             self.trace.drafts.append({n: list(d) for n, d in spec.items()})
+        else:
+            self.trace.empty += 1
         self.trace.preempted |= set(so.preempted_req_ids or ())
         return ModelRunnerOutput(
             req_ids=names,

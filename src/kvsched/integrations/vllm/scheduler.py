@@ -158,9 +158,8 @@ class Scheduler(startup.Unserved, SchedulerInterface):  # type: ignore[misc]  # 
     def schedule(self, throttle_prefills: bool = False) -> SchedulerOutput:
         """One kvsched step as vLLM's ``SchedulerOutput``. Under vLLM's async scheduling (step
         N+1 scheduled before step N's output is given back) kvsched plans N+1 while N runs
-        (overlapped steps, ``speculation.pipelined``); where it does not overlap (a hybrid
-        model, drafts, a structured request), a step whose predecessor's outcome is still
-        out is empty."""
+        (overlapped steps, ``speculation.pipelined``); where it does not overlap (drafts, a
+        structured request), a step whose predecessor's outcome is still out is empty."""
         out = sum(r is not None for r in self._awaiting)
         overlaps = self.config.speculation.pipelined and not (
             self.reg.structured or self.grammars.waiting

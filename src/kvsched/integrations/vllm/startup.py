@@ -35,9 +35,9 @@ def start(
     overlap = config.speculation.pipelined
     if getattr(vllm_config.scheduler_config, "async_scheduling", False) and not overlap:
         logger.warning(
-            "kvsched: vLLM runs async scheduling, but kvsched overlaps steps only for an "
-            "attention model without speculative decoding; here a step scheduled while one is "
-            "out is empty (every request re-sent to the runner each step): run with "
+            "kvsched: vLLM runs async scheduling, but kvsched overlaps steps only without "
+            "speculative decoding; here a step scheduled while one is out is empty (every "
+            "request re-sent to the runner each step): run with "
             "--no-async-scheduling (LLM(async_scheduling=False)) to avoid the empty steps"
         )
     if not cfg.has_request_check(vllm_config):
