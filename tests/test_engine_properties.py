@@ -536,6 +536,16 @@ SHRUNK: dict[str, tuple[type[EngineMachine], dict, list[tuple[str, dict]]]] = {
          for i in range(11)]
         + [("arrive", {"max_tokens": m, "prefix": p}) for m, p in ((8, 1), (1, 0), (4, 0))],
     ),
+    # drafts and decode preallocation: an admission that made room gave back, as a spare,
+    # the block a decode of the same step had just taken for its drafts (written into the
+    # null block)
+    "a block this step's drafts write is not a spare": (
+        EngineMachineWithDrafts,
+        {"hybrid": False, "max_batch": 2, "chunk_blocks": 2, "policy": "kvsched",
+         "prealloc": 4},
+        [("arrive", {"max_tokens": 5, "suffix": 6}), ("step", {}), ("step", {}),
+         ("arrive", {"max_tokens": 1, "prefix": 1}), ("step", {}), ("step", {})],
+    ),
     # MTP: a session's second turn whose prompt and max_tokens need every block, and a hit
     # that holds one more (the cached block beside its private recompute): refused now
     "a turn that cannot fit beside its MTP overlap block is refused": (
@@ -568,6 +578,8 @@ def test_a_shrunk_example_finishes_its_work_and_leaves_no_reservation(case: str)
     machine.step()
     for name, kw in calls:
         getattr(machine, name)(**({**ARRIVAL, **kw} if name == "arrive" else kw))
+        machine.owners_are_consistent()
+        machine.no_hit_is_ever_taken_without_its_state_or_kv()  # (nor a write past blocks)
     machine.teardown()  # (it asserts that the engine finished its work)
     ckpts = machine.engine.state.ckpts
     assert bool(ckpts.saves) == machine.config.hybrid and not ckpts.awaiting_ids()

@@ -99,10 +99,12 @@ class Growth:
 
     def _spares(self, state: EngineState) -> tuple[np.ndarray, np.ndarray]:
         """(rows, blocks each keeps) of the running rows holding spare blocks: preallocated
-        past the block of their newest token, never written."""
+        past the block of their newest token and of the drafts it verifies in this step,
+        never written."""
         t = state.seqs
         rows = t.running_rows()
-        keep = -(-t.planned_known(rows) // self.bs)  # (placeholders' positions are written)
+        written = t.planned_known(rows) + t.verifying_of(rows)  # (placeholders' too)
+        keep = -(-written // self.bs)
         spare = t.block_counts(rows) > keep
         return rows[spare], keep[spare]
 
