@@ -546,6 +546,17 @@ SHRUNK: dict[str, tuple[type[EngineMachine], dict, list[tuple[str, dict]]]] = {
         [("arrive", {"max_tokens": 5, "suffix": 6}), ("step", {}), ("step", {}),
          ("arrive", {"max_tokens": 1, "prefix": 1}), ("step", {}), ("step", {})],
     ),
+    # overlapped steps: a chunk that preempted a victim for its blocks was not run in that
+    # step, and a waiting sequence admitted after the preemption took the room, each step
+    # in turn (two sequences preempting each other for ever)
+    "a chunk that preempted for its blocks runs in the same step": (
+        EngineMachinePipelined,
+        {"hybrid": False, "max_batch": 3, "chunk_blocks": 2, "policy": "kvsched"},
+        [("arrive", dict(zip(("adapter", "max_tokens", "prefix", "priority", "salt",
+                              "session", "suffix"), row, strict=True)))
+         for row in (("", 6, 0, 0, "", -1, 4), ("lora-b", 3, 1, 2, "", -1, 9),
+                     ("lora-b", 8, 0, 0, "tenant-b", 0, 9), ("", 5, 0, 0, "", -1, 7))],
+    ),
     # MTP: a session's second turn whose prompt and max_tokens need every block, and a hit
     # that holds one more (the cached block beside its private recompute): refused now
     "a turn that cannot fit beside its MTP overlap block is refused": (

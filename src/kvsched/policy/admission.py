@@ -207,9 +207,11 @@ class Admission:
                 self.checkpoints.evict_for(state, need, emit, keep=-1)
             if need > state.pool.num_available:
                 if not budget.busy and budget.prefills == 0:
-                    # Nothing else can progress: preempt victims (maybe this one itself).
+                    # Nothing else can progress: preempt victims (maybe this one itself),
+                    # then run the chunk (else a waiting sequence could take the room).
                     self.growth.preempt_until(state, need, emit, spare=seq)
-                continue
+                if seq.state != SeqState.RUNNING or need > state.pool.num_available:
+                    continue
             self.growth.allocate(state, [seq.seq_id], [need], emit)
             self.add_prefill(state, seq, chunk, budget, emit)
 
