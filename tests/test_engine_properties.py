@@ -317,10 +317,11 @@ TestEngineStateMachineWithDrafts = EngineMachineWithDrafts.TestCase
 
 
 class EngineMachinePipelined(EngineMachine):
-    """The same machine with overlapped steps (an attention model): each step's outcome is
-    an input of the step after next, so every step is planned while the one before runs,
-    with faults, aborts, drains and holds while a step is out. The step after a failed one
-    is voided (it was planned on it): only its reads of unwritten KV are forgiven."""
+    """The same machine with overlapped steps (attention and hybrid models): each step's
+    outcome is an input of the step after next, so every step is planned while the one
+    before runs, with faults, aborts, drains and holds while a step is out. The step after
+    a failed one is voided (it was planned on it): only its reads of unwritten KV are
+    forgiven."""
 
     @initialize(**ENGINE_CONFIGS)
     def start(self, **kw) -> None:  # type: ignore[no-untyped-def]
