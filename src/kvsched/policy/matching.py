@@ -144,8 +144,10 @@ class Matcher:
         deeper than its hit of ``hit`` tokens: it is published once that step's outcome
         lands (within two steps), and the sequence waits for it rather than recompute what
         it covers (as vLLM, whose hybrid requests wait for a state cached in the step)."""
-        keys = state.ckpts.in_flight_keys() if state.hybrid else set()
-        if not keys:
+        if not state.hybrid:
             return False
-        top = (seq.n_tokens - 1) // self.bs
-        return any(seq.hashes[d - 1] in keys for d in range(hit // self.bs + 1, top + 1))
+        bs, limit = self.bs, seq.n_tokens - 1
+        return any(  # (an aligned checkpoint's identity is its last block's hash)
+            hit < step <= limit and not step % bs and seq.hashes[step // bs - 1] == key
+            for step, key in state.ckpts.in_flight()
+        )

@@ -208,10 +208,10 @@ class CheckpointTable:
         publish once its outcome lands (a copy)."""
         return self._saves.awaiting_ids(step)
 
-    def in_flight_keys(self) -> set[bytes]:
-        """The identities of the checkpoints launched steps save (published once their
-        outcomes land)."""
-        return {self.ckpts[i].key for i in self._saves.awaiting_ids()}
+    def in_flight(self) -> list[tuple[int, bytes]]:
+        """(tokens, identity) of each checkpoint a launched step saves (published once its
+        outcome lands)."""
+        return [(self.ckpts[i].step, self.ckpts[i].key) for i in self._saves.awaiting_ids()]
 
     @property
     def reserving(self) -> bool:
