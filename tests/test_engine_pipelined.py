@@ -16,6 +16,7 @@ from kvsched.config import PLACEMENTS, ConfigError, ModelSpec, SchedulerConfig, 
 from kvsched.engine import Engine, StepResult, create_log
 from kvsched.events import types as ev
 from kvsched.gpu.fingerprint import FingerprintExecutor
+from kvsched.gpu.sim import SimulatedExecutor
 from kvsched.reducers.inputs import OutcomeMismatch
 from kvsched.replay.verify import verify_log
 
@@ -296,10 +297,9 @@ def test_a_log_of_overlapped_steps_verifies(tmp_path: Path):
 @pytest.mark.parametrize(
     "other",
     [
-        {"speculation": Speculation(pipelined=True, max_drafts=2)},
         {"model": ModelSpec(vocab_size=VOCAB, routed_experts_per_token=2)},
     ],
-    ids=["drafts", "routed-experts"],
+    ids=["routed-experts"],
 )
 def test_overlapped_steps_refuse_what_they_do_not_support_yet(other: dict):
     with pytest.raises(ConfigError, match=r"speculation\.pipelined"):
@@ -325,3 +325,134 @@ def test_a_hybrid_request_waits_for_a_state_a_step_still_out_saves_and_then_hits
     admitted_at, hit, ckpt_id = hits[1]
     assert (hit, admitted_at) == (16, 3) and ckpt_id >= 0  # (published in step 3)
     assert executor.mismatches == []
+
+
+def test_a_decode_time_state_is_saved_one_step_later_and_a_later_request_restores_it():
+    """With overlapped steps a decode reaching a block boundary cannot name its state when it
+    is planned (its input is a placeholder); the state is saved before the next forward,
+    once that token has landed (as vLLM's AsyncScheduler caches the block then). A later
+    request continuing the answer restores it, and the fingerprint executor reads the state
+    it computed there (a wrong one is a mismatch)."""
+    rules = attrs.evolve(
+        PIPELINED.checkpoints, placement=("decode_blocks",), aligned_only=True
+    )
+    cfg = attrs.evolve(
+        PIPELINED, hybrid=True, checkpoints=rules, cache_when_planned=True,
+        dedup_cached_blocks=False,
+    )  # (as under vLLM: blocks cached once their tokens are known and planned)
+    prompt = [1 + i % 10 for i in range(6)]
+    first = ev.RequestArrived(0, np.asarray(prompt, np.int32), 12)
+
+    def go(schedule: dict[int, list[ev.Event]]) -> tuple[list, FingerprintExecutor]:
+        executor = FingerprintExecutor(VOCAB, 60, BS, cfg.num_state_slots)
+        return run(Engine(cfg, check_invariants=True), executor, schedule, lag=2), executor
+
+    alone, _ = go({1: [first]})
+    answer = prompt + tokens_by_seq(alone)[0][:12]
+    later = ev.RequestArrived(1, np.asarray([*answer[:14], 3], np.int32), 2)
+    steps, executor = go({1: [first], 30: [later]})
+
+    saves = [d for r, _ in steps for d in r.decisions if isinstance(d, ev.CheckpointReserved)]
+    assert {(d.num_tokens, d.phase) for d in saves} == {(8, "before"), (12, "before"),
+                                                       (16, "before")}
+    (hit,) = [d for r, _ in steps for d in r.decisions
+              if isinstance(d, ev.PrefixMatched) and d.seq_id == 1]
+    assert hit.num_tokens == 12 and hit.ckpt_id >= 0
+    assert executor.mismatches == []
+
+
+def tokens_by_seq(steps: list[tuple[StepResult, Outcome | None]]) -> dict[int, list[int]]:
+    """Each sequence's tokens as the executor produced them, in order (with drafts: the
+    accepted ones and one more per step)."""
+    out: dict[int, list[int]] = {}
+    for _, o in steps:
+        if isinstance(o, ev.StepExecuted):
+            counts = o.counts if o.counts is not None else np.ones(len(o.seq_ids), np.int32)
+            at = np.concatenate(([0], np.cumsum(counts)))
+            for i, seq in enumerate(o.seq_ids.tolist()):
+                out.setdefault(seq, []).extend(o.tokens[at[i] : at[i + 1]].tolist())
+    return out
+
+
+def kept(seq: int, tokens: list[int]) -> list[int]:
+    """The tokens a sequence of ``workload()`` keeps: up to its ``max_tokens`` and its end of
+    sequence (what an executor samples past them is dropped)."""
+    (arrival,) = [e for es in workload().values() for e in es if e.seq_id == seq]
+    out = tokens[: arrival.max_tokens]
+    if arrival.eos_token_id in out:
+        out = out[: out.index(arrival.eos_token_id) + 1]
+    return out
+
+
+DRAFTING = attrs.evolve(SYNC, speculation=Speculation(max_drafts=2))
+
+
+@pytest.mark.parametrize("num_blocks", [14, 60], ids=["preempting", "roomy"])
+@pytest.mark.parametrize("executor", ["fingerprint", "simulated"])
+def test_overlapped_steps_with_drafts_produce_the_synchronous_engines_tokens(
+    num_blocks: int, executor: str
+):
+    """A decode planned while its row's step runs verifies placeholder drafts (input id -1):
+    the executor verifies its own proposals, after the tokens it accepted there (the
+    rejected drafts move the row's work back, as vLLM's runner does). Every sequence gets
+    the synchronous engine's tokens, the fingerprint executor reads the KV the plans say it
+    wrote, and drafts are both accepted and rejected."""
+    cfg = attrs.evolve(DRAFTING, num_blocks=num_blocks)
+
+    def make() -> FingerprintExecutor | SimulatedExecutor:
+        if executor == "fingerprint":
+            return FingerprintExecutor(VOCAB, num_blocks, BS, drafts=2, acceptance=0.6)
+        return SimulatedExecutor(VOCAB, drafts=2, acceptance=0.6)
+
+    sync_x, pipe_x = make(), make()
+    sync = run(Engine(cfg, check_invariants=True), sync_x, workload(), lag=1)
+    pipe_cfg = attrs.evolve(cfg, speculation=Speculation(max_drafts=2, pipelined=True))
+    pipe = run(Engine(pipe_cfg, check_invariants=True), pipe_x, workload(), lag=2)
+
+    want, got = tokens_by_seq(sync), tokens_by_seq(pipe)
+    for seq, tokens in want.items():
+        assert kept(seq, got[seq]) == kept(seq, tokens), seq
+    assert finished(pipe) == finished(sync)
+    if isinstance(pipe_x, FingerprintExecutor):
+        assert sync_x.mismatches == [] and pipe_x.mismatches == []  # type: ignore[union-attr]
+    blind = [r for r, _ in pipe if len(r.plan.num_drafts) and -1 in r.plan.input_ids]
+    assert blind, "no decode verified placeholder drafts"
+    counts = [o.counts for _, o in pipe if isinstance(o, ev.StepExecuted) and o.counts is not None]
+    verified = sum(int(r.plan.num_drafts.sum()) for r, _ in pipe if len(r.plan.num_drafts))
+    accepted = sum(int(c.sum()) - len(c) for c in counts)
+    assert 0 < accepted < verified
+
+
+def test_rejected_drafts_roll_back_and_move_the_next_steps_work_back():
+    engine = Engine(attrs.evolve(DRAFTING, speculation=Speculation(max_drafts=2, pipelined=True)))
+    prompt = np.arange(1, 7, dtype=np.int32)
+    first = engine.step([ev.RequestArrived(0, prompt, 20)], 0.0)
+    second = engine.step([], 1.0)  # (the prefill's outcome is out: two placeholder drafts)
+    assert second.plan.input_ids.tolist() == [-1, -1, -1]
+    assert second.plan.num_drafts.tolist() == [2] and second.plan.starts.tolist() == [6]
+    landed = ev.StepExecuted(first.plan.step, np.asarray([0]), np.asarray([9], np.int32))
+    third = engine.step([landed], 2.0)
+    assert third.plan.starts.tolist() == [9]  # (after the three placeholders of the second)
+    one = ev.StepExecuted(
+        second.plan.step, np.asarray([0]), np.asarray([4, 5], np.int32),
+        counts=np.asarray([2], np.int32),
+    )  # (one draft accepted, one rejected)
+    fourth = engine.step([one], 3.0)
+    seqs = engine.state.seqs
+    assert seqs.num_tokens(seqs.seq(0)) == 9  # prompt, 9, 4, 5
+    # the third step's work ran one position earlier: its decode started at 8, not 9; its
+    # three placeholders are still out, so the fourth starts after them
+    assert fourth.plan.starts.tolist() == [11]
+
+
+def test_a_log_of_overlapped_steps_with_drafts_verifies(tmp_path: Path):
+    path = str(tmp_path / "pipelined-drafts.log")
+    cfg = attrs.evolve(DRAFTING, speculation=Speculation(max_drafts=2, pipelined=True))
+    log = create_log(path, cfg)
+    engine = Engine(cfg, log=log, check_invariants=True)
+    executor = FingerprintExecutor(VOCAB, cfg.num_blocks, BS, drafts=2, acceptance=0.6)
+    run(engine, executor, workload(), lag=2)
+    log.close()
+
+    result = verify_log(path)
+    assert result.ok and result.steps > 10

@@ -347,6 +347,28 @@ EngineMachinePipelined.TestCase.settings = EngineMachine.TestCase.settings
 TestEngineStateMachinePipelined = EngineMachinePipelined.TestCase
 
 
+class EngineMachinePipelinedWithDrafts(EngineMachinePipelined):
+    """Overlapped steps with speculative decoding (vLLM's AsyncScheduler with drafts): a
+    decode planned while its row's step runs verifies placeholder drafts, which the executor
+    fills with its own proposals and writes after the tokens it accepted; rejected drafts
+    roll back when their outcome lands (a hybrid model's drafts are not verified)."""
+
+    @initialize(**ENGINE_CONFIGS)
+    def start(self, **kw) -> None:  # type: ignore[no-untyped-def]
+        super().start(**kw)
+        speculation = attrs.evolve(self.config.speculation, max_drafts=3)
+        self.config = attrs.evolve(self.config, speculation=speculation)
+        self.engine = Engine(self.config, check_invariants=True)
+        slots = self.config.num_state_slots if self.config.hybrid else 0
+        bs, blocks = self.config.block_size, self.config.num_blocks
+        self.executor = FingerprintExecutor(VOCAB, blocks, bs, slots, drafts=3)
+        self.runner = _Faulty(self.executor)
+
+
+EngineMachinePipelinedWithDrafts.TestCase.settings = EngineMachine.TestCase.settings
+TestEngineStateMachinePipelinedWithDrafts = EngineMachinePipelinedWithDrafts.TestCase
+
+
 class EngineMachineWithMTPAndImages(EngineMachine):
     """The same machine with MTP (a hit's last cached block recomputed privately while the
     sequence holds the cached one) and requests with multimodal spans: no forward starts
@@ -506,6 +528,13 @@ BASE = dict(
 )  # fmt: skip
 ARRIVAL = dict(prefix=0, suffix=0, max_tokens=10, adapter="", salt="", priority=0, session=-1)
 SHRUNK: dict[str, tuple[type[EngineMachine], dict, list[tuple[str, dict]]]] = {
+    # overlapped steps with drafts: the outcome that ended a sequence within its accepted
+    # drafts left the step launched after it starting past the tokens kept, and caching
+    # then named a block of tokens that were dropped
+    "drafts past a sequence's end are not computed": (
+        EngineMachinePipelinedWithDrafts, {"hybrid": False, "policy": "kvsched"},
+        [("arrive", {"max_tokens": 9, "suffix": 2})] + [("step", {})] * 12,
+    ),
     # a sequence-end save planned in a step whose outcome lands two steps later (overlapped
     # steps, an empty step between) was lost, its frozen block held for ever
     "a save whose outcome lands two steps later is published": (

@@ -357,7 +357,6 @@ class SchedulerConfig:
                     raise refuse("cache_when_planned", name, "is not supported with")
         if self.speculation.pipelined:  # (not in the first cut of overlapped steps)
             for name, on in (
-                ("speculation.max_drafts", self.speculation.max_drafts),
                 ("speculation.tokens", self.speculation.tokens),
                 ("external.enabled", self.external.enabled),
                 ("model.routed_experts_per_token", self.model.routed_experts_per_token),

@@ -105,19 +105,60 @@ class StepPlan:
             return self.num_drafts
         return np.zeros(self.num_seqs, np.int32)
 
-    def fill_placeholders(self, newest: dict[int, int]) -> StepPlan:
-        """This plan with each placeholder input id (-1: overlapped steps, a token sampled in
-        the step still running when this one was planned) replaced by its sequence's token
-        in ``newest`` (what the executor sampled in the step before, by sequence id; 0 for
-        one it lacks: that step failed, and this one is voided); itself when it has none."""
+    def fill_placeholders(
+        self,
+        newest: dict[int, int],
+        rejected: dict[int, int] | None = None,
+        proposals: dict[int, list[int]] | None = None,
+    ) -> StepPlan:
+        """This plan as the executor runs it (overlapped steps); itself when it has no
+        placeholder. Each placeholder input id (-1: a token sampled in the step still running
+        when this one was planned) is replaced by its sequence's token in ``newest`` (what
+        the executor sampled in the step before, by sequence id; 0 for one it lacks: that
+        step failed, and this one is voided). With speculative decoding, a row whose newest
+        token is a placeholder verifies the executor's own ``proposals`` of that step (its
+        placeholder drafts), and its work moves back by the drafts the executor rejected in
+        that step (``rejected``): positions, slots and bounds, as vLLM's runner does."""
         at = np.nonzero(self.input_ids < 0)[0]
         if not len(at):
             return self
-        rows = np.searchsorted(self.token_bounds, at, side="right") - 1
+        bounds = self.token_bounds
+        rows = np.searchsorted(bounds, at, side="right") - 1
+        seqs = self.seq_ids[rows].tolist()
         ids = self.input_ids.copy()
-        ids[at] = [newest.get(s, 0) for s in self.seq_ids[rows].tolist()]
+        offsets = (at - bounds[rows]).tolist()  # 0: the newest token, j: the j-th draft
+        proposed, shift = proposals or {}, []
+        for k, (seq, j) in enumerate(zip(seqs, offsets, strict=True)):
+            if j == 0:
+                ids[at[k]] = newest.get(seq, 0)
+                moved = (rejected or {}).get(seq, 0)
+                if moved:
+                    shift.append((int(rows[k]), moved))
+            else:
+                mine = proposed.get(seq, ())
+                ids[at[k]] = mine[j - 1] if j <= len(mine) else 0
         ids.setflags(write=False)
-        return attrs.evolve(self, input_ids=ids)
+        plan = attrs.evolve(self, input_ids=ids)
+        return plan._moved_back(shift) if shift else plan
+
+    def _moved_back(self, shift: list[tuple[int, int]]) -> StepPlan:
+        """This plan with each (row, n) of ``shift`` computing its tokens n positions
+        earlier (its slots read from its block table)."""
+        bounds, bs = self.token_bounds, self.block_size
+        positions, slots = self.positions.copy(), self.slot_mapping.copy()
+        starts, ends = self.starts.copy(), self.ends.copy()
+        for row, n in shift:
+            lo, hi = int(bounds[row]), int(bounds[row + 1])
+            positions[lo:hi] -= n
+            starts[row] -= n
+            ends[row] -= n
+            pos = positions[lo:hi]
+            slots[lo:hi] = self.block_tables[row, pos // bs].astype(np.int64) * bs + pos % bs
+        for a in (positions, slots, starts, ends):
+            a.setflags(write=False)
+        return attrs.evolve(
+            self, positions=positions, slot_mapping=slots, starts=starts, ends=ends
+        )
 
 
 PLAN_FIELDS: tuple[str, ...] = tuple(f.name for f in attrs.fields(StepPlan))

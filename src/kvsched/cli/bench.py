@@ -71,8 +71,6 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def _bench_vllm(args: argparse.Namespace) -> int:
-    if args.drafts and args.order == "async":
-        return fail("kvsched bench vllm: --drafts is measured in the synchronous order only")
     try:  # vLLM first: nothing is written (the bench's model) without it
         importlib.import_module("vllm")
         from kvsched.integrations.vllm.bench import run_vllm_bench
@@ -186,8 +184,8 @@ def add_bench(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg
         "--drafts",
         type=int_in(0, 16),
         default=0,
-        help="speculative decoding: ngram draft tokens per decode (synchronous order only; "
-        "the model accepts the first)" + DEFAULT,
+        help="speculative decoding: draft tokens per decode (ngram in the synchronous "
+        "order, ngram_gpu in the asynchronous one; the model accepts the first)" + DEFAULT,
     )
     vllm.add_argument(
         "--rounds", type=int_in(1, 1000), default=3, help="interleaved rounds" + DEFAULT

@@ -100,6 +100,8 @@ class FingerprintExecutor:
         self.mismatches: list[str] = []
         self.sleep_level = 0
         self.newest: dict[int, int] = {}  # the last step's tokens (placeholders)
+        self.rejected: dict[int, int] = {}  # and (drafts) each row's rejected drafts
+        self.proposals: dict[int, list[int]] = {}  # and the drafts it proposed
 
     @property
     def num_blocks(self) -> int:
@@ -123,7 +125,7 @@ class FingerprintExecutor:
     def execute(self, plan: StepPlan) -> StepExecuted:
         if self.sleep_level:
             raise RuntimeError(f"the executor sleeps (level {self.sleep_level}): wake it first")
-        plan = plan.fill_placeholders(self.newest)  # (overlapped steps)
+        plan = plan.fill_placeholders(self.newest, self.rejected, self.proposals)  # (overlapped)
         self._check(plan)
         self._before(plan)
         last = self._forward(plan)
@@ -143,6 +145,7 @@ class FingerprintExecutor:
         counts: list[int] = []
         proposed: list[int] = []
         verified, bounds = plan.verified_drafts, plan.token_bounds
+        self.newest, self.rejected, self.proposals = {}, {}, {}
         for i in rows.tolist():
             h, start, d = self._h[i], int(plan.starts[i]), int(verified[i])
             first = len(h) - 1 - d  # h index of the row's newest token
@@ -156,7 +159,11 @@ class FingerprintExecutor:
                     break
             out += made
             counts.append(len(made))
-            proposed += self._propose(h[first + len(made) - 1], digest, made[-1], end)
+            mine = self._propose(h[first + len(made) - 1], digest, made[-1], end)
+            proposed += mine
+            seq = int(plan.seq_ids[i])
+            self.newest[seq], self.proposals[seq] = made[-1], mine
+            self.rejected[seq] = d + 1 - len(made)
         return StepExecuted(
             plan.step, seq_ids, np.asarray(out, np.int32), self.cost.step_time(plan),
             counts=np.asarray(counts, np.int32),

@@ -171,6 +171,9 @@ class SimulatedExecutor:
         self.drafts = drafts
         self.acceptance = acceptance
         self.sleep_level = 0  # it holds no memory: sleep only records the level
+        # (overlapped steps with drafts) each row's rejected drafts and proposals, last step
+        self.rejected: dict[int, int] = {}
+        self.proposals: dict[int, list[int]] = {}
 
     def sleep(self, level: int) -> None:
         self.sleep_level = max(self.sleep_level, check_sleep_level(level))
@@ -192,7 +195,11 @@ class SimulatedExecutor:
         return StepExecuted(plan.step, seq_ids, tokens, self.cost.step_time(plan), experts)
 
     def _speculate(self, plan: StepPlan) -> StepExecuted:
-        """Verify each sampling row's drafts, then propose the next ones."""
+        """Verify each sampling row's drafts, then propose the next ones (overlapped steps:
+        a row planned while its last step ran verifies this executor's own proposals, after
+        the tokens it accepted there: ``StepPlan.fill_placeholders``)."""
+        plan = plan.fill_placeholders({}, self.rejected, self.proposals)
+        self.rejected, self.proposals = {}, {}
         verified, bounds = plan.verified_drafts, plan.token_bounds
         vocab, seed = self.vocab_size, self.seed
         seq_ids, out, counts, proposed = [], [], [], []
@@ -208,6 +215,7 @@ class SimulatedExecutor:
             out.append(true[: accepted + 1])
             counts.append(accepted + 1)
             proposed.append(self._propose(seq, first + accepted + 1))
+            self.rejected[seq], self.proposals[seq] = d - accepted, proposed[-1].tolist()
         tokens = np.concatenate(out) if out else np.zeros(0, np.int32)
         drafts = np.concatenate(proposed) if proposed else np.zeros(0, np.int32)
         experts = self._routed_experts(plan) if self.routed_experts_per_token else None

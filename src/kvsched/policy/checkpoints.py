@@ -54,9 +54,14 @@ class Checkpoints:
         emit: Emit,
         kind: str,
         phase: str = "after",
+        late: bool = False,
     ) -> None:
         """Save the state after ``step`` tokens (rule ``kind``), if that identity is new and
-        a slot and room (and, for a non-aligned step, a frozen block) can be had."""
+        a slot and room (and, for a non-aligned step, a frozen block) can be had. ``late``
+        (overlapped steps): a state a step still in flight computes, saved before this
+        step's forward (not if that step saves it already). A save before the forward holds
+        its prefix's blocks at once: they must be cached (under ``cache_when_planned`` they
+        are, as soon as their tokens are known)."""
         aligned = step % self.bs == 0
         if not aligned and (self.config.checkpoints.aligned_only or phase == "within"):
             return  # (an executor that keeps states in whole blocks only: vLLM's align mode)
@@ -68,6 +73,8 @@ class Checkpoints:
         key, anchor = state.seqs.identity_at(seq, step)
         if ckpts.find(key) is not None or ckpts.reserved_now(key):
             return
+        if late and any(k == key for _, k in ckpts.in_flight()):
+            return  # (that step saves it already)
         if not aligned and not state.pool.num_available:
             return  # no frozen block to be had: check before evicting anything for room
         if phase == "before" and step >= self.bs and not state.pool.is_cached(anchor):
@@ -113,9 +120,13 @@ class Checkpoints:
         """The decode rules: save the states the scheduled decode steps reach at their
         rule's interval (``decode``: decode_checkpoint_interval; ``decode_blocks`` and
         ``decode_latest``: block boundaries). With overlapped steps a decode whose position
-        is a placeholder saves nothing: its state's name hashes a token still in flight."""
+        is a placeholder cannot name the state it reaches (the name hashes a token still in
+        flight): that state is saved one step later, before the next forward overwrites it,
+        once its tokens are known (vLLM's ``AsyncScheduler`` caches that block when the
+        token lands)."""
         config, table = self.config, state.seqs
-        rows = table.newest_known(rows)
+        known = table.newest_known(rows)
+        late, reached = table.late_states(rows)
         rules = [
             (kind, interval)
             for kind, interval in (
@@ -126,9 +137,12 @@ class Checkpoints:
             if interval and config.places(kind)
         ]
         for kind, interval in rules:
-            for row in rows[(table.computed_of(rows) + 1) % interval == 0].tolist():
+            for row in known[(table.computed_of(known) + 1) % interval == 0].tolist():
                 seq = table.seq_at(row)
                 self.reserve(state, seq, table.computed_at(row) + 1, emit, kind)
+            for row, step in zip(late.tolist(), reached.tolist(), strict=True):
+                if step % interval == 0:
+                    self.reserve(state, table.seq_at(row), step, emit, kind, "before", True)
 
     # ------------------------------------------------------------------- publication
 

@@ -272,7 +272,7 @@ def _check_against_state(state: Owners, inputs: Sequence[ev.Event], order: list[
         if isinstance(e, (ev.StepExecuted, ev.StepFailed)):
             if answered == len(owed):
                 raise OutcomeMismatch(i, e, f"no step awaits an outcome (step {e.step} given)")
-            step, expected = owed[answered]
+            step, expected, verifying = owed[answered]
             if e.step != step:
                 raise OutcomeMismatch(i, e, f"outcome of step {e.step}, but step {step} ran")
             answered += 1
@@ -281,7 +281,7 @@ def _check_against_state(state: Owners, inputs: Sequence[ev.Event], order: list[
             experts = e.routed_experts
             plain = e.counts is None and e.draft_counts is None and e.drafts is None
             odd = not plain or len(e.tokens) != len(e.seq_ids)
-            reason = _speculation_error(seqs, e) if odd else None
+            reason = _speculation_error(e, expected, verifying) if odd else None
             if reason is not None or np.array_equal(e.seq_ids, expected):
                 pass  # (the plan's order: the common case)
             elif len(np.unique(e.seq_ids)) != len(e.seq_ids):
@@ -330,10 +330,13 @@ def _check_against_state(state: Owners, inputs: Sequence[ev.Event], order: list[
         )
 
 
-def _speculation_error(seqs: SequenceTable, e: ev.StepExecuted) -> str | None:
+def _speculation_error(
+    e: ev.StepExecuted, expected: np.ndarray, verifying: np.ndarray
+) -> str | None:
     """Why the outcome's token and draft counts do not fit the step (None when they do):
     one token per sampler, or ``counts`` of them, each at least one and at most one more
-    than the drafts its row verified; ``draft_counts`` drafts proposed per sampler."""
+    than the drafts its row verified (``verifying``, per ``expected`` sampler);
+    ``draft_counts`` drafts proposed per sampler."""
     n = len(e.seq_ids)
     counts = e.counts
     if counts is None:
@@ -344,9 +347,9 @@ def _speculation_error(seqs: SequenceTable, e: ev.StepExecuted) -> str | None:
     elif n and int(counts.min()) < 1:
         return "a sequence that sampled produced no token"
     elif n and int(counts.max()) > 1:
-        rows = seqs.rows_of(e.seq_ids)
-        verified = seqs.verifying_of(rows)
-        if np.any(counts > 1 + verified):
+        most = dict(zip(expected.tolist(), (1 + verifying).tolist(), strict=True))
+        pairs = zip(e.seq_ids.tolist(), counts.tolist(), strict=True)
+        if any(c > most.get(s, 1) for s, c in pairs):
             return "a sequence produced more tokens than its verified drafts and one"
     if e.draft_counts is not None or e.drafts is not None:
         drafts, per = e.drafts, e.draft_counts

@@ -20,6 +20,16 @@ before the next step is planned (``check_pipeline``).
 Nothing is cached before it is written: a block enters the prefix index once the step that
 writes it has landed (``cacheable``; under ``cache_when_planned``, at planning as vLLM does).
 
+Speculative decoding with overlapped steps (vLLM's ``AsyncScheduler``): the drafts a decode
+verifies are placeholders too (input ids -1; the executor fills in its own proposals, as
+vLLM's runner does). A launched sampler counts one placeholder for its token and one for each
+draft it verifies (``ahead``, vLLM's ``num_output_placeholders``; ``ahead_drafts`` of them
+drafts, so a row's sure tokens are ``ntokens + ahead - ahead_drafts``), and is given
+``max_drafts`` placeholder drafts for its next decode. Its outcome brings the accepted drafts
+and one more token; the rejected ones roll back its computed tokens and shift the starts of
+its work in the step launched after it (the executor writes that work right after the tokens
+that were accepted, as vLLM's runner does).
+
 A failed step voids the step launched after it (its work was planned on the failed one's):
 the rows of both roll back to the work's starts and lose their placeholders, and the voided
 step's outcome, when it comes, is dropped. Neither step's blocks were cached, so the rows
@@ -35,7 +45,7 @@ import attrs
 import numpy as np
 
 from kvsched.events import types as ev
-from kvsched.reducers.drafts import DraftRows
+from kvsched.reducers.drafts import DraftRows, within_runs
 from kvsched.reducers.seq import Seq
 
 _NO_ROWS = np.zeros(0, dtype=np.int64)
@@ -50,6 +60,7 @@ class InFlight:
     starts: np.ndarray
     samplers: np.ndarray  # the rows that sample
     sampler_ids: np.ndarray  # their sequences (the outcome's expected ids)
+    drafts: np.ndarray  # the drafts each sampler verifies (placeholders)
     left: set[int] = attrs.field(factory=set)  # rows freed since the launch
     void: bool = False  # planned on a step that failed: its outcome is dropped
 
@@ -57,14 +68,17 @@ class InFlight:
 @attrs.frozen
 class Landed:
     """What an outcome lands: the rows its step computed and those that sampled (still
-    holding their sequences), their tokens; the sequences that left their rows since the
-    launch (preempted, ended) and their tokens."""
+    holding their sequences), their tokens (``counts`` each); the sequences that left their
+    rows since the launch (preempted, ended) and their tokens (``left_counts`` each)."""
 
     rows: np.ndarray
     samplers: np.ndarray
     tokens: np.ndarray
+    counts: np.ndarray
+    drafts: np.ndarray  # the drafts each sampler verified
     left_ids: np.ndarray
     left_tokens: np.ndarray
+    left_counts: np.ndarray
 
 
 class PipelinedRows(DraftRows):
@@ -80,7 +94,9 @@ class PipelinedRows(DraftRows):
         super().__init__(max_batch, max_blocks, block_size, max_context, max_drafts)
         self.pipelined = pipelined  # (RowTable's, False there)
         self.ahead = np.zeros(max_batch, dtype=np.int64)  # placeholders per row
-        self.freed_columns.append(self.ahead)  # (a row freed drops its placeholders)
+        self.ahead_drafts = np.zeros(max_batch, dtype=np.int64)  # of which drafts
+        # (a row freed drops its placeholders)
+        self.freed_columns += [self.ahead, self.ahead_drafts]
         self.in_flight: deque[InFlight] = deque()
         self._landed = _NO_ROWS  # the sequences whose rows the latest outcome's tokens reached
         self._delivered: list[int] = []  # and (overlapped steps) the preempted ones it reached
@@ -112,10 +128,28 @@ class PipelinedRows(DraftRows):
         state saved after it can be named (a checkpoint's identity hashes its tokens)."""
         return rows[self.ahead[rows] == 0]  # type: ignore[no-any-return]
 
+    def placeholders_of(self, seq_ids: np.ndarray) -> np.ndarray:
+        """Each running sequence's placeholders: its tokens and verified drafts still out
+        (vLLM's ``num_output_placeholders``; zeros without overlapped steps)."""
+        if not self.in_flight:
+            return np.zeros(len(seq_ids), np.int64)
+        return self.ahead[self.rows_of(seq_ids)]  # type: ignore[no-any-return]
+
+    def late_states(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(overlapped steps) Of decoding ``rows`` whose newest position is a placeholder,
+        those whose step in flight decodes to a state that known tokens name (every token it
+        hashes has landed), and that state's token count: it sits in their runtime slot
+        until their next forward."""
+        late = rows[self.ahead[rows] > 0]
+        reached = self.computed[late]
+        named = (reached <= self.ntokens[late]) & (reached > self.n_prompt[late])
+        return late[named], reached[named]
+
     def not_at_end(self, rows: np.ndarray) -> np.ndarray:
         """(overlapped steps) Those of ``rows`` not at their end once their placeholders'
-        tokens land (``max_tokens``, the context): they are not scheduled again."""
-        known = self.planned_known(rows)
+        tokens land, even if every draft in flight is rejected (``max_tokens``, the context):
+        those at their end are not scheduled again (vLLM's rule)."""
+        known = self.ntokens[rows] + self.ahead[rows] - self.ahead_drafts[rows]
         done = (known - self.n_prompt[rows] >= self.max_tokens[rows]) | (
             known >= self.max_context
         )
@@ -142,12 +176,15 @@ class PipelinedRows(DraftRows):
         return out
 
     @property
-    def awaiting_outcomes(self) -> list[tuple[int, np.ndarray]]:
-        """(step, expected sampler ids) of each step whose outcome is owed, oldest first: the
-        launched ones, then the pending one (launched when the next step starts)."""
-        owed = [(f.step, f.sampler_ids) for f in self.in_flight]
+    def awaiting_outcomes(self) -> list[tuple[int, np.ndarray, np.ndarray]]:
+        """(step, expected sampler ids, the drafts each verifies) of each step whose outcome
+        is owed, oldest first: the launched ones, then the pending one (launched when the
+        next step starts)."""
+        owed = [(f.step, f.sampler_ids, f.drafts) for f in self.in_flight]
         if self.has_pending:
-            owed.append((self.pending_step, self.sampling_seq_ids()))
+            rows, _, ends = self.pending_arrays()
+            samplers = rows[ends >= self.planned_known(rows)]
+            owed.append((self.pending_step, self.row_seq[samplers], self.verifying_of(samplers)))
         return owed
 
     def check_pipeline(self) -> str | None:
@@ -161,14 +198,15 @@ class PipelinedRows(DraftRows):
             return f"{len(self.in_flight)} steps in flight between steps"
         if np.any(self.ahead < 0) or np.any(self.ahead[self.free_rows] != 0):
             return "a negative placeholder count, or one in a free row"
-        count = np.zeros_like(self.ahead)
+        count, drafts = np.zeros_like(self.ahead), np.zeros_like(self.ahead)
         for flight in filter(lambda f: not f.void, self.in_flight):
             left = np.isin(flight.samplers, list(flight.left))
-            count[flight.samplers[~left]] += 1
+            count[flight.samplers[~left]] += 1 + flight.drafts[~left]
+            drafts[flight.samplers[~left]] += flight.drafts[~left]
             gone = flight.sampler_ids[left]
             if np.isin(gone, self.row_seq).any():
                 return f"a sequence of {gone.tolist()} runs again before its token lands"
-        if not np.array_equal(count, self.ahead):
+        if not np.array_equal(count, self.ahead) or not np.array_equal(drafts, self.ahead_drafts):
             return "placeholders disagree with the steps in flight"
         if not self.cache_when_planned and np.any(
             self.registered > self.cacheable() // self.block_size
@@ -184,60 +222,108 @@ class PipelinedRows(DraftRows):
         self.launch()
 
     def launch(self) -> None:
-        """The pending step goes out (the next step starts before its outcome lands)."""
+        """The pending step goes out (the next step starts before its outcome lands): each
+        sampler counts its placeholders and, with speculative decoding, gets ``max_drafts``
+        placeholder drafts for its next decode (the step consumed the ones it verified)."""
         if not self.has_pending:
             return
         rows, starts, ends = self.pending_arrays()
         samplers = rows[ends >= self.planned_known(rows)]
+        drafts = self.verifying_of(samplers).astype(np.int64)
+        if self.any_verifying:
+            self._end_verifying()
         self.computed[rows] = ends
-        self.ahead[samplers] += 1
-        self.in_flight.append(
-            InFlight(self.pending_step, rows, starts, samplers, self.row_seq[samplers].copy())
-        )
+        self.ahead[samplers] += 1 + drafts
+        self.ahead_drafts[samplers] += drafts
+        if self.max_drafts:
+            self.ndrafts[rows] = 0
+            self.ndrafts[samplers] = self.max_drafts
+            self.draft_ids[samplers] = -1
+        ids = self.row_seq[samplers].copy()
+        self.in_flight.append(InFlight(self.pending_step, rows, starts, samplers, ids, drafts))
         self.clear_pending()
 
-    def land(self, seq_ids: np.ndarray, tokens: np.ndarray) -> Landed:
-        """The oldest launched step's outcome, its samplers' placeholders taken off (the
-        caller appends the tokens). A voided step lands nothing."""
+    def land(self, e: ev.StepExecuted) -> Landed:
+        """The oldest launched step's outcome, its samplers' placeholders taken off and their
+        rejected drafts rolled back (the caller appends the tokens). A voided step lands
+        nothing."""
         flight = self.in_flight.popleft()
+        tokens = e.tokens
+        counts = np.ones(len(e.seq_ids), np.int64) if e.counts is None else e.counts
         if flight.void:
-            return Landed(_NO_ROWS, _NO_ROWS, tokens[:0], _NO_ROWS, tokens[:0])
-        if not np.array_equal(seq_ids, flight.sampler_ids):  # (plan order is the common case)
-            order = np.argsort(seq_ids)
-            place = order[np.searchsorted(seq_ids, flight.sampler_ids, sorter=order)]
-            tokens = tokens[place]
+            none = _NO_ROWS
+            return Landed(none, none, tokens[:0], none, none, none, tokens[:0], none)
+        if not np.array_equal(e.seq_ids, flight.sampler_ids):  # (plan order: the common case)
+            order = np.argsort(e.seq_ids)
+            place = order[np.searchsorted(e.seq_ids, flight.sampler_ids, sorter=order)]
+            tokens, counts = _ragged_take(tokens, counts, place), counts[place]
         rows, samplers, ids = flight.rows, flight.samplers, flight.sampler_ids
-        gone_ids, gone_tokens = _NO_ROWS, tokens[:0]
+        drafts = flight.drafts
+        gone_ids, gone_tokens, gone_counts = _NO_ROWS, tokens[:0], _NO_ROWS
         if flight.left:
             gone = np.fromiter(flight.left, np.int64)
             kept = ~np.isin(samplers, gone)
-            gone_ids, gone_tokens = ids[~kept], tokens[~kept]
-            rows, samplers, tokens = rows[~np.isin(rows, gone)], samplers[kept], tokens[kept]
-        self.ahead[samplers] -= 1
-        return Landed(rows, samplers, tokens, gone_ids, gone_tokens)
+            each = np.repeat(kept, counts)
+            gone_ids, gone_tokens, gone_counts = ids[~kept], tokens[~each], counts[~kept]
+            rows = rows[~np.isin(rows, gone)]
+            samplers, tokens, counts = samplers[kept], tokens[each], counts[kept]
+            drafts = drafts[kept]
+        self.ahead[samplers] -= 1 + drafts
+        self.ahead_drafts[samplers] -= drafts
+        return Landed(rows, samplers, tokens, counts, drafts, gone_ids, gone_tokens, gone_counts)
+
+    def settle_landed(self, rows: np.ndarray, drafts: np.ndarray, before: np.ndarray) -> None:
+        """(drafts) Rows whose outcome landed, ``before`` their tokens were appended: the
+        positions of the drafts they verified past the tokens they kept are not computed
+        (rejected, or past the sequence's end), and the work of the step launched after
+        theirs starts that much earlier."""
+        uncomputed = 1 + drafts - (self.ntokens[rows] - before)
+        if uncomputed.any():
+            self._reject(rows, uncomputed)
+
+    def _reject(self, samplers: np.ndarray, rejected: np.ndarray) -> None:
+        """Rejected drafts: their positions are not computed, and the work of the step
+        launched after this one starts that much earlier (the executor writes it after the
+        accepted tokens)."""
+        self.computed[samplers] -= rejected
+        shift = np.zeros(len(self.ahead), np.int64)
+        shift[samplers] = rejected
+        for flight in self.in_flight:
+            live = ~np.isin(flight.rows, np.fromiter(flight.left, np.int64))
+            flight.starts = flight.starts - np.where(live, shift[flight.rows], 0)
 
     def deliver(
         self, landed: Landed, waiting: Mapping[int, Seq], on_full: Callable[[Seq], None]
     ) -> list[int]:
-        """Append each landed token of a sequence that left its row to it if it waits
-        (preempted; ``on_full(seq)`` for each block it fills); returns their ids."""
+        """Append the landed tokens of each sequence that left its row to it if it waits
+        (preempted; ``on_full(seq)`` for each block it fills), up to its end (eos,
+        ``max_tokens``, the context: what follows was never to be produced); returns their
+        ids."""
         delivered = []
-        left = zip(landed.left_ids.tolist(), landed.left_tokens.tolist(), strict=True)
-        for seq_id, token in left:
+        firsts = (np.cumsum(landed.left_counts) - landed.left_counts).tolist()
+        for seq_id, first, count in zip(
+            landed.left_ids.tolist(), firsts, landed.left_counts.tolist(), strict=True
+        ):
             seq = waiting.get(seq_id)
             if seq is None:
                 continue  # (ended or aborted: dropped)
-            n = seq.n_tokens
-            if len(seq.tokens) <= n:
-                grown = np.empty(max(16, 2 * len(seq.tokens)), dtype=np.int32)
-                grown[:n] = seq.tokens[:n]
-                seq.tokens = grown
-            seq.tokens[n] = token
-            seq.n_tokens = n + 1
-            if seq.n_tokens % self.block_size == 0:
-                on_full(seq)
+            for token in landed.left_tokens[first : first + count].tolist():
+                self._append_to(seq, token, on_full)
+                if _ends(seq, token, self.max_context):
+                    break
             delivered.append(seq_id)
         return delivered
+
+    def _append_to(self, seq: Seq, token: int, on_full: Callable[[Seq], None]) -> None:
+        n = seq.n_tokens
+        if len(seq.tokens) <= n:
+            grown = np.empty(max(16, 2 * len(seq.tokens)), dtype=np.int32)
+            grown[:n] = seq.tokens[:n]
+            seq.tokens = grown
+        seq.tokens[n] = token
+        seq.n_tokens = n + 1
+        if seq.n_tokens % self.block_size == 0:
+            on_full(seq)
 
     def fail_in_flight(self) -> tuple[np.ndarray, np.ndarray]:
         """The oldest launched step failed: it and the step launched after it (voided) roll
@@ -265,6 +351,7 @@ class PipelinedRows(DraftRows):
         rows, starts = self._live(flight)
         self.computed[rows] = np.minimum(self.computed[rows], starts)
         self.ahead[rows] = 0
+        self.ahead_drafts[rows] = 0
         return rows
 
     def departed(self, row: int) -> None:
@@ -274,17 +361,32 @@ class PipelinedRows(DraftRows):
 
     def land_outcome(
         self, e: ev.StepExecuted, waiting: Mapping[int, Seq], seq_full: Callable[[Seq], None]
-    ) -> tuple[np.ndarray, np.ndarray]:
+    ) -> Landed:
         """``StepExecuted``'s fold with overlapped steps: the oldest launched step's outcome
         lands (the preempted sequences' tokens delivered, ``seq_full`` for each block one
-        fills); returns (rows, tokens) of the samplers still in their rows, for the caller
-        to append."""
-        landed = self.land(e.seq_ids, e.tokens)
+        fills); returns it: the caller appends the tokens of the samplers still in their rows
+        and settles their drafts (``settle_landed``)."""
+        landed = self.land(e)
         if self.failures[landed.rows].any():  # a success resets the count
             self._reset_failures(landed.rows)
         self._landed = self.row_seq[landed.samplers]
         self._delivered = self.deliver(landed, waiting, seq_full)
-        return landed.samplers, landed.tokens
+        return landed
+
+
+def _ragged_take(tokens: np.ndarray, counts: np.ndarray, place: np.ndarray) -> np.ndarray:
+    """The runs of ``tokens`` (``counts`` each) in the order ``place``."""
+    if len(tokens) == len(counts):
+        return tokens[place]  # type: ignore[no-any-return]
+    firsts = np.cumsum(counts) - counts
+    taken = counts[place]
+    return tokens[np.repeat(firsts[place], taken) + within_runs(taken)]  # type: ignore[no-any-return]
+
+
+def _ends(seq: Seq, token: int, max_context: int) -> bool:
+    """Whether the sequence's newest token (``token``) ends it."""
+    n = seq.n_tokens
+    return token == seq.eos_token_id or n - seq.n_prompt >= seq.max_tokens or n >= max_context
 
 
 __all__ = ["InFlight", "Landed", "PipelinedRows"]

@@ -228,14 +228,15 @@ class RowTable:
 
     def planned_of(self, rows: np.ndarray) -> np.ndarray:
         """Tokens of each row whose KV is written or being written by the current step's plan
-        (its pending work's end; its computed tokens when it has none)."""
+        (its pending work's end; its computed tokens when it has none), of its known tokens:
+        drafts' positions are planned, but their tokens are not known (overlapped steps: nor
+        those of the drafts in flight)."""
         out: np.ndarray = self.computed[rows].copy()
         if len(self._pending_rows):
             ends = np.full(self.max_batch, -1, dtype=np.int64)
             ends[self._pending_rows] = self._pending_ends
-            # (drafts' positions are planned, but their tokens are not known)
-            out = np.maximum(out, np.minimum(ends[rows], self.ntokens[rows]))
-        return out
+            out = np.maximum(out, ends[rows])
+        return np.minimum(out, self.ntokens[rows])  # type: ignore[no-any-return]
 
     def rows_to_cache(
         self, rows: np.ndarray | None = None, planned: bool = False

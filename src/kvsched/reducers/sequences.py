@@ -201,8 +201,11 @@ class SequenceTable(PipelinedRows):
         (``e.counts``), up to its end (eos, ``max_tokens``, the context), and has computed
         every position but its newest token's (the rejected drafts' KV is stale); the drafts
         proposed for the next step replace the ones it had."""
+        counts, landed = e.counts, None
         if self.pipelined:  # (the oldest launched step lands: ``PipelinedRows``)
-            sampled, tokens = self.land_outcome(e, self.waiting, self._hash_block)
+            landed = self.land_outcome(e, self.waiting, self._hash_block)
+            sampled, tokens, counts = landed.samplers, landed.tokens, landed.counts
+            before = self.ntokens[sampled] if self.max_drafts else _NO_ROWS
             rows = verified = _NO_ROWS
         else:
             rows, starts, ends = self.pending_arrays()
@@ -221,8 +224,8 @@ class SequenceTable(PipelinedRows):
             # The outcome names the samplers, usually in plan order (then no lookup is
             # needed; the answer is kept for the next ``rows_of(e.seq_ids)``).
             sampled, tokens = self.rows_of(e.seq_ids, sampling), e.tokens
-        if e.counts is not None and len(e.counts) and int(e.counts.max()) > 1:
-            self._append_each(sampled, e.counts, tokens, self._hash_last_block)
+        if counts is not None and len(counts) and int(counts.max()) > 1:
+            self._append_each(sampled, counts, tokens, self._hash_last_block)
         else:
             self.tail[sampled, self.ntokens[sampled] % self.block_size] = tokens
             self.ntokens[sampled] += 1
@@ -231,7 +234,9 @@ class SequenceTable(PipelinedRows):
                 self._hash_last_block(row)
         if len(verified):
             self._settle_drafts(verified, bool(len(e.routed_experts)))
-        if self.max_drafts:
+        elif landed is not None and self.max_drafts:
+            self.settle_landed(sampled, landed.drafts, before)
+        if self.max_drafts and not self.pipelined:  # (overlapped: placeholders, at launch)
             self._take_drafts(rows, sampled, e.draft_counts, e.drafts)
 
     def _hash_last_block(self, row: int) -> None:

@@ -64,8 +64,13 @@ def test_vllm_async_scheduling_overlaps_kvscheds_steps_for_attention_and_hybrid_
         _vllm_config(async_scheduling=True), _kv_cache(FullAttentionSpec, MambaSpec), 32
     )
 
+    with_drafts = _vllm_config(async_scheduling=True)
+    with_drafts.speculative_config = _spec()  # (ngram_gpu: vLLM's async drafter)
+    drafting = cfg.scheduler_config(with_drafts, attention, 32)
+
     assert on.speculation.pipelined and not off.speculation.pipelined
     assert hybrid.hybrid and hybrid.speculation.pipelined
+    assert drafting.speculation.pipelined and drafting.speculation.max_drafts == 3
 
 
 def test_vllm_priority_policy_maps_to_kvscheds_priority_order():
@@ -81,7 +86,6 @@ def test_vllm_priority_policy_maps_to_kvscheds_priority_order():
         ({"mamba_cache_mode": "none"}, "mamba_cache_mode 'align'"),
         ({"speculative_config": _spec(eagle=True)}, "method 'eagle'"),
         ({"speculative_config": _spec(slots=1)}, "method 'ngram'.*past the verified tokens"),
-        ({"speculative_config": _spec(), "async": True}, "async scheduling"),
         ({"speculative_config": _spec(), "kv": (FullAttentionSpec, MambaSpec)}, "hybrid model"),
         ({"speculative_config": _spec(k=30)}, "leaves 8 prefill tokens .* of 31 tokens"),
         ({"max_num_batched_tokens": 36}, "leaves 28 prefill tokens"),

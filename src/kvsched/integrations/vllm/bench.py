@@ -18,9 +18,12 @@ before 2026-12-06) collects everything before each sample and times it with the 
 off: every sample starts with cold CPU caches, which costs the adapter's numpy-column steps
 proportionally more than vLLM's.
 
-``drafts=K`` (synchronous order) turns on ngram speculative decoding with K draft tokens: each
-request that samples gets K drafts (``update_draft_token_ids``, timed: a scheduler call), each
-decode verifies them, and the model accepts the first (two tokens per row per step).
+``drafts=K`` turns on speculative decoding with K draft tokens, and the model accepts the
+first of each decode's (two tokens per row per step). In the synchronous order (ngram) each
+request that samples gets K drafts (``update_draft_token_ids``, timed: a scheduler call); in
+the asynchronous one (``ngram_gpu``, the drafter vLLM runs under async scheduling) the
+scheduler schedules K placeholder drafts per decode and rolls back the rejected ones when the
+output comes back, as vLLM's ``AsyncScheduler`` does.
 
 ``order="async"`` runs vLLM's asynchronous call order (``EngineCore.step_with_batch_queue``,
 a queue of two): vLLM's ``AsyncScheduler`` against the adapter. A sample is then the scheduler
@@ -46,12 +49,17 @@ PROMPT = 512
 BLOCK = 64
 
 
-def _configs(running: int, model_dir: str, drafts: int = 0) -> tuple[Any, Any]:
+def _configs(
+    running: int, model_dir: str, drafts: int = 0, order: str = "sync"
+) -> tuple[Any, Any]:
     from kvsched.integrations.vllm.harness import configs
 
     blocks = running * (PROMPT // BLOCK + 8) + 1
     batched = 8192 + running * (1 + drafts)
-    return configs(model_dir, blocks, running, batched, block_size=BLOCK, drafts=drafts)
+    method = "ngram" if order == "sync" else "ngram_gpu"
+    return configs(
+        model_dir, blocks, running, batched, block_size=BLOCK, drafts=drafts, method=method
+    )
 
 
 def _requests(running: int) -> list[Any]:
@@ -86,8 +94,9 @@ def _output(so: Any, sched: Any) -> Any:
     for name in ids:
         r = requests.get(name)
         done = r is not None and r.num_computed_tokens >= r.num_tokens
-        drafts = spec.get(name)
-        sampled.append(([*drafts[:1], 8] if drafts else [7]) if done else [])
+        # (with drafts, the first is accepted: the proposals are 7s; under async scheduling
+        # the scheduler's are placeholders, and the runner's own are 7s)
+        sampled.append(([7, 8] if spec.get(name) else [7]) if done else [])
     return ModelRunnerOutput(
         req_ids=ids, req_id_to_index={n: i for i, n in enumerate(ids)}, sampled_token_ids=sampled
     )
@@ -172,8 +181,6 @@ def measure(
 
     if order == "async" and kind == "vllm":
         kind = "vllm-async"  # (vLLM's own scheduler under async scheduling)
-    if order == "async" and drafts:
-        raise ValueError("drafts are measured in the synchronous order only")
     # (the adapter overlaps steps under async scheduling, which vLLM's CPU build turns off)
     vllm_config.scheduler_config.async_scheduling = order == "async" and kind == "kvsched"
     sched = make(kind, vllm_config, kv)
@@ -215,7 +222,7 @@ def run_vllm_bench(
     logging.getLogger("kvsched.integrations.vllm.scheduler").setLevel(logging.ERROR)
     with tempfile.TemporaryDirectory() as tmp:
         model = build("qwen3", os.path.join(tmp, "model"))
-        vllm_config, kv = _configs(running, str(model), drafts)
+        vllm_config, kv = _configs(running, str(model), drafts, order)
         out = []
         for round_ in range(1, rounds + 1):
             for kind in ("vllm", "kvsched"):

@@ -137,14 +137,13 @@ def _refuse_unsupported(vllm_config: Any, kv_cache_config: Any) -> None:
 
 
 def _refuse_speculation(vllm_config: Any, spec: Any, hybrid: bool) -> None:
-    """Speculative decoding is served for attention models, in vLLM's synchronous order,
-    with a proposer that needs no KV slots past the verified tokens (ngram, suffix)."""
+    """Speculative decoding is served for attention models, with a proposer that needs no
+    KV slots past the verified tokens (ngram and suffix in vLLM's synchronous order,
+    ``ngram_gpu`` under its async scheduling too)."""
     method = getattr(spec, "method", None)
     why = None
     if hybrid:
         why = "a hybrid model (its state per draft position is not modelled by kvsched)"
-    elif vllm_config.scheduler_config.async_scheduling:
-        why = "async scheduling (run with --no-async-scheduling)"
     elif spec.use_eagle() or int(vllm_config.num_lookahead_tokens) or int(
         spec.max_num_new_slots_for_drafting
     ):
@@ -184,9 +183,8 @@ def scheduler_config(vllm_config: Any, kv_cache_config: Any, block_size: int) ->
         )
     hybrid = _hybrid_sizes(kv_cache_config, max_seqs)
     lora = getattr(vllm_config, "lora_config", None)
-    # vLLM's async scheduling: overlapped steps (a model without drafts; with drafts the
-    # adapter schedules an empty step while one is out)
-    overlap = bool(getattr(sched, "async_scheduling", False)) and not drafts
+    # vLLM's async scheduling: overlapped steps (drafts verified then are placeholders)
+    overlap = bool(getattr(sched, "async_scheduling", False))
     return SchedulerConfig(
         model=ModelSpec(
             name=str(model.model),

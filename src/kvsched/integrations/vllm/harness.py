@@ -18,11 +18,17 @@ Two call orders, as vLLM's engine core makes them:
 * ``async`` (``EngineCore.step_with_batch_queue``, a queue of two): step N+1 is scheduled
   before step N's output is given back, whenever the scheduler has requests.
 
-Speculative decoding (``drafts`` > 0, the synchronous order): after each step the driver
-proposes that many drafts for each request that sampled (``update_draft_token_ids``, as the
-engine core's ``post_step``), each the model's token with probability ``acceptance`` (a hash of
-request and position), and a row that verifies drafts samples the model's tokens after each
-position while the drafts agree, as a target model would.
+Speculative decoding (``drafts`` > 0): the runner proposes that many drafts after each token
+it samples, each the model's token with probability ``acceptance`` (a hash of request and
+position), and a row that verifies drafts samples the model's tokens after each position while
+the drafts agree, as a target model would. In the synchronous order the engine core hands the
+proposals to the scheduler (``update_draft_token_ids``, its ``post_step``); in the
+asynchronous order it does not (vLLM's ``AsyncScheduler`` schedules placeholder drafts, -1),
+and the runner verifies its own proposals, after the tokens it really has (a row planned with
+drafts still out is written after the accepted ones, as vLLM's GPU runner corrects it). The
+runner also holds the scheduler to vLLM's count of a request's outputs: a cached request's
+``num_output_tokens`` never below the tokens the runner sampled for it (the runner cuts its
+own list to that count; under async scheduling it includes the tokens still out).
 
 The trace holds, per engine step that ran work, the scheduled token count and the drafts
 verified per request, and per request the tokens the client received, how it finished and
@@ -39,6 +45,7 @@ from typing import Any
 import attrs
 
 from kvsched.integrations.vllm.models import STATE_DTYPE
+from kvsched.integrations.vllm.runner_states import RunnerStates, mamba_group
 
 __all__ = [
     "Abort",
@@ -101,6 +108,10 @@ class Trace:
     finished: dict[str, str] = attrs.Factory(dict)  # how each request ended
     preempted: set[str] = attrs.Factory(set)  # requests preempted at least once
     empty: int = 0  # steps scheduled while requests were unfinished that ran nothing
+    states_checked: int = 0  # (hybrid) forwards that continued a state, each checked
+    cached: dict[str, int] = attrs.Factory(dict)  # each request's cached prompt tokens
+    accepted: int = 0  # drafts the runner accepted
+    rejected: int = 0  # and rejected
 
 
 def configs(
@@ -110,10 +121,13 @@ def configs(
     batched: int,
     block_size: int = 64,
     drafts: int = 0,
+    method: str = "ngram",
 ) -> tuple[Any, Any]:
     """A ``VllmConfig`` for a local model (weights never loaded) and a ``KVCacheConfig`` of
     one full-attention group of ``blocks`` blocks (block 0 vLLM's null block); ``drafts``:
-    ngram speculative decoding with that many draft tokens (synchronous scheduling)."""
+    speculative decoding with that many draft tokens (``method``: ``ngram``, whose drafts
+    the engine core hands over in the synchronous order, or ``ngram_gpu``, which vLLM runs
+    under async scheduling)."""
     import torch
     from vllm.engine.arg_utils import EngineArgs
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
@@ -128,10 +142,10 @@ def configs(
         max_num_batched_tokens=batched,
         enable_prefix_caching=True,
         dtype="float32",
-        speculative_config={"method": "ngram", "num_speculative_tokens": drafts}
+        speculative_config={"method": method, "num_speculative_tokens": drafts}
         if drafts
         else None,
-        async_scheduling=False if drafts else None,
+        async_scheduling=False if drafts and method == "ngram" else None,
     )
     vllm_config = args.create_engine_config()
     vllm_config.cache_config.num_gpu_blocks = blocks  # what the engine sets after profiling
@@ -233,13 +247,23 @@ def vllm_request(op: Add, vocab: int, hasher: Any) -> Any:
 class Driver:
     """Plays the engine core and a model runner around one scheduler."""
 
-    def __init__(self, sched: Any, vocab: int, drafts: int = 0, acceptance: float = 0.6) -> None:
+    def __init__(
+        self,
+        sched: Any,
+        vocab: int,
+        drafts: int = 0,
+        acceptance: float = 0.6,
+        states: RunnerStates | None = None,
+    ) -> None:
         self.sched = sched
+        self.states = states  # (a hybrid model: where the runner keeps its states)
+        self.prompt_ids: dict[str, list[int]] = {}
         self.vocab = vocab
         self.drafts, self.acceptance = drafts, acceptance
         self.sampled: list[str] = []  # the requests the last step sampled
         self.trace = Trace()
         self.known: dict[str, int] = {}
+        self.prompts: dict[str, int] = {}  # each request's prompt length
         self.batch: set[str] = set()  # the requests the runner's batch holds (last step's)
         self.queue: deque[tuple[Any, Any]] = deque()
 
@@ -251,8 +275,18 @@ class Driver:
         computed = {}
         for r in so.scheduled_new_reqs:
             computed[r.req_id] = r.num_computed_tokens
-            known[r.req_id] = len(r.prompt_token_ids)
+            known[r.req_id] = self.prompts[r.req_id] = len(r.prompt_token_ids)
+            self.prompt_ids[r.req_id] = list(r.prompt_token_ids)
+        if self.states is not None:
+            self.states.schedule(so)
         cached = so.scheduled_cached_reqs
+        kept = self.batch - set(cached.resumed_req_ids)  # (the runner keeps their token lists)
+        for name, outs in zip(cached.req_ids, cached.num_output_tokens, strict=True):
+            if name in kept and self.prompts[name] + outs < known[name]:
+                raise AssertionError(  # (the runner cuts its token list to this count)
+                    f"request {name}: num_output_tokens {outs} < the "
+                    f"{known[name] - self.prompts[name]} the runner sampled"
+                )
         computed.update(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
         resent = cached.all_token_ids or {}
         for name, tokens in resent.items():
@@ -272,9 +306,13 @@ class Driver:
         spec = so.scheduled_spec_decode_tokens or {}
         for name in names:
             end = computed[name] + so.num_scheduled_tokens[name]
+            if self.states is not None:
+                self.states.forward(name, computed[name], end, self._tokens(name, end))
             guesses = spec.get(name, [])
             if end >= known[name]:
-                first = end - len(guesses)  # the index of the first token it samples
+                first = known[name]  # the index of the first token it samples
+                if -1 in guesses:  # (placeholders: the runner's own proposals)
+                    guesses = [self._draft(name, first + j) for j in range(len(guesses))]
                 made = [token(name, first, self.vocab)]
                 for j, guess in enumerate(guesses):  # (a draft is the guess at first + j)
                     if guess != made[-1]:
@@ -282,6 +320,8 @@ class Driver:
                     made.append(token(name, first + j + 1, self.vocab))
                 sampled.append(made)
                 known[name] = first + len(made)
+                self.trace.accepted += len(made) - 1
+                self.trace.rejected += len(guesses) + 1 - len(made)
             else:
                 sampled.append([])
         self.sampled = [n for n, got in zip(names, sampled, strict=True) if got]
@@ -297,11 +337,19 @@ class Driver:
             sampled_token_ids=sampled,
         )
 
+    def _tokens(self, name: str, n: int) -> list[int]:
+        """The first ``n`` tokens of ``name`` as the runner holds them (its prompt, then the
+        model's tokens: what it sampled)."""
+        prompt = self.prompt_ids[name]
+        return prompt[:n] + [token(name, p, self.vocab) for p in range(len(prompt), n)]
+
     def update(self, so: Any, mro: Any) -> None:
         results = self.sched.update_from_output(so, mro)
         for outs in results.values():
             for out in outs.outputs:
                 self.trace.outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
+                if out.prefill_stats is not None:  # (with its first token)
+                    self.trace.cached[out.request_id] = out.prefill_stats.num_cached_tokens
                 if out.finish_reason is not None:
                     self.trace.finished[out.request_id] = str(out.finish_reason)
 
@@ -346,22 +394,29 @@ class Driver:
 
 
 def drive(
-    sched: Any, script: Sequence[Op], order: str, vocab: int, block_size: int, drafts: int = 0
+    sched: Any,
+    script: Sequence[Op],
+    order: str,
+    vocab: int,
+    block_size: int,
+    drafts: int = 0,
+    kv: Any = None,
 ) -> Trace:
     """Run ``script`` against ``sched`` in the ``sync`` or ``async`` call order
     (``block_size``: vLLM's block-hash size, that of the requests' ``block_hashes``;
-    ``drafts``: draft tokens proposed after each sampled token, synchronous order only)."""
+    ``drafts``: draft tokens proposed after each sampled token; ``kv``: the
+    ``KVCacheConfig``, whose mamba group, if any, the runner's states are followed in:
+    ``RunnerStates``)."""
     from vllm.utils.hashing import sha256
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
     from vllm.v1.request import RequestStatus
 
     if order not in ("sync", "async"):
         raise ValueError(f"order must be 'sync' or 'async', not {order!r}")
-    if drafts and order != "sync":
-        raise ValueError("drafts are proposed in the synchronous order only")
     init_none_hash(sha256)
     hasher = get_request_block_hasher(block_size, sha256)
-    driver = Driver(sched, vocab, drafts)
+    group = None if kv is None else mamba_group(kv)
+    driver = Driver(sched, vocab, drafts, states=None if group is None else RunnerStates(*group))
     step = driver.step_sync if order == "sync" else driver.step_async
     for op in script:
         if isinstance(op, Add):
@@ -377,4 +432,6 @@ def drive(
                 step()
     if order == "async":
         driver.drain()
+    if driver.states is not None:
+        driver.trace.states_checked = driver.states.checked
     return driver.trace

@@ -18,9 +18,12 @@ plans explicit copies: ``state_restore`` (checkpoint -> runtime, before the forw
   ``phys[C]`` at ``k - 1``: the runner's copy ``prev -> curr`` *is* the restore;
 * a save needs no copy: after the forward the runtime block holds the state at the chunk's
   end, so it becomes the checkpoint's block and the checkpoint's old block becomes the
-  runtime's (``phys`` rows swap). The next step of that sequence starts a new block index
-  (saves are block-aligned: ``aligned_checkpoints_only``), so the runner copies the state
-  forward into the new runtime block. Entries already sent are never rewritten.
+  runtime's (``phys`` rows swap, when the step is scheduled: ``relabel``). The next step of
+  that sequence starts a new block index (saves are block-aligned:
+  ``aligned_checkpoints_only``), so the runner copies the state forward into the new
+  runtime block. A save before the forward (``state_save_before``: a decode-time state
+  under async scheduling, named one step late) swaps before the step's lists are built:
+  the state is in the runtime block already. Entries already sent are never rewritten.
 """
 
 from __future__ import annotations
@@ -81,8 +84,21 @@ class MambaLayout:
         return out
 
     def saved(self, runtime: int, ckpt: int) -> None:
-        """After the forward: the runtime block is the checkpoint's now, and vice versa."""
+        """A save: the runtime block is the checkpoint's now, and vice versa."""
         self.phys[[runtime, ckpt]] = self.phys[[ckpt, runtime]]
+
+    def relabel(self, saves: np.ndarray, check: bool = False) -> None:
+        """Each (runtime slot, checkpoint slot) of a step's ``saves`` (``saved``), when the
+        step is scheduled: ``state_save_before`` ones before its block lists are built
+        (the state is in the runtime block already), ``state_save`` ones after (the block
+        the step writes is the checkpoint's). Not when its output comes back: under vLLM's
+        async scheduling the next step is scheduled before that, and its lists must name
+        the new runtime block (the step after a save starts a new block index, and the
+        runner copies the saved state forward into it)."""
+        for runtime, ckpt in saves.tolist():
+            self.saved(runtime, ckpt)
+        if check and len(saves):
+            self.check()
 
     def check(self) -> None:
         ids = self.phys[1:].ravel()

@@ -32,10 +32,9 @@ def check_plan(plan: Any) -> None:
     """Refuse a plan with work vLLM's model runner cannot do."""
     if len(plan.copy_blocks) or len(plan.copy_blocks_after) or len(plan.zero_blocks):
         raise AdapterMismatch("the plan copies or zeroes KV blocks: vLLM cannot do that")
-    if len(plan.state_save_before) or len(plan.state_save_within):
+    if len(plan.state_save_within):
         raise AdapterMismatch(
-            "the plan saves states before or inside a forward: vLLM "
-            "saves them at the end of a step only"
+            "the plan saves states inside a forward: vLLM saves them at block ends only"
         )
 
 

@@ -158,8 +158,9 @@ class Scheduler(startup.Unserved, SchedulerInterface):  # type: ignore[misc]  # 
     def schedule(self, throttle_prefills: bool = False) -> SchedulerOutput:
         """One kvsched step as vLLM's ``SchedulerOutput``. Under vLLM's async scheduling (step
         N+1 scheduled before step N's output is given back) kvsched plans N+1 while N runs
-        (overlapped steps, ``speculation.pipelined``); where it does not overlap (drafts, a
-        structured request), a step whose predecessor's outcome is still out is empty."""
+        (overlapped steps, ``speculation.pipelined``; drafts verified then are placeholders,
+        -1, as vLLM's); where it does not overlap (a structured request), a step whose
+        predecessor's outcome is still out is empty."""
         out = sum(r is not None for r in self._awaiting)
         overlaps = self.config.speculation.pipelined and not (
             self.reg.structured or self.grammars.waiting
@@ -176,7 +177,12 @@ class Scheduler(startup.Unserved, SchedulerInterface):  # type: ignore[misc]  # 
         preempted = self._fold_decisions(result)
         plan = result.plan
         check_plan(plan)
-        new_reqs, cached, num_scheduled = self.worker.step(plan, self.reg.req_of)
+        if self.mamba is not None:  # (state saves relabel blocks: MambaLayout.relabel)
+            self.mamba.relabel(plan.state_save_before, self.engine.check)
+        out_ids = self.engine.state.seqs.placeholders_of(plan.seq_ids)
+        new_reqs, cached, num_scheduled = self.worker.step(plan, self.reg.req_of, out_ids)
+        if self.mamba is not None:
+            self.mamba.relabel(plan.state_save, self.engine.check)
         out = SchedulerOutput(
             scheduled_new_reqs=new_reqs,
             scheduled_cached_reqs=cached,
@@ -353,11 +359,6 @@ class Scheduler(startup.Unserved, SchedulerInterface):  # type: ignore[misc]  # 
                 prompt = (prompt_tensors.get(name), prompt_ids.get(name))
             out = token_output(request, got, finish, logprobs, prompt)
             outputs[request.client_index].append(out)
-        if self.mamba is not None:  # the forward ran: saved states now sit in their blocks
-            for slot, ckpt in plan.state_save.tolist():
-                self.mamba.saved(slot, ckpt)
-            if self.engine.check:
-                self.mamba.check()
         executed = ev.StepExecuted(plan.step, seq_ids.copy(), np.asarray(tokens, dtype=np.int32))
         if len(plan.num_drafts):
             executed = msgspec.structs.replace(executed, counts=np.asarray(counts, np.int32))

@@ -32,14 +32,6 @@ def start(
         cfg.check_log_path(path, opts["overwrite_log"])
     log = create_log(path, config) if path else None
     engine = Engine(config, log=log, check_invariants=bool(opts.get("check_invariants")))
-    overlap = config.speculation.pipelined
-    if getattr(vllm_config.scheduler_config, "async_scheduling", False) and not overlap:
-        logger.warning(
-            "kvsched: vLLM runs async scheduling, but kvsched overlaps steps only without "
-            "speculative decoding; here a step scheduled while one is out is empty (every "
-            "request re-sent to the runner each step): run with "
-            "--no-async-scheduling (LLM(async_scheduling=False)) to avoid the empty steps"
-        )
     if not cfg.has_request_check(vllm_config):
         logger.warning(
             "kvsched: requests the adapter refuses (repetition detection) "

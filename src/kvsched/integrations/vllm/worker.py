@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 from vllm.v1.core.sched.output import CachedRequestData, NewRequestData
 from vllm.v1.request import RequestStatus
 
@@ -27,10 +28,13 @@ class WorkerView:
         self._prev: Any = set()  # names scheduled in the last step
 
     def step(
-        self, plan: StepPlan, req_of: dict[int, Any]
+        self, plan: StepPlan, req_of: dict[int, Any], placeholders: np.ndarray
     ) -> tuple[list[NewRequestData], CachedRequestData, dict[str, int]]:
         """The plan's rows as vLLM's new and cached request data, and the tokens scheduled
-        per name; each request's ``num_computed_tokens`` becomes its row's end."""
+        per name; each request's ``num_computed_tokens`` becomes its row's end.
+        ``placeholders``: each row's tokens still out (overlapped steps), which vLLM counts
+        in a cached request's ``num_output_tokens`` (its runner cuts its own token list to
+        that count)."""
         new_reqs, cached = [], CachedRequestData.make_empty()
         num_scheduled: dict[str, int] = {}
         tables, sent_of, prev, resumed = plan.block_tables, self._sent, self._prev, self._resumed
@@ -45,9 +49,10 @@ class WorkerView:
             plan.starts.tolist(),
             plan.ends.tolist(),
             plan.num_blocks.tolist(),
+            placeholders.tolist(),
             strict=True,
         )
-        for i, (seq_id, start, end, n) in enumerate(rows):
+        for i, (seq_id, start, end, n, out) in enumerate(rows):
             request = req_of[seq_id]
             name = request.request_id
             sent = sent_of.get(seq_id)
@@ -70,7 +75,7 @@ class WorkerView:
                 req_ids.append(name)
                 new_block_ids.append(new)
                 computed.append(start)
-                num_output.append(request.num_output_tokens)
+                num_output.append(request.num_output_tokens + out)
             sent_of[seq_id] = n
             num_scheduled[name] = end - start
             request.num_computed_tokens = end
