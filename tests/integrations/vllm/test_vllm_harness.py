@@ -17,6 +17,7 @@ pytest.importorskip(
 )
 
 from kvsched.integrations.vllm import harness as h
+from kvsched.integrations.vllm.harness_grammar import CountingGrammars
 from kvsched.integrations.vllm.models import VOCAB, build
 from kvsched.integrations.vllm.outputs import AdapterMismatch
 
@@ -68,6 +69,7 @@ def drive(
     blocks: int,
     log: Path | None = None,
     drafts: int = 0,
+    grammars: CountingGrammars | None = None,
 ) -> h.Trace:
     method = "ngram" if order == "sync" else "ngram_gpu"  # (vLLM's async runs ngram_gpu)
     vllm_config, kv = h.configs(
@@ -77,10 +79,10 @@ def drive(
     if log is not None:
         vllm_config.additional_config = {"kvsched": {"log": str(log), "check_invariants": True}}
     vllm_config.scheduler_config.async_scheduling = order == "async"  # (the CPU build's: off)
-    sched = h.make(kind, vllm_config, kv)
+    sched = h.make(kind, vllm_config, kv, grammars)
     vocab = vllm_config.model_config.get_vocab_size()
     try:
-        return h.drive(sched, script, order, vocab, BLOCK, drafts)
+        return h.drive(sched, script, order, vocab, BLOCK, drafts, grammars=grammars)
     finally:
         sched.shutdown()
 
@@ -205,6 +207,75 @@ def test_vllm_adapter_with_drafts_in_the_async_order_and_a_cache_reset_gives_vll
     assert_same_outputs(ref, mine, script, VOCAB)
     assert mine.preempted and ref.preempted
     _verifies(log)
+
+
+def structured_workload(seed: int) -> list[h.Op]:
+    """Two structured requests (one sharing a prefix with a plain one, one stopping on a stop
+    token), plain ones beside them, an abort, arrivals between steps."""
+    rng = np.random.default_rng(seed)
+    shared = tuple(rng.integers(3, 400, 2 * BLOCK).tolist())
+
+    def fresh(n: int) -> tuple[int, ...]:
+        return tuple(rng.integers(3, 400, n).tolist())
+
+    return [
+        h.Add("a", shared + fresh(30), 90, structured=True),
+        h.Add("b", fresh(90), 80),
+        h.Steps(3),
+        h.Add("c", shared + fresh(20), 25, stop_after=9, structured=True),
+        h.Add("d", fresh(70), 20),
+        h.Steps(6),
+        h.Abort("b"),
+        h.Add("e", fresh(40), 15, structured=True),
+        h.Steps(150),
+    ]
+
+
+def bitmasks(grammars: CountingGrammars) -> list[list[tuple[str, int, int]]]:
+    """Each bitmask asked for: its rows (the runner reads them by name, in any order)."""
+    return [sorted(call) for call in grammars.calls]
+
+
+@pytest.mark.parametrize("drafts", [0, 3], ids=["plain", "drafts"])
+@pytest.mark.parametrize("blocks", [100, 6], ids=["roomy", "preempting"])
+def test_vllm_adapter_overlaps_structured_requests_as_vllms_async_scheduler(
+    model: str, tmp_path: Path, blocks: int, drafts: int
+):
+    """Structured outputs under async scheduling: the adapter overlaps steps with live
+    structured requests (before: an empty step whenever one was out) and, as vLLM's
+    AsyncScheduler, flags a step whose structured rows have tokens still out, so the engine
+    core asks for its bitmask only once they are accepted (with drafts: after the runner's
+    drafts are checked by the grammar, cut and padded). Per step the same requests, token
+    counts and drafts; the same bitmask calls (each row with the tokens its grammar had
+    accepted and the drafts it kept); the same outputs; no more empty steps; the log
+    verifies."""
+    script = structured_workload(4)
+    log = tmp_path / "structured.kvlog"
+    theirs, mine = CountingGrammars(), CountingGrammars()
+    ref = drive(model, "vllm-async", script, "async", blocks, drafts=drafts, grammars=theirs)
+    got = drive(model, "kvsched", script, "async", blocks, log, drafts=drafts, grammars=mine)
+    assert got.steps == ref.steps and got.drafts == ref.drafts
+    assert bitmasks(mine) == bitmasks(theirs) and len(mine.calls) > 10
+    assert got.empty <= ref.empty + 1
+    assert_same_outputs(ref, got, script, VOCAB)
+    if drafts:
+        cut = [c for call in mine.calls for c in call if c[2] < 3]
+        assert got.rejected > 0 and cut  # (drafts the grammar cut)
+    assert got.preempted == ref.preempted
+    # (6 blocks preempt a growing row; with drafts, b's abort frees room before it is needed)
+    assert bool(got.preempted) == (blocks < 100 and not drafts)
+    _verifies(log)
+
+
+def test_vllm_adapter_asks_for_structured_bitmasks_as_vllms_scheduler_in_the_sync_order(
+    model: str, tmp_path: Path
+):
+    script = structured_workload(5)
+    theirs, mine = CountingGrammars(), CountingGrammars()
+    ref = drive(model, "vllm", script, "sync", 100, grammars=theirs)
+    got = drive(model, "kvsched", script, "sync", 100, tmp_path / "s.kvlog", grammars=mine)
+    assert got.steps == ref.steps and bitmasks(mine) == bitmasks(theirs)
+    assert_same_outputs(ref, got, script, VOCAB)
 
 
 def _adapter(model: str, overlap: bool = False) -> Any:

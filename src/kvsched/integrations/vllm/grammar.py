@@ -61,13 +61,51 @@ class Grammars:
     def bitmask(
         self, requests: dict[str, Request], names: list[str], spec: dict[str, list[int]]
     ) -> GrammarOutput | None:
-        """The bitmask of the structured rows that sample this step (``names``, each a
-        request in ``requests``; ``spec``: the drafts each verifies), or None when there are
-        none."""
+        """The bitmask of the structured rows that sample this step (``names``; those no
+        longer in ``requests`` are left out: a deferred bitmask comes after the output
+        before it, which may have ended some; ``spec``: the drafts each verifies), or None
+        when there are none."""
+        names = [name for name in names if name in requests]
         if not names:
             return None
         mask = self.manager.grammar_bitmask(requests, names, spec)
-        return GrammarOutput(names, mask, [len(spec.get(name, ())) for name in names])
+        return GrammarOutput(names, mask, [_kept(spec.get(name, ())) for name in names])
+
+    def proposals(
+        self, proposed: Any, requests: dict[str, Request], seq_of: dict[str, int]
+    ) -> dict[int, list[int]]:
+        """The runner's ``proposed`` drafts (vLLM's ``DraftTokenIds``) by sequence id, of the
+        requests still live; a structured request's only up to the first its grammar
+        rejects (as vLLM's ``update_draft_token_ids``)."""
+        out = {}
+        for name, ids in zip(proposed.req_ids, proposed.draft_token_ids, strict=True):
+            request = requests.get(name)
+            if ids and request is not None and name in seq_of:
+                ids = list(ids)
+                out[seq_of[name]] = (
+                    self.validate(request, ids) if request.use_structured_output else ids
+                )
+        return out
+
+    def check_drafts(self, requests: dict[str, Request], proposed: Any, so: Any) -> None:
+        """vLLM's ``update_draft_token_ids_in_output`` (async scheduling, a structured step
+        whose bitmask waited for the output before it): each scheduled row's placeholder
+        drafts become the runner's ``proposed`` ones, cut where a structured request's grammar
+        rejects them and padded with -1 to the number scheduled (``num_invalid_spec_tokens``
+        counts the padding)."""
+        spec, invalid = so.scheduled_spec_decode_tokens, {}
+        for name, ids in zip(proposed.req_ids, proposed.draft_token_ids, strict=True):
+            request, scheduled = requests.get(name), spec.get(name)
+            if request is None or not scheduled:
+                continue
+            ids = list(ids)[: len(scheduled)]
+            if request.use_structured_output:
+                ids = self.validate(request, ids)
+            if len(ids) < len(scheduled):
+                invalid[name] = len(scheduled) - len(ids)
+                ids += [-1] * invalid[name]
+            spec[name] = ids
+        so.num_invalid_spec_tokens = invalid
 
     def accept(self, request: Request, tokens: list[int]) -> bool:
         """Advance the request's grammar by ``tokens``; False if the grammar rejects them."""
@@ -77,3 +115,8 @@ class Grammars:
         """The drafts up to the first the request's grammar rejects."""
         valid: list[int] = self.manager.validate_tokens(request, drafts)
         return valid
+
+
+def _kept(drafts: Any) -> int:
+    """Drafts before the first -1 (padding: placeholders, or ones the grammar cut)."""
+    return next((i for i, t in enumerate(drafts) if t < 0), len(drafts))

@@ -16,7 +16,11 @@ with all its tokens (``CachedRequestData.all_token_ids``, which the asynchronous
 Two call orders, as vLLM's engine core makes them:
 * ``sync`` (``EngineCore.step``): ``schedule()`` then ``update_from_output()`` of that step;
 * ``async`` (``EngineCore.step_with_batch_queue``, a queue of two): step N+1 is scheduled
-  before step N's output is given back, whenever the scheduler has requests.
+  before step N's output is given back, whenever the scheduler has requests; a step flagged
+  ``pending_structured_output_tokens`` gets its grammar bitmask only after that output.
+
+Structured outputs (``Add(structured=True)``): both schedulers are given the same kind of
+manager (``harness_grammar.CountingGrammars``), whose bitmask calls are compared.
 
 Speculative decoding (``drafts`` > 0): the runner proposes that many drafts after each token
 it samples, each the model's token with probability ``acceptance`` (a hash of request and
@@ -73,6 +77,7 @@ class Add:
     prompt: tuple[int, ...]
     max_tokens: int
     stop_after: int | None = None
+    structured: bool = False  # a structured output (the harness's CountingGrammars)
 
 
 @attrs.frozen
@@ -187,9 +192,10 @@ def hybrid_configs(model_dir: str, blocks: int, max_seqs: int) -> tuple[Any, Any
 _ENGINES: list[Any] = []
 
 
-def make(kind: str, vllm_config: Any, kv: Any) -> Any:
+def make(kind: str, vllm_config: Any, kv: Any, grammars: Any = None) -> Any:
     """vLLM's ``Scheduler`` ("vllm"), its ``AsyncScheduler`` ("vllm-async") or kvsched's
-    adapter ("kvsched") over these configs."""
+    adapter ("kvsched") over these configs (``grammars``: its structured-output manager;
+    default, one that none is requested of)."""
     cls: Any
     if kind == "kvsched":
         from kvsched.integrations.vllm.scheduler import Scheduler
@@ -211,7 +217,7 @@ def make(kind: str, vllm_config: Any, kv: Any) -> Any:
     return cls(
         vllm_config=vllm_config,
         kv_cache_config=kv,
-        structured_output_manager=NoGrammar(),
+        structured_output_manager=grammars if grammars is not None else NoGrammar(),
         block_size=block,
         hash_block_size=hash_block,
         log_stats=False,
@@ -232,14 +238,16 @@ class NoGrammar:
 
 
 def vllm_request(op: Add, vocab: int, hasher: Any) -> Any:
-    from vllm.sampling_params import SamplingParams
+    from vllm.sampling_params import SamplingParams, StructuredOutputsParams
     from vllm.v1.request import Request
 
     stop = []
     if op.stop_after is not None:
         stop = [token(op.name, len(op.prompt) + op.stop_after, vocab)]
+    grammar = StructuredOutputsParams(regex="t.*") if op.structured else None
     params = SamplingParams(
-        temperature=0.0, ignore_eos=True, max_tokens=op.max_tokens, stop_token_ids=stop
+        temperature=0.0, ignore_eos=True, max_tokens=op.max_tokens, stop_token_ids=stop,
+        structured_outputs=grammar,
     )
     return Request(op.name, list(op.prompt), params, None, block_hasher=hasher)
 
@@ -254,8 +262,12 @@ class Driver:
         drafts: int = 0,
         acceptance: float = 0.6,
         states: RunnerStates | None = None,
+        grammars: Any = None,
     ) -> None:
         self.sched = sched
+        self.grammars = grammars  # (structured requests: the manager both schedulers share)
+        self.structured: set[str] = set()
+        self.proposed: dict[str, list[int]] = {}  # (async) the runner's drafts, last step
         self.states = states  # (a hybrid model: where the runner keeps its states)
         self.prompt_ids: dict[str, list[int]] = {}
         self.vocab = vocab
@@ -313,6 +325,9 @@ class Driver:
                 first = known[name]  # the index of the first token it samples
                 if -1 in guesses:  # (placeholders: the runner's own proposals)
                     guesses = [self._draft(name, first + j) for j in range(len(guesses))]
+                    self.proposed[name] = guesses
+                    if name in self.structured:  # (rejected where its grammar cuts them)
+                        guesses = self.grammars.validate_tokens(None, guesses)
                 made = [token(name, first, self.vocab)]
                 for j, guess in enumerate(guesses):  # (a draft is the guess at first + j)
                     if guess != made[-1]:
@@ -355,6 +370,7 @@ class Driver:
 
     def step_sync(self) -> None:
         so = self.sched.schedule()
+        self.sched.get_grammar_bitmask(so)  # (the engine core asks for it before sampling)
         self.update(so, self.run_model(so))
         if self.drafts and so.total_num_scheduled_tokens:
             self.propose()
@@ -376,16 +392,36 @@ class Driver:
         coin = zlib.crc32(f"draft:{name}:{index}".encode()) % 1000
         return right if coin < 1000 * self.acceptance else 3 + (right - 2) % (self.vocab - 3)
     def step_async(self) -> None:
-        """One call of ``step_with_batch_queue`` with a queue of two."""
+        """One call of ``step_with_batch_queue`` with a queue of two: a step whose structured
+        rows have tokens still out (``pending_structured_output_tokens``) gets its bitmask
+        only after the output before it is given back (and, with drafts, its drafts checked
+        by the grammar: ``update_draft_token_ids_in_output``)."""
+        from vllm.v1.outputs import DraftTokenIds
+
+        deferred = None
         if self.sched.has_requests():
             so = self.sched.schedule()
-            self.queue.appendleft((so, self.run_model(so)))
+            out = (so, self.run_model(so))
             ran = so.total_num_scheduled_tokens > 0
-            if len(self.queue) < 2 and (ran or self.sched.has_requests()):
-                return
+            if ran and so.pending_structured_output_tokens:
+                deferred = out
+            else:
+                if ran:
+                    self.sched.get_grammar_bitmask(so)
+                self.queue.appendleft(out)
+                if len(self.queue) < 2 and (ran or self.sched.has_requests()):
+                    return
         elif not self.queue:
             return
         self.update(*self.queue.pop())
+        if deferred is not None:
+            so = deferred[0]
+            if self.drafts:
+                names = [n for n in so.scheduled_spec_decode_tokens if n in self.proposed]
+                ids = [list(self.proposed[n]) for n in names]
+                self.sched.update_draft_token_ids_in_output(DraftTokenIds(names, ids), so)
+            self.sched.get_grammar_bitmask(so)
+            self.queue.appendleft(deferred)
 
     def drain(self) -> None:
         """The async order's outputs still queued are given back (the engine's next calls)."""
@@ -401,12 +437,14 @@ def drive(
     block_size: int,
     drafts: int = 0,
     kv: Any = None,
+    grammars: Any = None,
 ) -> Trace:
     """Run ``script`` against ``sched`` in the ``sync`` or ``async`` call order
     (``block_size``: vLLM's block-hash size, that of the requests' ``block_hashes``;
     ``drafts``: draft tokens proposed after each sampled token; ``kv``: the
     ``KVCacheConfig``, whose mamba group, if any, the runner's states are followed in:
-    ``RunnerStates``)."""
+    ``RunnerStates``; ``grammars``: the structured-output manager ``sched`` was made with,
+    for ``Add(structured=True)`` requests: ``CountingGrammars``)."""
     from vllm.utils.hashing import sha256
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
     from vllm.v1.request import RequestStatus
@@ -416,11 +454,16 @@ def drive(
     init_none_hash(sha256)
     hasher = get_request_block_hasher(block_size, sha256)
     group = None if kv is None else mamba_group(kv)
-    driver = Driver(sched, vocab, drafts, states=None if group is None else RunnerStates(*group))
+    states = None if group is None else RunnerStates(*group)
+    driver = Driver(sched, vocab, drafts, states=states, grammars=grammars)
     step = driver.step_sync if order == "sync" else driver.step_async
     for op in script:
         if isinstance(op, Add):
-            sched.add_request(vllm_request(op, vocab, hasher))
+            request = vllm_request(op, vocab, hasher)
+            if op.structured:  # (the engine core compiles its grammar before adding it)
+                grammars.grammar_init(request)
+                driver.structured.add(op.name)
+            sched.add_request(request)
         elif isinstance(op, Abort):
             sched.finish_requests(op.name, RequestStatus.FINISHED_ABORTED)
             driver.trace.finished.setdefault(op.name, "abort")

@@ -159,13 +159,10 @@ class Scheduler(startup.Unserved, SchedulerInterface):  # type: ignore[misc]  # 
         """One kvsched step as vLLM's ``SchedulerOutput``. Under vLLM's async scheduling (step
         N+1 scheduled before step N's output is given back) kvsched plans N+1 while N runs
         (overlapped steps, ``speculation.pipelined``; drafts verified then are placeholders,
-        -1, as vLLM's); where it does not overlap (a structured request), a step whose
-        predecessor's outcome is still out is empty."""
+        -1, as vLLM's; a structured row with tokens still out gets its bitmask once they
+        are back: ``pending_structured_output_tokens``)."""
         out = sum(r is not None for r in self._awaiting)
-        overlaps = self.config.speculation.pipelined and not (
-            self.reg.structured or self.grammars.waiting
-        )
-        if out and (out > 1 or not overlaps):
+        if out and (out > 1 or not self.config.speculation.pipelined):
             self._awaiting.append(None)
             self.worker.empty_step()
             return SchedulerOutput.make_empty()
@@ -197,10 +194,12 @@ class Scheduler(startup.Unserved, SchedulerInterface):  # type: ignore[misc]  # 
             num_spec_tokens_to_schedule=self.num_drafts,  # (the runner proposes this many)
         )
         if self.reg.structured:  # the structured rows that sample: get_grammar_bitmask's
-            rows = plan.seq_ids[plan.sample].tolist()
-            req_of = self.reg.req_of
-            self._grammar_rows = [req_of[i].request_id for i in rows if i in self.reg.structured]
-            out.has_structured_output_requests = bool(self._grammar_rows)
+            ahead = dict(zip(plan.seq_ids.tolist(), out_ids.tolist(), strict=True))
+            rows = [i for i in plan.seq_ids[plan.sample].tolist() if i in self.reg.structured]
+            self._grammar_rows = [self.reg.req_of[i].request_id for i in rows]
+            out.has_structured_output_requests = bool(rows)
+            # (as vLLM's AsyncScheduler: tokens still out defer the bitmask until they are in)
+            out.pending_structured_output_tokens = any(ahead[i] > 0 for i in rows)
         self._fresh_blocks = []
         self._finished_ids = set()
         return out
@@ -369,15 +368,13 @@ class Scheduler(startup.Unserved, SchedulerInterface):  # type: ignore[misc]  # 
         for kvsched to fold with it (only rows that sampled, and requests still live)."""
         if not self._inputs or not isinstance(self._inputs[0], ev.StepExecuted):
             return
-        seq_of, structured, proposals = self.reg.seq_of, self.reg.structured, {}
-        for name, ids in zip(draft_token_ids.req_ids, draft_token_ids.draft_token_ids, strict=True):
-            if ids and name in self.requests and name in seq_of:
-                seq_id = seq_of[name]
-                ids = list(ids)
-                if seq_id in structured:  # (as vLLM: only the drafts its grammar allows)
-                    ids = self.grammars.validate(self.requests[name], ids)
-                proposals[seq_id] = ids
-        self._inputs[0] = drafts.with_proposals(self._inputs[0], proposals)
+        proposed = self.grammars.proposals(draft_token_ids, self.requests, self.reg.seq_of)
+        self._inputs[0] = drafts.with_proposals(self._inputs[0], proposed)
+
+    def update_draft_token_ids_in_output(self, draft_token_ids: Any, scheduler_output: Any) -> None:
+        """(async scheduling, a structured step deferred) The runner's drafts of the step's
+        placeholder drafts, checked by each structured request's grammar, into its output."""
+        self.grammars.check_drafts(self.requests, draft_token_ids, scheduler_output)
 
     def _finish(self, request: Request, seq_id: int, kind: str, stop_token: int | None) -> Any:
         """vLLM learns the finish now; kvsched folds the same token at the next step and

@@ -45,8 +45,5 @@ def start(
 class Unserved:
     """What the scheduler answers for features the adapter refuses (none reach it)."""
 
-    def update_draft_token_ids_in_output(self, draft_token_ids: Any, scheduler_output: Any) -> None:
-        return None
-
     def reset_encoder_cache(self) -> None:
         return None
