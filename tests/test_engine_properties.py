@@ -8,6 +8,8 @@ invariants are checked after every step. Deliberately broken owners must be caug
 
 from __future__ import annotations
 
+from typing import Any
+
 import attrs
 import numpy as np
 import pytest
@@ -294,6 +296,17 @@ EngineMachineWithPrivateCopies.TestCase.settings = EngineMachine.TestCase.settin
 TestEngineStateMachineWithPrivateCopies = EngineMachineWithPrivateCopies.TestCase
 
 
+def _with_drafts(machine: EngineMachine) -> None:
+    """The machine's engine and executor again, with three drafts per decode."""
+    speculation = attrs.evolve(machine.config.speculation, max_drafts=3)
+    machine.config = attrs.evolve(machine.config, speculation=speculation)
+    machine.engine = Engine(machine.config, check_invariants=True)
+    slots = machine.config.num_state_slots if machine.config.hybrid else 0
+    bs, blocks = machine.config.block_size, machine.config.num_blocks
+    machine.executor = FingerprintExecutor(VOCAB, blocks, bs, slots, drafts=3)
+    machine.runner = _Faulty(machine.executor)
+
+
 class EngineMachineWithDrafts(EngineMachine):
     """The same machine with speculative decoding: the executor proposes three drafts after
     each sampled token (the tokens it will sample, half of the time), each decode verifies
@@ -303,13 +316,7 @@ class EngineMachineWithDrafts(EngineMachine):
     @initialize(**ENGINE_CONFIGS)
     def start(self, **kw) -> None:  # type: ignore[no-untyped-def]
         super().start(**kw)
-        speculation = attrs.evolve(self.config.speculation, max_drafts=3)
-        self.config = attrs.evolve(self.config, speculation=speculation)
-        self.engine = Engine(self.config, check_invariants=True)
-        slots = self.config.num_state_slots if self.config.hybrid else 0
-        bs, blocks = self.config.block_size, self.config.num_blocks
-        self.executor = FingerprintExecutor(VOCAB, blocks, bs, slots, drafts=3)
-        self.runner = _Faulty(self.executor)
+        _with_drafts(self)
 
 
 EngineMachineWithDrafts.TestCase.settings = EngineMachine.TestCase.settings
@@ -326,21 +333,32 @@ class EngineMachinePipelined(EngineMachine):
     @initialize(**ENGINE_CONFIGS)
     def start(self, **kw) -> None:  # type: ignore[no-untyped-def]
         super().start(**kw)
-        speculation = attrs.evolve(self.config.speculation, pipelined=True)
-        self.config = attrs.evolve(self.config, speculation=speculation)
-        self.engine = Engine(self.config, check_invariants=True)
-        self.older: list[ev.Event] = []  # the outcome of the step before the latest
-        self.failed_steps: set[int] = set()
+        _overlap(self)
 
     def _step(self, fail: bool = False) -> None:
-        newer, self.outcome = self.outcome, self.older
-        super()._step(fail)
-        self.older, self.outcome = newer, self.outcome
-        self.failed_steps |= {o.step for o in self.outcome if isinstance(o, ev.StepFailed)}
-        self.executor.mismatches = [
-            m for m in self.executor.mismatches
-            if int(m.split()[1].rstrip(",:")) - 1 not in self.failed_steps
-        ]
+        _overlapped_step(self, super()._step, fail)
+
+
+def _overlap(machine: EngineMachine) -> None:
+    """The machine's engine again, with overlapped steps."""
+    speculation = attrs.evolve(machine.config.speculation, pipelined=True)
+    machine.config = attrs.evolve(machine.config, speculation=speculation)
+    machine.engine = Engine(machine.config, check_invariants=True)
+    machine.older = []  # type: ignore[attr-defined]  # (the outcome of the step before the latest)
+    machine.failed_steps = set()  # type: ignore[attr-defined]
+
+
+def _overlapped_step(machine: Any, step: Any, fail: bool) -> None:
+    """One step whose outcome is an input of the step after next; the step after a failed
+    one is voided (planned on it), so only its reads of unwritten KV are forgiven."""
+    newer, machine.outcome = machine.outcome, machine.older
+    step(fail)
+    machine.older, machine.outcome = newer, machine.outcome
+    machine.failed_steps |= {o.step for o in machine.outcome if isinstance(o, ev.StepFailed)}
+    machine.executor.mismatches = [
+        m for m in machine.executor.mismatches
+        if int(m.split()[1].rstrip(",:")) - 1 not in machine.failed_steps
+    ]
 
 
 EngineMachinePipelined.TestCase.settings = EngineMachine.TestCase.settings
@@ -356,13 +374,7 @@ class EngineMachinePipelinedWithDrafts(EngineMachinePipelined):
     @initialize(**ENGINE_CONFIGS)
     def start(self, **kw) -> None:  # type: ignore[no-untyped-def]
         super().start(**kw)
-        speculation = attrs.evolve(self.config.speculation, max_drafts=3)
-        self.config = attrs.evolve(self.config, speculation=speculation)
-        self.engine = Engine(self.config, check_invariants=True)
-        slots = self.config.num_state_slots if self.config.hybrid else 0
-        bs, blocks = self.config.block_size, self.config.num_blocks
-        self.executor = FingerprintExecutor(VOCAB, blocks, bs, slots, drafts=3)
-        self.runner = _Faulty(self.executor)
+        _with_drafts(self)
 
 
 EngineMachinePipelinedWithDrafts.TestCase.settings = EngineMachine.TestCase.settings
@@ -466,6 +478,18 @@ class ValueEvictionMachine(EngineMachine):
         super().start(**kw)
 
 
+# The configuration kvsched runs inside vLLM (its preset and the rules vLLM's runner keeps).
+UNDER_VLLM = {
+    **ENGINE_CONFIGS,
+    "hybrid": st.booleans(),
+    "policy": st.just("vllm-kvsched"),
+    "order": st.sampled_from(["fcfs", "priority"]),
+    "turn_mode": st.just("mixed"),
+    "decode_interval": st.just(0),
+    "prealloc": st.just(0),
+}
+
+
 class EngineMachineUnderVllm(EngineMachine):
     """The machine in the configuration kvsched runs inside vLLM (``vllm-kvsched``: aligned
     states, chunk cuts instead of mid-chunk saves, value eviction, blocks cached at planning,
@@ -474,17 +498,7 @@ class EngineMachineUnderVllm(EngineMachine):
 
     DEDUP = False
 
-    @initialize(
-        **{
-            **ENGINE_CONFIGS,
-            "hybrid": st.booleans(),
-            "policy": st.just("vllm-kvsched"),
-            "order": st.sampled_from(["fcfs", "priority"]),
-            "turn_mode": st.just("mixed"),
-            "decode_interval": st.just(0),
-            "prealloc": st.just(0),
-        }
-    )
+    @initialize(**UNDER_VLLM)
     def start(self, **kw) -> None:  # type: ignore[no-untyped-def]
         super().start(**kw)
         self.config = attrs.evolve(
@@ -495,6 +509,25 @@ class EngineMachineUnderVllm(EngineMachine):
 
 EngineMachineUnderVllm.TestCase.settings = EngineMachine.TestCase.settings
 TestEngineStateMachineUnderVllm = EngineMachineUnderVllm.TestCase
+
+
+class EngineMachineUnderVllmAsync(EngineMachineUnderVllm):
+    """The same under vLLM's async scheduling (overlapped steps, each outcome an input of the
+    step after next): a hybrid model's decode-time states are saved a step late, once the
+    token they hash has landed, and the fingerprint executor's state slots check every
+    restore."""
+
+    @initialize(**UNDER_VLLM)
+    def start(self, **kw) -> None:  # type: ignore[no-untyped-def]
+        super().start(**kw)
+        _overlap(self)
+
+    def _step(self, fail: bool = False) -> None:
+        _overlapped_step(self, super()._step, fail)
+
+
+EngineMachineUnderVllmAsync.TestCase.settings = EngineMachine.TestCase.settings
+TestEngineStateMachineUnderVllmAsync = EngineMachineUnderVllmAsync.TestCase
 
 
 def test_drafts_scheduled_without_blocks_for_their_positions_are_caught(

@@ -184,7 +184,8 @@ class PipelinedRows(DraftRows):
         if self.has_pending:
             rows, _, ends = self.pending_arrays()
             samplers = rows[ends >= self.planned_known(rows)]
-            owed.append((self.pending_step, self.row_seq[samplers], self.verifying_of(samplers)))
+            drafts = self.verifying[samplers] if self.any_verifying else np.zeros_like(samplers)
+            owed.append((self.pending_step, self.row_seq[samplers], drafts))
         return owed
 
     def check_pipeline(self) -> str | None:
