@@ -241,3 +241,31 @@ def test_an_outcome_event_with_drafts_round_trips_through_the_codec():
         back.counts.tolist() == [2, 1] and back.drafts is not None and back.draft_counts is not None
     )
     assert back.drafts.tolist() == [9] and back.draft_counts.tolist() == [1, 0]
+
+
+@pytest.mark.parametrize("drop", [False, True], ids=["lookahead", "eagle"])
+def test_an_eagle_drafter_holds_lookahead_blocks_and_its_hits_give_up_their_last_block(
+    drop: bool,
+):
+    """An EAGLE-family drafter writes KV for its own layers past each row's work: every
+    plan row's blocks (sent to the executor) cover three lookahead positions past its work,
+    up to the context; with ``eagle_block_drop`` a prefix hit gives up its last cached
+    block (recomputed for the drafter's hidden states, vLLM's rule). The tokens are those
+    of the run without drafts."""
+    spec = Speculation(max_drafts=3, lookahead=3, eagle_block_drop=drop)
+    config = attrs.evolve(DRAFTS, speculation=spec)
+    executor = FingerprintExecutor(VOCAB, config.num_blocks, BS, drafts=3, acceptance=0.6)
+    steps = run(Engine(config, check_invariants=True), executor, workload())
+    base = run(Engine(PLAIN, check_invariants=True), FingerprintExecutor(VOCAB, 60, BS), workload())
+
+    for result, _ in steps:
+        plan = result.plan
+        covered = np.minimum(plan.ends + 3, config.model.max_context)
+        assert np.all(plan.num_blocks * BS >= covered), result.step
+    (late,) = [d for d in decisions(steps, ev.PrefixMatched) if d.seq_id == 9]
+    assert late.num_tokens == (8 if drop else 12)  # (12 shared tokens: three blocks)
+    want, got = tokens_by_seq(base), tokens_by_seq(steps)
+    limits = {i: 10 + i for i in range(4)} | {9: 8}
+    for seq, tokens in want.items():
+        assert got[seq][: limits[seq]] == tokens[: limits[seq]], seq
+    assert executor.mismatches == []

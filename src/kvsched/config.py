@@ -256,10 +256,22 @@ class Speculation:
     # is still out; N's outcome is an input of step N+1 or N+2. A row that samples in the
     # step in flight counts a placeholder for the token it does not know yet.
     pipelined: bool = False
+    # A drafter that writes KV for its own layers (vLLM's EAGLE family): each row's blocks
+    # hold ``lookahead`` positions past its scheduled work (vLLM's ``num_lookahead_tokens``,
+    # capped at the context); with ``eagle_block_drop`` a prefix hit gives up its last cached
+    # block, which the request recomputes so the drafter gets its hidden states (vLLM's KV
+    # cache manager, ``use_eagle_block_drop``).
+    lookahead: int = 0
+    eagle_block_drop: bool = False
 
     def __attrs_post_init__(self) -> None:
         in_range("speculation.tokens", self.tokens, 0, 64)
         in_range("speculation.max_drafts", self.max_drafts, 0, 64)
+        in_range("speculation.lookahead", self.lookahead, 0, 64)
+        if self.eagle_block_drop and self.tokens:
+            raise refuse(
+                "speculation.eagle_block_drop", "speculation.tokens (MTP)", "is not supported with"
+            )
 
 
 # The sub-configs by field name, and the flat names of their fields in log headers before
@@ -397,6 +409,8 @@ class SchedulerConfig:
     @property
     def mtp_recompute_blocks(self) -> int:
         """Cached blocks at the end of a hit that MTP recomputes (0 without MTP)."""
+        if self.speculation.eagle_block_drop:
+            return 1  # (vLLM's rule: a hit gives up its last block)
         k = self.speculation.tokens
         return min(k, 1) if self.legacy.mtp_overlap == "one_block" else k
 

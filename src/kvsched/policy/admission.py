@@ -52,6 +52,8 @@ class Admission:
     ) -> None:
         self.config = config
         self.bs = config.block_size
+        # (an EAGLE drafter's lookahead slots past a chunk take blocks too: allocate_slots)
+        self._slots, self._ctx = config.speculation.lookahead, config.model.max_context
         self.matcher = matcher
         self.growth = growth
         self.checkpoints = checkpoints
@@ -199,7 +201,8 @@ class Admission:
             chunk = self.chunk_of(seq, table.computed_at(seq.row), seq.kv_hit_tokens)
             if self.refusal(budget, seq, chunk):
                 continue
-            need = cdiv(chunk.end, self.bs) - table.nblocks_at(seq.row)
+            covered = min(chunk.end + self._slots, self._ctx)
+            need = cdiv(covered, self.bs) - table.nblocks_at(seq.row)
             if need > state.pool.num_available:
                 self.growth.return_spares(state, emit)
                 self.growth.reclaim_sessions(state, need, emit, keep=-1)
@@ -255,7 +258,7 @@ class Admission:
         refusal = self.refusal(budget, seq, chunk)
         if refusal:
             return refusal
-        need = cdiv(chunk.end, self.bs) - len(match.blocks)
+        need = cdiv(min(chunk.end + self._slots, self._ctx), self.bs) - len(match.blocks)
         if not self.make_fit(state, need, match.blocks, match.ckpt_id, emit, match.overlap):
             return "stop"
         load = state.transfers.load_of(seq.seq_id) if self._external_load else None
@@ -344,7 +347,8 @@ class Admission:
         refusal = self.refusal(budget, seq, chunk)
         if refusal:
             return refusal
-        need = cdiv(chunk.end, self.bs) - len(state.seqs.block_table(seq))
+        covered = min(chunk.end + self._slots, self._ctx)
+        need = cdiv(covered, self.bs) - len(state.seqs.block_table(seq))
         if not self.make_fit(state, need, NO_BLOCKS, -1, emit):
             return "stop"
         slot = state.ckpts.load_slot_of(seq.seq_id)

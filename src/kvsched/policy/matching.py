@@ -50,7 +50,7 @@ class Matcher:
         if mm_spans:  # (rewound out of multimodal spans)
             depth = spans.safe_depth(mm_spans, depth, bs)
         hit = depth
-        if self.config.speculation.tokens and depth:
+        if self._recompute and depth:
             hit = depth - self._recompute
             if mm_spans:
                 hit = spans.safe_depth(mm_spans, hit, bs)

@@ -95,7 +95,7 @@ class Policy:
             return f"prompt of {total} tokens exceeds the maximum context {model.max_context}"
         if cdiv(total + 1, bs) > self.config.num_blocks - 1:
             return f"prompt of {total} tokens needs more KV blocks than the cache has"
-        longest = min(total + e.max_tokens, model.max_context)
+        longest = min(total + e.max_tokens + self.config.speculation.lookahead, model.max_context)
         held = int(self.config.mtp_holds_overlap)  # (MTP: a hit's cached block, held too)
         if cdiv(longest, bs) + held > self.config.num_blocks - 1:
             # It could never finish alone: it would be preempted and recomputed forever.
@@ -375,12 +375,13 @@ class Policy:
         table = state.seqs
         drafting = self.config.speculation.max_drafts > 0 and not state.hybrid
         drafts = self.growth.drafts_to_verify(state, rows) if drafting else None
+        slots, limit = self.config.speculation.lookahead, self.config.model.max_context
         while True:  # (once more after the spares are given back: they may hold drafts)
-            if drafts is None:
+            if drafts is None and not slots:
                 needing = table.rows_needing_blocks(rows)
                 counts = np.ones(len(needing), I32)
-            else:
-                short = table.blocks_short(rows, drafts)
+            else:  # (drafts, and an EAGLE drafter's lookahead slots)
+                short = table.blocks_short(rows, slots + (0 if drafts is None else drafts), limit)
                 needing, counts = rows[short > 0], short[short > 0].astype(I32)
             short_of_room = counts.sum() > state.pool.num_available
             if not short_of_room or not self.growth.return_spares(state, emit):

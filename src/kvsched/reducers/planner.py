@@ -56,6 +56,10 @@ def plan_step(state: EngineState) -> StepPlan:
         after = np.repeat(bounds[:-1] + 1, num_drafts) + within_runs(num_drafts)
         input_ids[after] = table.draft_tokens(rows, num_drafts)
     nblocks = -(-ends // bs)
+    lookahead = state.config.speculation.lookahead  # (an EAGLE drafter writes past the work)
+    if lookahead:
+        covered = np.minimum(ends + lookahead, state.config.model.max_context)
+        nblocks = np.minimum(-(-covered // bs), table.nblocks[rows])
     width = int(nblocks.max()) if len(nblocks) else 0
     tables = table.table[rows, :width]  # entries past a row's blocks are kept zero
     restored = [(f, int(table.table[r, i])) for r, i, f in x.restore_blocks]

@@ -220,9 +220,10 @@ class RowTable:
             rows[self.computed[rows] // self.block_size >= self.nblocks[rows]]
         )
 
-    def blocks_short(self, rows: np.ndarray, drafts: np.ndarray) -> np.ndarray:
-        """Blocks each decoding row lacks for its newest token and ``drafts`` more."""
-        ends = self.computed[rows] + 1 + drafts
+    def blocks_short(self, rows: np.ndarray, extra: np.ndarray | int, limit: int) -> np.ndarray:
+        """Blocks each decoding row lacks for its newest token and ``extra`` more positions
+        (drafts, lookahead slots), none past position ``limit``."""
+        ends = np.minimum(self.computed[rows] + 1 + extra, limit)
         short: np.ndarray = np.maximum(0, -(-ends // self.block_size) - self.nblocks[rows])
         return short
 

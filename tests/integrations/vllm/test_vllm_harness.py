@@ -70,8 +70,10 @@ def drive(
     log: Path | None = None,
     drafts: int = 0,
     grammars: CountingGrammars | None = None,
+    method: str | None = None,
 ) -> h.Trace:
-    method = "ngram" if order == "sync" else "ngram_gpu"  # (vLLM's async runs ngram_gpu)
+    if method is None:
+        method = "ngram" if order == "sync" else "ngram_gpu"  # (vLLM's async runs ngram_gpu)
     vllm_config, kv = h.configs(
         model, blocks=blocks, max_seqs=8, batched=512, block_size=BLOCK, drafts=drafts,
         method=method,
@@ -206,6 +208,30 @@ def test_vllm_adapter_with_drafts_in_the_async_order_and_a_cache_reset_gives_vll
     mine = drive(model, "kvsched", script, "async", blocks, log, drafts=3)
     assert_same_outputs(ref, mine, script, VOCAB)
     assert mine.preempted and ref.preempted
+    _verifies(log)
+
+
+@pytest.mark.parametrize("blocks", [100, 9], ids=["roomy", "tight"])
+@pytest.mark.parametrize("order", ["sync", "async"])
+def test_vllm_adapter_with_an_eagle_drafter_schedules_each_step_as_vllms_scheduler(
+    model: str, tmp_path: Path, order: str, blocks: int
+):
+    """An EAGLE-family drafter (``eagle3``, three drafts; the model's config stands in for
+    the draft head's): every scheduled request holds blocks for its work and three lookahead
+    slots past it, where the drafter writes KV (the driver checks each step), and a prefix
+    hit gives up its last cached block, which the request recomputes for the drafter. Per
+    step the same requests, token counts and drafts as vLLM's Scheduler (sync) or
+    AsyncScheduler (async), the same cached tokens per request, the same outputs; the log
+    verifies."""
+    script = workload(1, reset=False)
+    log = tmp_path / "eagle.kvlog"
+    ref_kind = "vllm" if order == "sync" else "vllm-async"
+    ref = drive(model, ref_kind, script, order, blocks, drafts=3, method="eagle3")
+    got = drive(model, "kvsched", script, order, blocks, log, drafts=3, method="eagle3")
+    assert got.steps == ref.steps and got.drafts == ref.drafts
+    assert got.cached == ref.cached and any(got.cached.values())
+    assert_same_outputs(ref, got, script, VOCAB)
+    assert got.preempted == ref.preempted  # (9 blocks: the synchronous order preempts)
     _verifies(log)
 
 

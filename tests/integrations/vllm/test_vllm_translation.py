@@ -33,6 +33,7 @@ def _spec(eagle: bool = False, slots: int = 0, k: int = 3) -> NS:
         method="eagle" if eagle else "ngram",
         num_speculative_tokens=k,
         use_eagle=lambda: eagle,
+        use_eagle_block_drop=lambda: eagle,
         max_num_new_slots_for_drafting=slots,
         num_speculative_tokens_per_batch_size=None,
     )
@@ -73,6 +74,15 @@ def test_vllm_async_scheduling_overlaps_kvscheds_steps_for_attention_and_hybrid_
     assert drafting.speculation.pipelined and drafting.speculation.max_drafts == 3
 
 
+def test_vllm_eagle_drafter_becomes_lookahead_slots_and_eagles_prefix_rule():
+    vc = _vllm_config()
+    vc.speculative_config, vc.num_lookahead_tokens = _spec(eagle=True), 3
+    config = cfg.scheduler_config(vc, _kv_cache(FullAttentionSpec), 32)
+
+    assert config.speculation.lookahead == 3 and config.speculation.eagle_block_drop
+    assert config.mtp_recompute_blocks == 1 and not config.mtp_holds_overlap
+
+
 def test_vllm_priority_policy_maps_to_kvscheds_priority_order():
     config = cfg.scheduler_config(_vllm_config(policy="priority"), _kv_cache(FullAttentionSpec), 32)
     assert config.order == "priority"
@@ -84,8 +94,8 @@ def test_vllm_priority_policy_maps_to_kvscheds_priority_order():
         ({"kv": (FullAttentionSpec, FullAttentionSpec)}, "one full-attention KV cache group"),
         ({"kv": (SlidingWindowSpec,)}, "SlidingWindowSpec"),
         ({"mamba_cache_mode": "none"}, "mamba_cache_mode 'align'"),
-        ({"speculative_config": _spec(eagle=True)}, "method 'eagle'"),
-        ({"speculative_config": _spec(slots=1)}, "method 'ngram'.*past the verified tokens"),
+        ({"speculative_config": _spec(slots=1)}, "method 'ngram'.*extra query slots"),
+        ({"speculative_config": _spec(), "lookahead": 3}, "method 'ngram'.*draft model's KV"),
         ({"speculative_config": _spec(), "kv": (FullAttentionSpec, MambaSpec)}, "hybrid model"),
         ({"speculative_config": _spec(k=30)}, "leaves 8 prefill tokens .* of 31 tokens"),
         ({"max_num_batched_tokens": 36}, "leaves 28 prefill tokens"),
@@ -105,6 +115,7 @@ def test_vllm_configurations_the_adapter_cannot_serve_are_refused_with_the_reaso
     for key in ("speculative_config", "lora_config"):
         if key in change:
             setattr(vc, key, change[key])
+    vc.num_lookahead_tokens = change.get("lookahead", 0)
     kv = _kv_cache(*change.get("kv", (FullAttentionSpec,)))
     if "mamba_cache_mode" in change:
         vc.cache_config.mamba_cache_mode = change["mamba_cache_mode"]

@@ -137,23 +137,36 @@ def _refuse_unsupported(vllm_config: Any, kv_cache_config: Any) -> None:
 
 
 def _refuse_speculation(vllm_config: Any, spec: Any, hybrid: bool) -> None:
-    """Speculative decoding is served for attention models, with a proposer that needs no
-    KV slots past the verified tokens (ngram and suffix in vLLM's synchronous order,
-    ``ngram_gpu`` under its async scheduling too)."""
+    """Speculative decoding is served for attention models: drafters that write no KV
+    (ngram and suffix in vLLM's synchronous order, ``ngram_gpu`` under its async scheduling
+    too) and EAGLE-family ones (their lookahead slots and EAGLE's prefix-cache rule); not
+    drafters that take extra query slots (parallel drafting, DFlash), read ahead in a
+    prefill (multi-module MTP) or are separate draft models."""
     method = getattr(spec, "method", None)
     why = None
     if hybrid:
         why = "a hybrid model (its state per draft position is not modelled by kvsched)"
-    elif spec.use_eagle() or int(vllm_config.num_lookahead_tokens) or int(
-        spec.max_num_new_slots_for_drafting
-    ):
-        why = f"method {method!r} (its drafter writes KV past the verified tokens)"
+    elif int(spec.max_num_new_slots_for_drafting) or _prefill_lookahead(vllm_config) > 1:
+        why = f"method {method!r} (it drafts in extra query slots or reads ahead in a prefill)"
+    elif int(vllm_config.num_lookahead_tokens) and not spec.use_eagle():
+        why = f"method {method!r} (a draft model's KV past the verified tokens)"
     elif getattr(spec, "num_speculative_tokens_per_batch_size", None):
         why = "draft counts that depend on the batch size"
     if why is not None:
         raise UnsupportedConfig(
             f"speculative decoding is not supported by the kvsched adapter with {why}"
         )
+
+
+def _prefill_lookahead(vllm_config: Any) -> int:
+    """vLLM's ``num_prefill_lookahead_tokens`` (1 for EAGLE; more for multi-module MTP)."""
+    return int(getattr(vllm_config, "num_prefill_lookahead_tokens", 0) or 0)
+
+
+def _eagle_block_drop(vllm_config: Any) -> bool:
+    """Whether a prefix hit gives up its last block (vLLM's EAGLE-family drafters)."""
+    spec = getattr(vllm_config, "speculative_config", None)
+    return spec is not None and bool(spec.use_eagle_block_drop())
 
 
 def num_drafts(vllm_config: Any) -> int:
@@ -208,7 +221,12 @@ def scheduler_config(vllm_config: Any, kv_cache_config: Any, block_size: int) ->
         # this run (docs/vllm.md, "kvsched's hybrid caching under vLLM").
         cache_when_planned=True,
         admit_after_preemption=False,  # as vLLM: nothing is admitted in a step that preempts
-        speculation=Speculation(max_drafts=drafts, pipelined=overlap),
+        speculation=Speculation(
+            max_drafts=drafts,
+            pipelined=overlap,
+            lookahead=int(getattr(vllm_config, "num_lookahead_tokens", 0) or 0),
+            eagle_block_drop=_eagle_block_drop(vllm_config),
+        ),
         checkpoints=Checkpoints(budget=hybrid["checkpoint_budget"], **CHECKPOINT_POLICIES[PRESET])
         if hybrid["hybrid"]
         else Checkpoints(),

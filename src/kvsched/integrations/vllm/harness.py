@@ -49,7 +49,7 @@ from typing import Any
 import attrs
 
 from kvsched.integrations.vllm.models import STATE_DTYPE
-from kvsched.integrations.vllm.runner_states import RunnerStates, mamba_group
+from kvsched.integrations.vllm.runner_states import RunnerBlocks, RunnerStates, mamba_group
 
 __all__ = [
     "Abort",
@@ -131,8 +131,9 @@ def configs(
     """A ``VllmConfig`` for a local model (weights never loaded) and a ``KVCacheConfig`` of
     one full-attention group of ``blocks`` blocks (block 0 vLLM's null block); ``drafts``:
     speculative decoding with that many draft tokens (``method``: ``ngram``, whose drafts
-    the engine core hands over in the synchronous order, or ``ngram_gpu``, which vLLM runs
-    under async scheduling)."""
+    the engine core hands over in the synchronous order, ``ngram_gpu``, which vLLM runs
+    under async scheduling, or ``eagle3``, a drafter with lookahead slots and EAGLE's
+    prefix-cache rule, in both orders)."""
     import torch
     from vllm.engine.arg_utils import EngineArgs
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
@@ -147,9 +148,12 @@ def configs(
         max_num_batched_tokens=batched,
         enable_prefix_caching=True,
         dtype="float32",
-        speculative_config={"method": method, "num_speculative_tokens": drafts}
-        if drafts
-        else None,
+        speculative_config=(
+            {"method": method, "num_speculative_tokens": drafts}
+            | ({"model": model_dir} if method.startswith("eagle") else {})  # (its own weights:
+            if drafts  # the model's config stands in for the draft head's, never loaded)
+            else None
+        ),
         async_scheduling=False if drafts and method == "ngram" else None,
     )
     vllm_config = args.create_engine_config()
@@ -268,6 +272,7 @@ class Driver:
         self.grammars = grammars  # (structured requests: the manager both schedulers share)
         self.structured: set[str] = set()
         self.proposed: dict[str, list[int]] = {}  # (async) the runner's drafts, last step
+        self.blocks = RunnerBlocks(sched.vllm_config)  # (its block tables' lengths)
         self.states = states  # (a hybrid model: where the runner keeps its states)
         self.prompt_ids: dict[str, list[int]] = {}
         self.vocab = vocab
@@ -300,6 +305,8 @@ class Driver:
                     f"{known[name] - self.prompts[name]} the runner sampled"
                 )
         computed.update(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
+        if self.states is None:  # (an attention model: its one group)
+            self.blocks.step(so, computed)
         resent = cached.all_token_ids or {}
         for name, tokens in resent.items():
             known[name] = len(tokens)  # (resent: a resumed request's sampled tokens are these)

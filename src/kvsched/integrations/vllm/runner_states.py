@@ -20,7 +20,7 @@ from __future__ import annotations
 import hashlib
 from typing import Any
 
-__all__ = ["RunnerStates", "mamba_group"]
+__all__ = ["RunnerBlocks", "RunnerStates", "mamba_group"]
 
 
 def mamba_group(kv_cache_config: Any) -> tuple[int, int] | None:
@@ -78,3 +78,34 @@ class RunnerStates:
                 )
             self.checked += 1
         self.blocks[table[curr]] = digest(tokens[:end])
+
+
+class RunnerBlocks:
+    """How many blocks the runner holds per request (an attention model's one group),
+    checked against vLLM's ``allocate_slots``: each scheduled request's blocks cover its
+    work and the drafter's lookahead slots past it, up to the context (an EAGLE drafter
+    writes KV there; a block it lacks would be written through the null block)."""
+
+    def __init__(self, vllm_config: Any) -> None:
+        self.slots = int(vllm_config.num_lookahead_tokens)
+        self.limit = int(vllm_config.model_config.max_model_len)
+        self.block_size = int(vllm_config.cache_config.block_size)
+        self.held: dict[str, int] = {}
+
+    def step(self, so: Any, computed: dict[str, int]) -> None:
+        """The block lists a step sends; then the check (``computed``: each scheduled
+        request's computed tokens, as sent)."""
+        cached = so.scheduled_cached_reqs
+        for r in so.scheduled_new_reqs:
+            self.held[r.req_id] = len(r.block_ids[0])
+        for name, ids in zip(cached.req_ids, cached.new_block_ids, strict=True):
+            got = len(ids[0]) if ids is not None else 0
+            resumed = name in cached.resumed_req_ids
+            self.held[name] = got if resumed else self.held.get(name, 0) + got
+        for name, n in so.num_scheduled_tokens.items():
+            need = min(computed[name] + n + self.slots, self.limit)
+            if self.held[name] * self.block_size < need:
+                raise AssertionError(
+                    f"request {name}: {self.held[name]} blocks for {need} positions "
+                    f"({self.slots} lookahead slots past its work)"
+                )
