@@ -10,7 +10,7 @@ import attrs
 import numpy as np
 import pytest
 
-from kvsched.config import ModelSpec, SchedulerConfig, Speculation
+from kvsched.config import ConfigError, ExternalStore, ModelSpec, SchedulerConfig, Speculation
 from kvsched.engine import Engine, StepResult, create_log
 from kvsched.events import types as ev
 from kvsched.events.codec import decode_events, encode
@@ -269,3 +269,9 @@ def test_an_eagle_drafter_holds_lookahead_blocks_and_its_hits_give_up_their_last
     for seq, tokens in want.items():
         assert got[seq][: limits[seq]] == tokens[: limits[seq]], seq
     assert executor.mismatches == []
+
+
+def test_lookahead_slots_are_refused_with_external_kv():
+    with pytest.raises(ConfigError, match=r"speculation\.lookahead"):
+        attrs.evolve(DRAFTS, speculation=Speculation(max_drafts=3, lookahead=3),
+                     external=ExternalStore(enabled=True))

@@ -375,6 +375,8 @@ class SchedulerConfig:
             ):
                 if on:
                     raise refuse("speculation.pipelined", name, "is not supported with")
+        if self.speculation.lookahead and self.external.enabled:  # (loads take no lookahead)
+            raise refuse("speculation.lookahead", "external.enabled", "is not supported with")
         if self.checkpoints.memory and self.checkpoints.budget != CHECKPOINT_BUDGET:
             raise refuse(
                 "checkpoints.budget", "checkpoints.memory (which sets the count)", "is ignored with"
