@@ -384,6 +384,12 @@ ROUND_2 = [
       "computed = self.computed", PIPELINED),
     m("policy/scheduler.py", "            if seq.tokens[seq.n_tokens - 1] == seq.eos_token_id:",
       "            if False:", PIPELINED),
+    # overlapped steps with drafts: rejected drafts (and those past the end) uncomputed
+    m("reducers/pipeline.py", "        uncomputed = 1 + drafts - (self.ntokens[rows] - before)\n",
+      "        uncomputed = 0 * drafts\n", PIPELINED, "-k", "drafts"),
+    # a hybrid decode-time state under overlapped steps is saved before the next forward
+    m("policy/checkpoints.py", 'kind, "before", True)', 'kind, "after", True)', PIPELINED,
+      "-k", "decode_time"),
 ]  # fmt: skip
 
 # Round 2, the vLLM adapter's slips that need vLLM: run with --vllm in .venv-vllm.
@@ -425,6 +431,22 @@ VLLM_ROUND_2 = [
       "running = False", SCHEDULER_TESTS, "-k", "paused_all"),
     # (survives, left: RequestCheck raising ValueError; LLM.generate still reported
     # VLLMValidationError with the reason in vLLM 0.32, so no observable change was found)
+    # async scheduling: num_output_tokens counts the placeholders (the runner cuts to it)
+    m("integrations/vllm/scheduler.py",
+      "out_ids = self.engine.state.seqs.placeholders_of(plan.seq_ids)",
+      "out_ids = 0 * self.engine.state.seqs.placeholders_of(plan.seq_ids)", HARNESS_TESTS,
+      "-k", "drafts_in_the_async"),
+    # async scheduling, structured rows with tokens out: the bitmask waits for them
+    m("integrations/vllm/scheduler.py", "any(ahead[i] > 0 for i in rows)",
+      "False  # (never deferred)", HARNESS_TESTS, "-k", "overlaps_structured"),
+    # a save relabels its block when its step is scheduled, not when the output is back
+    m("integrations/vllm/scheduler.py",
+      "            self.mamba.relabel(plan.state_save, self.engine.check)\n",
+      "            pass  # (relabelled later)\n", HARNESS_TESTS, "-k", "hybrid"),
+    # an EAGLE drafter's lookahead slots
+    m("integrations/vllm/config.py",
+      'lookahead=int(getattr(vllm_config, "num_lookahead_tokens", 0) or 0)', "lookahead=0",
+      HARNESS_TESTS, "-k", "eagle"),
 ]  # fmt: skip
 
 

@@ -535,8 +535,10 @@ def test_drafts_scheduled_without_blocks_for_their_positions_are_caught(
 ) -> None:
     original = RowTable.blocks_short
 
-    def short_of_one_token(self: RowTable, rows: np.ndarray, drafts: np.ndarray) -> np.ndarray:
-        return original(self, rows, np.zeros_like(drafts))
+    def short_of_one_token(
+        self: RowTable, rows: np.ndarray, drafts: np.ndarray, limit: int
+    ) -> np.ndarray:
+        return original(self, rows, np.zeros_like(drafts), limit)
 
     machine = EngineMachineWithDrafts
     assert_machine_catches(monkeypatch, machine, RowTable, "blocks_short", short_of_one_token)

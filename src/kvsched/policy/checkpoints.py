@@ -122,8 +122,7 @@ class Checkpoints:
         ``decode_latest``: block boundaries). With overlapped steps a decode whose position
         is a placeholder cannot name the state it reaches (the name hashes a token still in
         flight): that state is saved one step later, before the next forward overwrites it,
-        once its tokens are known (vLLM's ``AsyncScheduler`` caches that block when the
-        token lands)."""
+        once its tokens are known."""
         config, table = self.config, state.seqs
         known = table.newest_known(rows)
         late, reached = table.late_states(rows)

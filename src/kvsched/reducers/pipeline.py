@@ -245,9 +245,9 @@ class PipelinedRows(DraftRows):
         self.clear_pending()
 
     def land(self, e: ev.StepExecuted) -> Landed:
-        """The oldest launched step's outcome, its samplers' placeholders taken off and their
-        rejected drafts rolled back (the caller appends the tokens). A voided step lands
-        nothing."""
+        """The oldest launched step's outcome, its samplers' placeholders taken off (the
+        caller appends the tokens, then settles the drafts: ``settle_landed``). A voided
+        step lands nothing."""
         flight = self.in_flight.popleft()
         tokens = e.tokens
         counts = np.ones(len(e.seq_ids), np.int64) if e.counts is None else e.counts
