@@ -274,13 +274,12 @@ class Driver:
         self.proposed: dict[str, list[int]] = {}  # (async) the runner's drafts, last step
         self.blocks = RunnerBlocks(sched.vllm_config)  # (its block tables' lengths)
         self.states = states  # (a hybrid model: where the runner keeps its states)
-        self.prompt_ids: dict[str, list[int]] = {}
+        self.prompt_ids: dict[str, list[int]] = {}  # each request's prompt
         self.vocab = vocab
         self.drafts, self.acceptance = drafts, acceptance
         self.sampled: list[str] = []  # the requests the last step sampled
         self.trace = Trace()
         self.known: dict[str, int] = {}
-        self.prompts: dict[str, int] = {}  # each request's prompt length
         self.batch: set[str] = set()  # the requests the runner's batch holds (last step's)
         self.queue: deque[tuple[Any, Any]] = deque()
 
@@ -292,17 +291,18 @@ class Driver:
         computed = {}
         for r in so.scheduled_new_reqs:
             computed[r.req_id] = r.num_computed_tokens
-            known[r.req_id] = self.prompts[r.req_id] = len(r.prompt_token_ids)
             self.prompt_ids[r.req_id] = list(r.prompt_token_ids)
+            known[r.req_id] = len(r.prompt_token_ids)
         if self.states is not None:
             self.states.schedule(so)
         cached = so.scheduled_cached_reqs
         kept = self.batch - set(cached.resumed_req_ids)  # (the runner keeps their token lists)
         for name, outs in zip(cached.req_ids, cached.num_output_tokens, strict=True):
-            if name in kept and self.prompts[name] + outs < known[name]:
+            prompt = len(self.prompt_ids[name])
+            if name in kept and prompt + outs < known[name]:
                 raise AssertionError(  # (the runner cuts its token list to this count)
                     f"request {name}: num_output_tokens {outs} < the "
-                    f"{known[name] - self.prompts[name]} the runner sampled"
+                    f"{known[name] - prompt} the runner sampled"
                 )
         computed.update(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
         if self.states is None:  # (an attention model: its one group)
