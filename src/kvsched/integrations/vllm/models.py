@@ -159,3 +159,54 @@ def build_lora(path: str | Path, seed: int, rank: int = 8) -> Path:
     }
     (path / "adapter_config.json").write_text(json.dumps(adapter))
     return path
+
+
+def build_eagle3(path: str | Path, target: str | Path, seed: int = 1) -> Path:
+    """Write an EAGLE3 draft head for the tiny "qwen3" model at ``target`` (vLLM's
+    ``eagle3`` method, its Llama-style head): one decoder layer whose attention reads the
+    token's embedding and the hidden state together (small seeded random weights), an
+    identity ``fc`` from the target's hidden state after its first layer (one auxiliary
+    state: ``eagle_aux_hidden_state_layer_ids``), and the target's own ``lm_head``: it
+    drafts what the target's first layer would predict, so decodes accept some drafts and
+    reject others. The embeddings are the target's."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    path = Path(path)
+    if (path / "config.json").exists():
+        return path
+    path.mkdir(parents=True, exist_ok=True)
+    c = _qwen3()
+    width, inner, head = c.hidden_size, c.intermediate_size, c.head_dim
+    q, kv = c.num_attention_heads * head, c.num_key_value_heads * head
+    generator = torch.Generator().manual_seed(seed)
+
+    def rand(*shape: int, std: float = 0.01) -> Any:
+        return torch.randn(*shape, generator=generator) * std
+
+    layer = "layers.0."
+    weights = {
+        f"{layer}self_attn.q_proj.weight": rand(q, 2 * width),
+        f"{layer}self_attn.k_proj.weight": rand(kv, 2 * width),
+        f"{layer}self_attn.v_proj.weight": rand(kv, 2 * width),
+        f"{layer}self_attn.o_proj.weight": rand(width, q),
+        f"{layer}mlp.gate_proj.weight": rand(inner, width),
+        f"{layer}mlp.up_proj.weight": rand(inner, width),
+        f"{layer}mlp.down_proj.weight": rand(width, inner),
+        f"{layer}input_layernorm.weight": torch.ones(width),
+        f"{layer}post_attention_layernorm.weight": torch.ones(width),
+        f"{layer}hidden_norm.weight": torch.ones(width),
+        "norm.weight": torch.ones(width),
+        "fc.weight": torch.eye(width),
+        "lm_head.weight": load_file(str(Path(target) / "model.safetensors"))["lm_head.weight"],
+    }
+    save_file(weights, str(path / "model.safetensors"))
+    config = c.to_dict() | {
+        "architectures": ["Eagle3LlamaForCausalLM"],
+        "num_hidden_layers": 1,
+        "layer_types": ["full_attention"],
+        "eagle_aux_hidden_state_layer_ids": [1],
+        "num_aux_hidden_states": 1,
+    }
+    (path / "config.json").write_text(json.dumps(config))
+    return path
