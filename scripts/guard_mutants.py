@@ -445,7 +445,7 @@ VLLM_ROUND_2 = [
       "            pass  # (relabelled later)\n", HARNESS_TESTS, "-k", "hybrid"),
     # an EAGLE drafter's lookahead slots
     m("integrations/vllm/config.py",
-      'lookahead=int(getattr(vllm_config, "num_lookahead_tokens", 0) or 0)', "lookahead=0",
+      "lookahead=int(vllm_config.num_lookahead_tokens)", "lookahead=0",
       HARNESS_TESTS, "-k", "eagle"),
 ]  # fmt: skip
 

@@ -201,8 +201,7 @@ class Admission:
             chunk = self.chunk_of(seq, table.computed_at(seq.row), seq.kv_hit_tokens)
             if self.refusal(budget, seq, chunk):
                 continue
-            covered = min(chunk.end + self._slots, self._ctx)
-            need = cdiv(covered, self.bs) - table.nblocks_at(seq.row)
+            need = self._blocks_to(chunk.end) - table.nblocks_at(seq.row)
             if need > state.pool.num_available:
                 self.growth.return_spares(state, emit)
                 self.growth.reclaim_sessions(state, need, emit, keep=-1)
@@ -241,6 +240,11 @@ class Admission:
             if verdict == "stop" and stop_on_failure:
                 return
 
+    def _blocks_to(self, end: int) -> int:
+        """Blocks a sequence holds to compute up to ``end``: with an EAGLE drafter, also its
+        lookahead slots past it, up to the context (vLLM's ``allocate_slots``)."""
+        return -(-(end + self._slots if end + self._slots < self._ctx else self._ctx) // self.bs)
+
     def try_admit(self, state: EngineState, seq: Seq, budget: StepBudget, emit: Emit) -> str:
         """Admit one waiting sequence, or return why not ('skip' or 'stop') leaving no trace."""
         if self._lora_slots and seq.adapter and self._one_adapter_too_many(state, seq):
@@ -258,7 +262,7 @@ class Admission:
         refusal = self.refusal(budget, seq, chunk)
         if refusal:
             return refusal
-        need = cdiv(min(chunk.end + self._slots, self._ctx), self.bs) - len(match.blocks)
+        need = self._blocks_to(chunk.end) - len(match.blocks)
         if not self.make_fit(state, need, match.blocks, match.ckpt_id, emit, match.overlap):
             return "stop"
         load = state.transfers.load_of(seq.seq_id) if self._external_load else None
@@ -347,8 +351,7 @@ class Admission:
         refusal = self.refusal(budget, seq, chunk)
         if refusal:
             return refusal
-        covered = min(chunk.end + self._slots, self._ctx)
-        need = cdiv(covered, self.bs) - len(state.seqs.block_table(seq))
+        need = self._blocks_to(chunk.end) - len(state.seqs.block_table(seq))
         if not self.make_fit(state, need, NO_BLOCKS, -1, emit):
             return "stop"
         slot = state.ckpts.load_slot_of(seq.seq_id)

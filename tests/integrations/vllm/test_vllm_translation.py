@@ -21,6 +21,7 @@ def _vllm_config(**sched: object) -> NS:
         parallel_config=NS(pipeline_parallel_size=1),
         speculative_config=None,
         num_lookahead_tokens=0,
+        num_prefill_lookahead_tokens=0,
         lora_config=None,
         kv_transfer_config=None,
         additional_config={},

@@ -146,7 +146,8 @@ def _refuse_speculation(vllm_config: Any, spec: Any, hybrid: bool) -> None:
     why = None
     if hybrid:
         why = "a hybrid model (its state per draft position is not modelled by kvsched)"
-    elif int(spec.max_num_new_slots_for_drafting) or _prefill_lookahead(vllm_config) > 1:
+    # (vLLM's num_prefill_lookahead_tokens: 1 for EAGLE, more for multi-module MTP)
+    elif spec.max_num_new_slots_for_drafting or vllm_config.num_prefill_lookahead_tokens > 1:
         why = f"method {method!r} (it drafts in extra query slots or reads ahead in a prefill)"
     elif int(vllm_config.num_lookahead_tokens) and not spec.use_eagle():
         why = f"method {method!r} (a draft model's KV past the verified tokens)"
@@ -156,11 +157,6 @@ def _refuse_speculation(vllm_config: Any, spec: Any, hybrid: bool) -> None:
         raise UnsupportedConfig(
             f"speculative decoding is not supported by the kvsched adapter with {why}"
         )
-
-
-def _prefill_lookahead(vllm_config: Any) -> int:
-    """vLLM's ``num_prefill_lookahead_tokens`` (1 for EAGLE; more for multi-module MTP)."""
-    return int(getattr(vllm_config, "num_prefill_lookahead_tokens", 0) or 0)
 
 
 def _eagle_block_drop(vllm_config: Any) -> bool:
@@ -224,7 +220,7 @@ def scheduler_config(vllm_config: Any, kv_cache_config: Any, block_size: int) ->
         speculation=Speculation(
             max_drafts=drafts,
             pipelined=overlap,
-            lookahead=int(getattr(vllm_config, "num_lookahead_tokens", 0) or 0),
+            lookahead=int(vllm_config.num_lookahead_tokens),
             eagle_block_drop=_eagle_block_drop(vllm_config),
         ),
         checkpoints=Checkpoints(budget=hybrid["checkpoint_budget"], **CHECKPOINT_POLICIES[PRESET])

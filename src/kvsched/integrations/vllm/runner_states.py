@@ -20,7 +20,7 @@ from __future__ import annotations
 import hashlib
 from typing import Any
 
-__all__ = ["RunnerBlocks", "RunnerStates", "mamba_group"]
+__all__ = ["RunnerBlocks", "RunnerStates", "follow_tables", "mamba_group"]
 
 
 def mamba_group(kv_cache_config: Any) -> tuple[int, int] | None:
@@ -30,6 +30,22 @@ def mamba_group(kv_cache_config: Any) -> tuple[int, int] | None:
         if type(group.kv_cache_spec).__name__.endswith("MambaSpec"):
             return g, int(group.kv_cache_spec.block_size)
     return None
+
+
+def follow_tables(tables: dict[str, list[int]], so: Any, group: int) -> None:
+    """Each request's block list of KV cache group ``group`` as the runner holds it, after
+    the step ``so``: a new request's whole list, a resumed one's again, blocks appended to
+    the others'."""
+    cached = so.scheduled_cached_reqs
+    for r in so.scheduled_new_reqs:
+        tables[r.req_id] = list(r.block_ids[group])
+    for name, ids in zip(cached.req_ids, cached.new_block_ids, strict=True):
+        if ids is None:
+            continue
+        if name in cached.resumed_req_ids:
+            tables[name] = list(ids[group])
+        else:
+            tables[name].extend(ids[group])
 
 
 def digest(tokens: list[int]) -> bytes:
@@ -50,15 +66,7 @@ class RunnerStates:
         cached = so.scheduled_cached_reqs
         for name in [*so.finished_req_ids, *(so.preempted_req_ids or ()), *cached.resumed_req_ids]:
             self.column.pop(name, None)
-        for r in so.scheduled_new_reqs:
-            self.tables[r.req_id] = list(r.block_ids[self.group])
-        for name, ids in zip(cached.req_ids, cached.new_block_ids, strict=True):
-            if ids is None:
-                continue
-            if name in cached.resumed_req_ids:
-                self.tables[name] = list(ids[self.group])
-            else:
-                self.tables[name].extend(ids[self.group])
+        follow_tables(self.tables, so, self.group)
 
     def forward(self, name: str, start: int, end: int, tokens: list[int]) -> None:
         """The runner computes ``tokens[start:end]`` of ``name`` (``tokens``: every token it
@@ -90,22 +98,16 @@ class RunnerBlocks:
         self.slots = int(vllm_config.num_lookahead_tokens)
         self.limit = int(vllm_config.model_config.max_model_len)
         self.block_size = int(vllm_config.cache_config.block_size)
-        self.held: dict[str, int] = {}
+        self.tables: dict[str, list[int]] = {}
 
     def step(self, so: Any, computed: dict[str, int]) -> None:
         """The block lists a step sends; then the check (``computed``: each scheduled
         request's computed tokens, as sent)."""
-        cached = so.scheduled_cached_reqs
-        for r in so.scheduled_new_reqs:
-            self.held[r.req_id] = len(r.block_ids[0])
-        for name, ids in zip(cached.req_ids, cached.new_block_ids, strict=True):
-            got = len(ids[0]) if ids is not None else 0
-            resumed = name in cached.resumed_req_ids
-            self.held[name] = got if resumed else self.held.get(name, 0) + got
+        follow_tables(self.tables, so, 0)
         for name, n in so.num_scheduled_tokens.items():
-            need = min(computed[name] + n + self.slots, self.limit)
-            if self.held[name] * self.block_size < need:
+            need, held = min(computed[name] + n + self.slots, self.limit), len(self.tables[name])
+            if held * self.block_size < need:
                 raise AssertionError(
-                    f"request {name}: {self.held[name]} blocks for {need} positions "
+                    f"request {name}: {held} blocks for {need} positions "
                     f"({self.slots} lookahead slots past its work)"
                 )
