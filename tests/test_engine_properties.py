@@ -296,9 +296,10 @@ EngineMachineWithPrivateCopies.TestCase.settings = EngineMachine.TestCase.settin
 TestEngineStateMachineWithPrivateCopies = EngineMachineWithPrivateCopies.TestCase
 
 
-def _with_drafts(machine: EngineMachine) -> None:
-    """The machine's engine and executor again, with three drafts per decode."""
-    speculation = attrs.evolve(machine.config.speculation, max_drafts=3)
+def _with_drafts(machine: EngineMachine, **eagle: Any) -> None:
+    """The machine's engine and executor again, with three drafts per decode (``eagle``:
+    its lookahead and block-drop settings)."""
+    speculation = attrs.evolve(machine.config.speculation, max_drafts=3, **eagle)
     machine.config = attrs.evolve(machine.config, speculation=speculation)
     machine.engine = Engine(machine.config, check_invariants=True)
     slots = machine.config.num_state_slots if machine.config.hybrid else 0
@@ -384,13 +385,14 @@ TestEngineStateMachinePipelinedWithDrafts = EngineMachinePipelinedWithDrafts.Tes
 class EngineMachineWithMTPAndImages(EngineMachine):
     """The same machine with MTP (a hit's last cached block recomputed privately while the
     sequence holds the cached one) and requests with multimodal spans: no forward starts
-    or ends inside one."""
+    or ends inside one (with or without an encoder budget of 5 positions a step)."""
 
-    @initialize(**ENGINE_CONFIGS, mtp=st.sampled_from([1, 2]))
-    def start(self, mtp: int, **kw) -> None:  # type: ignore[no-untyped-def]
+    @initialize(**ENGINE_CONFIGS, mtp=st.sampled_from([1, 2]), encoder=st.sampled_from([0, 5]))
+    def start(self, mtp: int, encoder: int, **kw) -> None:  # type: ignore[no-untyped-def]
         super().start(**kw)
         speculation = attrs.evolve(self.config.speculation, tokens=mtp)
-        self.config = attrs.evolve(self.config, speculation=speculation)
+        model = attrs.evolve(self.config.model, max_encoder_tokens=encoder)
+        self.config = attrs.evolve(self.config, speculation=speculation, model=model)
         self.engine = Engine(self.config, check_invariants=True)
         self.executor = SpansWhole(self.executor, self.engine.state)
         self.runner = _Faulty(self.executor)
@@ -528,6 +530,30 @@ class EngineMachineUnderVllmAsync(EngineMachineUnderVllm):
 
 EngineMachineUnderVllmAsync.TestCase.settings = EngineMachine.TestCase.settings
 TestEngineStateMachineUnderVllmAsync = EngineMachineUnderVllmAsync.TestCase
+
+
+class EngineMachineUnderVllmWithEagle(EngineMachineUnderVllm):
+    """An EAGLE-family drafter under vLLM's configuration (attention models; steps overlapped
+    or not): three drafts per decode, three lookahead positions past each row's work, and a
+    prefix hit gives up its last cached block, which the sequence recomputes into a private
+    copy (the blocks it computes after the copy stay unindexed: docs/vllm.md)."""
+
+    @initialize(**{**UNDER_VLLM, "hybrid": st.just(False)}, overlapped=st.booleans())
+    def start(self, overlapped: bool, **kw) -> None:  # type: ignore[no-untyped-def]
+        super().start(**kw)
+        if overlapped:
+            _overlap(self)
+        _with_drafts(self, lookahead=3, eagle_block_drop=True)
+
+    def _step(self, fail: bool = False) -> None:
+        if self.config.speculation.pipelined:
+            _overlapped_step(self, super()._step, fail)
+        else:
+            super()._step(fail)
+
+
+EngineMachineUnderVllmWithEagle.TestCase.settings = EngineMachine.TestCase.settings
+TestEngineStateMachineUnderVllmWithEagle = EngineMachineUnderVllmWithEagle.TestCase
 
 
 def test_drafts_scheduled_without_blocks_for_their_positions_are_caught(

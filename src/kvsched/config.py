@@ -101,6 +101,10 @@ class ModelSpec:
     # running sequences, a waiting sequence whose adapter would be one too many is skipped
     # for the step. 0: no limit.
     max_adapters: int = 0
+    # Multimodal: the span positions the executor embeds in one step (vLLM's encoder compute
+    # budget; not part of the KV namespace). A chunk whose spans would take the step past it
+    # waits, as one past the token budget does (a step's first prefill runs). 0: no limit.
+    max_encoder_tokens: int = 0
 
     def __attrs_post_init__(self) -> None:
         in_range("vocab_size", self.vocab_size, 1, 1 << 31)
@@ -109,6 +113,7 @@ class ModelSpec:
         in_range("state_bytes", self.state_bytes, 1, 1 << 40)
         in_range("kv_bytes_per_token", self.kv_bytes_per_token, 1, 1 << 30)
         in_range("max_adapters", self.max_adapters, 0, 1 << 16)
+        in_range("max_encoder_tokens", self.max_encoder_tokens, 0, 1 << 31)
 
 
 @attrs.frozen(kw_only=True)

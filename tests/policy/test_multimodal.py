@@ -4,9 +4,18 @@ longer than the chunk budget is a chunk of its own. Logs before schema 4 did not
 
 import numpy as np
 import pytest
-from tests.policy.helpers import Harness, matched, of_type, prefills, preset, request, tokens
+from tests.policy.helpers import (
+    VOCAB,
+    Harness,
+    matched,
+    of_type,
+    prefills,
+    preset,
+    request,
+    tokens,
+)
 
-from kvsched.config import SchedulerConfig
+from kvsched.config import ModelSpec, SchedulerConfig
 from kvsched.events import types as ev
 
 
@@ -127,6 +136,43 @@ def test_a_prompt_tail_cut_never_splits_a_multimodal_span() -> None:
     h.step([request(0, tokens(90, seed=10), max_tokens=1, mm_spans=spans)])
     h.run_until_idle()
     assert _chunks(h, 0) == [(0, 64), (64, 90)]  # not cut at the tail boundary 80
+
+
+def _embedded_per_step(h: Harness, spans: dict[int, tuple[ev.MultimodalSpan, ...]]) -> list[int]:
+    """The span positions each step's chunks embed (spans starting inside a chunk)."""
+    return [
+        sum(s.end - s.start for q, a, b in prefills(r) for s in spans[q] if a <= s.start < b)
+        for r in h.results
+    ]
+
+
+@pytest.mark.parametrize("budget", [0, 40, 70])
+def test_the_encoder_budget_bounds_the_span_positions_one_step_embeds(budget: int) -> None:
+    """Three requests with a 30-position image each (one with two), arriving together: with
+    ``model.max_encoder_tokens`` no step embeds more than the budget, the chunks that would
+    pass it wait for a later step (its first prefill always runs), and every request
+    finishes with the chunks it has without the budget."""
+    model = ModelSpec(vocab_size=VOCAB, max_context=1024, max_encoder_tokens=budget)
+    spans = {
+        0: (_span(10, 40, b"a"),),
+        1: (_span(5, 35, b"b"), _span(40, 70, b"c")),
+        2: (_span(0, 30, b"d"),),
+    }
+    h = Harness(model=model, max_prefill_tokens=256)
+    h.step([request(q, tokens(80, seed=10 + q), max_tokens=2, mm_spans=spans[q]) for q in spans])
+    h.run_until_idle()
+    embedded = _embedded_per_step(h, spans)
+    assert sum(embedded) == 120
+    if budget:
+        assert max(embedded) <= max(budget, 60)  # (60: request 1's chunk alone)
+        assert max(embedded) > budget or all(e <= budget for e in embedded)
+        assert len([e for e in embedded if e]) > 1  # the budget spread them over steps
+    else:
+        assert embedded[0] == 120  # unbounded: all in the first step
+    free = Harness(max_prefill_tokens=256)
+    free.step([request(q, tokens(80, seed=10 + q), max_tokens=2, mm_spans=spans[q]) for q in spans])
+    free.run_until_idle()
+    assert sorted(_chunks(h, q) for q in spans) == sorted(_chunks(free, q) for q in spans)
 
 
 def test_old_logs_let_chunks_split_multimodal_spans() -> None:

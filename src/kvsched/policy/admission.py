@@ -70,6 +70,7 @@ class Admission:
         self._soft = config.soft_loads
         self._lora_slots = config.model.max_adapters  # (0: any number of adapters run)
         self._mm_safe = config.legacy.multimodal_safe
+        self._encoder_budget = config.model.max_encoder_tokens  # (0: none)
         # (derived settings read once: each admission reads them)
         self._external_load = config.external_load
         self._chunk_tokens = config.chunk_tokens
@@ -108,13 +109,17 @@ class Admission:
     def refusal(self, budget: StepBudget, seq: Seq, chunk: Chunk) -> str:
         """Why this step cannot take the chunk, or "" when it can: "skip" when a gate closes
         (at most ``max_long_chunks_per_step`` non-final chunks per step; on a gated turn, no
-        chunk of a long prefill), "stop" when it overruns the token budget (the first
-        prefill of a step never does)."""
+        chunk of a long prefill), "stop" when it overruns the token budget or the encoder
+        budget (``model.max_encoder_tokens``: the positions of the multimodal spans it
+        embeds; the first prefill of a step never does)."""
         if not budget.long_prefills and self.config.long_prefill(seq.n_tokens - chunk.start):
             return "skip"
         if not chunk.final and budget.long_chunks >= self.config.turns.max_long_chunks_per_step:
             return "skip"
         fits = budget.tokens + chunk.end - chunk.start <= self.config.max_prefill_tokens
+        if fits and self._encoder_budget and seq.mm_spans:
+            encoder = budget.encoder_tokens + spans.embedded(seq.mm_spans, chunk.start, chunk.end)
+            fits = encoder <= self._encoder_budget
         return "" if fits or budget.prefills == 0 else "stop"
 
     def add_prefill(
@@ -127,6 +132,8 @@ class Admission:
         budget.starts.append(chunk.start)
         budget.ends.append(chunk.end)
         budget.tokens += chunk.end - chunk.start
+        if seq.mm_spans:
+            budget.encoder_tokens += spans.embedded(seq.mm_spans, chunk.start, chunk.end)
         budget.prefills += 1
         budget.long_chunks += 0 if chunk.final else 1
         if self.config.cache_when_planned:  # scheduled at once: a later admission may hit it

@@ -49,6 +49,7 @@ class StepBudget:
     busy: bool = False  # decode work is scheduled this step
     long_prefills: bool = True  # the turn lets long prefills run (policy/turns.py)
     tokens: int = 0
+    encoder_tokens: int = 0  # multimodal span positions the step's chunks embed
     prefills: int = 0
     long_chunks: int = 0
     seq_ids: list[int] = attrs.field(factory=list)

@@ -36,6 +36,12 @@ def safe_depth(spans: Sequence[MultimodalSpan], depth: int, block_size: int) -> 
     return step // block_size
 
 
+def embedded(spans: Sequence[MultimodalSpan], start: int, end: int) -> int:
+    """The span positions a chunk ``[start, end)`` embeds: those of the spans starting in it
+    (a chunk never splits a span, so it embeds each of them whole)."""
+    return sum(span.end - span.start for span in spans if start <= span.start < end)
+
+
 def merged(spans: Sequence[MultimodalSpan]) -> list[tuple[int, int]]:
     """The spans as disjoint sorted intervals (overlapping ones joined)."""
     out: list[tuple[int, int]] = []

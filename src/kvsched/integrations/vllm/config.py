@@ -171,10 +171,13 @@ def num_drafts(vllm_config: Any) -> int:
     return int(spec.num_speculative_tokens or 0) if spec is not None else 0
 
 
-def scheduler_config(vllm_config: Any, kv_cache_config: Any, block_size: int) -> SchedulerConfig:
+def scheduler_config(
+    vllm_config: Any, kv_cache_config: Any, block_size: int, encoder_tokens: int = 0
+) -> SchedulerConfig:
     """The kvsched config scheduling vLLM's KV cache. The per-step token budget of vLLM
     (``max_num_batched_tokens``) covers decodes and prefills; kvsched's ``max_prefill_tokens``
-    covers prefills only, so it gets the budget less one token per possible decode."""
+    covers prefills only, so it gets the budget less one token per possible decode.
+    ``encoder_tokens``: vLLM's encoder compute budget (multimodal models; 0: none)."""
     _refuse_unsupported(vllm_config, kv_cache_config)
     sched, model, cache = (
         vllm_config.scheduler_config,
@@ -202,6 +205,7 @@ def scheduler_config(vllm_config: Any, kv_cache_config: Any, block_size: int) ->
             kv_layout="vllm",
             max_context=int(model.max_model_len),
             max_adapters=int(lora.max_loras) if lora is not None else 0,
+            max_encoder_tokens=encoder_tokens,
         ),
         block_size=int(block_size),
         num_blocks=hybrid["num_blocks"],

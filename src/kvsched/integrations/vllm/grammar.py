@@ -58,6 +58,18 @@ class Grammars:
                 ready.append(request)
         return ready, failed
 
+    @staticmethod
+    def rows(so: Any, plan: Any, ahead: Any, structured: Any, req_of: dict[int, Any]) -> list[str]:
+        """The structured rows of ``plan`` that sample (``get_grammar_bitmask``'s), by name;
+        flags them on the ``SchedulerOutput`` ``so``, and, as vLLM's AsyncScheduler does,
+        flags pending tokens when one of them has tokens still out (``ahead``, per row):
+        the bitmask then waits until they are in."""
+        out = dict(zip(plan.seq_ids.tolist(), ahead.tolist(), strict=True))
+        rows = [i for i in plan.seq_ids[plan.sample].tolist() if i in structured]
+        so.has_structured_output_requests = bool(rows)
+        so.pending_structured_output_tokens = any(out[i] > 0 for i in rows)
+        return [req_of[i].request_id for i in rows]
+
     def bitmask(
         self, requests: dict[str, Request], names: list[str], spec: dict[str, list[int]]
     ) -> GrammarOutput | None:

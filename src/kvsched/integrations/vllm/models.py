@@ -210,3 +210,69 @@ def build_eagle3(path: str | Path, target: str | Path, seed: int = 1) -> Path:
     }
     (path / "config.json").write_text(json.dumps(config))
     return path
+
+
+AUDIO_TOKENS = ("<|endoftext|>", "<|audio_bos|>", "<|audio_eos|>", "<|AUDIO|>")
+
+
+def build_audio(path: str | Path, seed: int = 0) -> Path:
+    """Write a tiny Qwen2-Audio model (a multimodal model vLLM's CPU build runs without
+    torchvision, whose CPU wheel this machine lacks): a two-layer Whisper-style audio
+    encoder and a two-layer Qwen2 decoder with seeded random weights, its feature extractor
+    and a word-level tokenizer whose last ids are the audio special tokens
+    (``AUDIO_TOKENS``); a prompt's ``<|AUDIO|>`` becomes one position per encoder output."""
+    import torch
+    from safetensors.torch import load_file, save_file
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
+    from transformers import (
+        Qwen2AudioConfig,
+        Qwen2AudioForConditionalGeneration,
+        WhisperFeatureExtractor,
+    )
+
+    path = Path(path)
+    if (path / "config.json").exists():
+        return path
+    first = VOCAB - len(AUDIO_TOKENS)
+    ids = {token: first + i for i, token in enumerate(AUDIO_TOKENS)}
+    text = {k: v for k, v in _COMMON.items() if k not in ("head_dim", "bos_token_id")}
+    config = Qwen2AudioConfig(
+        text_config={**text, "model_type": "qwen2", "num_hidden_layers": 2, "eos_token_id": 1},
+        audio_config={
+            "d_model": 64,
+            "encoder_layers": 2,
+            "encoder_attention_heads": 1,
+            "encoder_ffn_dim": 128,
+            "num_mel_bins": 128,
+        },
+        audio_token_index=ids["<|AUDIO|>"],
+    )
+    torch.manual_seed(seed)
+    model: Any = Qwen2AudioForConditionalGeneration(config)
+    with torch.no_grad():  # wide logits, and audio embeddings that move them
+        model.lm_head.weight.normal_(0.0, 0.5)
+        model.model.multi_modal_projector.linear.weight.normal_(0.0, 0.5)
+    model.to(torch.float32).save_pretrained(path)
+    # vLLM reads the decoder's weights under language_model.model (transformers 5 writes
+    # language_model.model.model).
+    weights = path / "model.safetensors"
+    renamed = {
+        k.replace("language_model.model.model.", "language_model.model."): v
+        for k, v in load_file(str(weights)).items()
+    }
+    save_file(renamed, str(weights), metadata={"format": "pt"})
+    WhisperFeatureExtractor(feature_size=128).save_pretrained(path)  # type: ignore[no-untyped-call]
+    vocab = {word: i for i, word in enumerate(words()[:first])} | ids
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in AUDIO_TOKENS])
+    tok.save(str(path / "tokenizer.json"))
+    settings = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "unk_token": "t0",
+        "eos_token": "t1",
+        "model_max_length": 1 << 16,
+        "processor_class": "Qwen2AudioProcessor",
+    }
+    (path / "tokenizer_config.json").write_text(json.dumps(settings))
+    return path

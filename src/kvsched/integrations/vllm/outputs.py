@@ -18,7 +18,7 @@ from vllm.v1.core.kv_cache_utils import (
 )
 from vllm.v1.engine import EngineCoreOutput, FinishReason
 from vllm.v1.metrics.stats import PrefixCacheStats, SchedulerStats
-from vllm.v1.request import Request
+from vllm.v1.request import Request, RequestStatus
 
 from kvsched.integrations.vllm import config as cfg
 from kvsched.integrations.vllm.kv_events import EventGroups, KVEventTranslator
@@ -126,3 +126,11 @@ def extra_keys(request: Request, first: int, count: int, block_size: int) -> Any
         for i in range(first, first + count)
     ]
     return to_event_extra_keys(keys)
+
+
+def preempt(request: Request) -> Request:
+    """A vLLM request as kvsched's preemption leaves it: preempted, nothing computed."""
+    request.status = RequestStatus.PREEMPTED
+    request.num_computed_tokens = 0
+    request.num_preemptions += 1
+    return request

@@ -19,15 +19,19 @@ import numpy as np
 from kvsched.events import types as ev
 
 
-def refusal(request: Any) -> str | None:
-    """Why the adapter cannot serve this request (None: it can)."""
+def refusal(request: Any, overlapped: bool = False) -> str | None:
+    """Why the adapter cannot serve this request (None: it can). ``overlapped``: vLLM runs
+    async scheduling."""
     params = request.sampling_params
     if params is None:
         return "pooling requests are not supported by the kvsched adapter"
     if request.prompt_token_ids is None:
         return "prompt embeddings are not supported by the kvsched adapter"
-    if request.mm_features:
-        return "multimodal inputs are not supported by the kvsched adapter"
+    if request.mm_features and overlapped:
+        return (
+            "multimodal inputs are not supported by the kvsched adapter under async "
+            "scheduling (the encoder cache a step in flight holds is not counted yet)"
+        )
     reason = params_refusal(params)
     if reason is not None:
         return reason
@@ -44,6 +48,20 @@ def params_refusal(params: Any) -> str | None:
     if detection is not None and detection.max_pattern_size > 0:
         return "repetition detection is not supported by the kvsched adapter"
     return None
+
+
+def spans_of(request: Any) -> tuple[ev.MultimodalSpan, ...]:
+    """A request's multimodal items as kvsched spans: each item's placeholder positions,
+    named by vLLM's identifier of the item (its content hash; with a LoRA's name where one
+    applies), which enters the identity of every block the span overlaps."""
+    return tuple(
+        ev.MultimodalSpan(
+            int(f.mm_position.offset),
+            int(f.mm_position.offset) + int(f.mm_position.length),
+            str(f.identifier).encode(),
+        )
+        for f in request.mm_features or ()
+    )
 
 
 def vllm_block_hashes(request: Any) -> bytes:
@@ -78,6 +96,7 @@ def arrival(
         seed=int(params.seed) if params.seed is not None else 0,
         block_hashes=vllm_block_hashes(request) if use_block_hashes else b"",
         skip_prefix_hit=bool(getattr(request, "skip_reading_prefix_cache", False)),
+        mm_spans=spans_of(request),
     )
 
 

@@ -38,6 +38,7 @@ from kvsched.engine import StepResult
 from kvsched.events import types as ev
 from kvsched.integrations.vllm import config as cfg
 from kvsched.integrations.vllm import drafts, startup
+from kvsched.integrations.vllm.encoders import EncoderInputs, encoder_budget
 from kvsched.integrations.vllm.grammar import Grammars
 from kvsched.integrations.vllm.mamba import GroupTables
 from kvsched.integrations.vllm.mamba import layout as mamba_layout
@@ -47,6 +48,7 @@ from kvsched.integrations.vllm.outputs import (
     check_plan,
     error_output,
     kv_events,
+    preempt,
     scheduler_stats,
     token_output,
 )
@@ -64,7 +66,7 @@ _STATUS = {
 }
 
 
-class Scheduler(startup.Unserved, SchedulerInterface):  # type: ignore[misc]  # (vLLM is untyped here)
+class Scheduler(SchedulerInterface):  # type: ignore[misc]  # (vLLM is untyped here)
     def __init__(
         self,
         vllm_config: Any,
@@ -81,7 +83,11 @@ class Scheduler(startup.Unserved, SchedulerInterface):  # type: ignore[misc]  # 
         self.log_stats = log_stats
         self.connector = None  # read directly by vLLM's engine core
         self.ec_connector = None
-        opts, self.config, self.engine = startup.start(vllm_config, kv_cache_config, block_size)
+        compute, cache_size = encoder_budget(vllm_config, mm_registry)  # (0, 0: text only)
+        opts, self.config, self.engine = startup.start(
+            vllm_config, kv_cache_config, block_size, compute
+        )
+        self.encoders = EncoderInputs(cache_size)
         self.log_path: str | None = opts.get("log")
         self.max_model_len = self.config.model.max_context
         attn_group, mamba_groups = cfg.groups(kv_cache_config)
@@ -121,7 +127,7 @@ class Scheduler(startup.Unserved, SchedulerInterface):  # type: ignore[misc]  # 
         name = request.request_id
         if name in self.requests:
             raise cfg.UnsupportedConfig(f"request {name}: resumable (streaming) requests")
-        reason = refusal(request)
+        reason = refusal(request, self.config.speculation.pipelined)
         if reason is not None:
             logger.warning("kvsched refuses request %s: %s", name, reason)
             request.status = RequestStatus.FINISHED_ERROR
@@ -165,6 +171,7 @@ class Scheduler(startup.Unserved, SchedulerInterface):  # type: ignore[misc]  # 
         if out and (out > 1 or not self.config.speculation.pipelined):
             self._awaiting.append(None)
             self.worker.empty_step()
+            self.encoders.empty_step()
             return SchedulerOutput.make_empty()
         if self.grammars.waiting:
             self._settle_grammars()
@@ -186,20 +193,16 @@ class Scheduler(startup.Unserved, SchedulerInterface):  # type: ignore[misc]  # 
             num_scheduled_tokens=num_scheduled,
             total_num_scheduled_tokens=plan.num_tokens,
             scheduled_spec_decode_tokens=drafts.scheduled_drafts(plan, self._name_of),
-            scheduled_encoder_inputs={},
+            scheduled_encoder_inputs=self.encoders.schedule(plan, self.reg.req_of),
             finished_req_ids=self._finished_ids,
-            free_encoder_mm_hashes=[],
+            free_encoder_mm_hashes=self.encoders.freed(),
             preempted_req_ids=preempted,
             new_block_ids_to_zero=self._fresh_blocks if self._zeroing else None,
             num_spec_tokens_to_schedule=self.num_drafts,  # (the runner proposes this many)
         )
-        if self.reg.structured:  # the structured rows that sample: get_grammar_bitmask's
-            ahead = dict(zip(plan.seq_ids.tolist(), out_ids.tolist(), strict=True))
-            rows = [i for i in plan.seq_ids[plan.sample].tolist() if i in self.reg.structured]
-            self._grammar_rows = [self.reg.req_of[i].request_id for i in rows]
-            out.has_structured_output_requests = bool(rows)
-            # (as vLLM's AsyncScheduler: tokens still out defer the bitmask until they are in)
-            out.pending_structured_output_tokens = any(ahead[i] > 0 for i in rows)
+        if self.reg.structured:  # (get_grammar_bitmask's rows)
+            structured, req_of = self.reg.structured, self.reg.req_of
+            self._grammar_rows = Grammars.rows(out, plan, out_ids, structured, req_of)
         self._fresh_blocks = []
         self._finished_ids = set()
         return out
@@ -230,11 +233,9 @@ class Scheduler(startup.Unserved, SchedulerInterface):  # type: ignore[misc]  # 
                 request.status = RequestStatus.FINISHED_ERROR
                 self._errors.append((request, d.reason))
             elif isinstance(d, ev.SequencePreempted):
-                request = self.reg.req_of[d.seq_id]
-                request.status = RequestStatus.PREEMPTED
-                request.num_computed_tokens = 0
-                request.num_preemptions += 1
+                request = preempt(self.reg.req_of[d.seq_id])
                 self.worker.preempted(d.seq_id)
+                self.encoders.drop(request)
                 preempted.add(request.request_id)
             elif isinstance(d, ev.BlocksAllocated) and self._zeroing:
                 self._fresh_blocks += d.blocks.tolist()
@@ -283,6 +284,7 @@ class Scheduler(startup.Unserved, SchedulerInterface):  # type: ignore[misc]  # 
         if reason != "aborted" and expected is None:
             raise AdapterMismatch(f"kvsched finished {request.request_id} ({reason}); vLLM did not")
         self.worker.forget(seq_id)
+        self.encoders.drop(request)
         self._finished_ids.add(request.request_id)
 
     # ------------------------------------------------------------------ outcome
@@ -292,6 +294,7 @@ class Scheduler(startup.Unserved, SchedulerInterface):  # type: ignore[misc]  # 
         if not self._awaiting:
             raise AdapterMismatch("update_from_output for a step kvsched did not schedule")
         step = self._awaiting.popleft()
+        self.encoders.landed()
         if step is not None:
             self._record_outcome(step[0].plan, model_runner_output, outputs, step[1])
         elif model_runner_output.sampled_token_ids:
@@ -424,6 +427,9 @@ class Scheduler(startup.Unserved, SchedulerInterface):  # type: ignore[misc]  # 
         """The vLLM event names of kvsched's cached blocks and published checkpoints
         (``KVEventTranslator.cache_names``): what a KV-events subscriber must hold."""
         return self._kv_events.cache_names(self.engine.state)
+
+    def reset_encoder_cache(self) -> None:
+        self.encoders.reset()
 
     def reset_prefix_cache(
         self, reset_running_requests: bool = False, reset_connector: bool = False

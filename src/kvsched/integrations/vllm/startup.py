@@ -1,7 +1,5 @@
-"""The adapter's start-up (the checks before it serves: the vLLM release, the config, the
-event log, what vLLM runs that costs it) and the ``SchedulerInterface`` methods of features
-it does not serve (draft tokens, an encoder cache: refused at
-start-up or per request, so these are never asked for anything)."""
+"""The adapter's start-up: the checks before it serves (the vLLM release, the config, the
+event log, what vLLM runs that costs it)."""
 
 from __future__ import annotations
 
@@ -18,15 +16,16 @@ logger = logging.getLogger("kvsched.integrations.vllm.scheduler")
 
 
 def start(
-    vllm_config: Any, kv_cache_config: Any, block_size: int
+    vllm_config: Any, kv_cache_config: Any, block_size: int, encoder_tokens: int = 0
 ) -> tuple[dict[str, Any], SchedulerConfig, Engine]:
     """The adapter's options, kvsched's config and its engine (writing the event log the
-    options name), after the start-up checks: the vLLM release, the config, the log path."""
+    options name), after the start-up checks: the vLLM release, the config, the log path.
+    ``encoder_tokens``: vLLM's encoder compute budget (0: a text-only model)."""
     opts = cfg.options(vllm_config)
     untested = cfg.check_vllm_version(vllm.__version__, opts["allow_untested_vllm"])
     if untested:
         logger.warning("kvsched: %s", untested)
-    config = cfg.scheduler_config(vllm_config, kv_cache_config, block_size)
+    config = cfg.scheduler_config(vllm_config, kv_cache_config, block_size, encoder_tokens)
     path = opts.get("log")
     if path:
         cfg.check_log_path(path, opts["overwrite_log"])
@@ -41,9 +40,3 @@ def start(
         )
     return opts, config, engine
 
-
-class Unserved:
-    """What the scheduler answers for features the adapter refuses (none reach it)."""
-
-    def reset_encoder_cache(self) -> None:
-        return None
