@@ -385,16 +385,23 @@ TestEngineStateMachinePipelinedWithDrafts = EngineMachinePipelinedWithDrafts.Tes
 class EngineMachineWithMTPAndImages(EngineMachine):
     """The same machine with MTP (a hit's last cached block recomputed privately while the
     sequence holds the cached one) and requests with multimodal spans: no forward starts
-    or ends inside one (with or without an encoder budget of 5 positions a step)."""
+    or ends inside one (with or without an encoder budget of 5 positions a step), unless the
+    executor keeps a span's encoder output across chunks (``span_slices``, drawn)."""
 
-    @initialize(**ENGINE_CONFIGS, mtp=st.sampled_from([1, 2]), encoder=st.sampled_from([0, 5]))
-    def start(self, mtp: int, encoder: int, **kw) -> None:  # type: ignore[no-untyped-def]
+    @initialize(
+        **ENGINE_CONFIGS,
+        mtp=st.sampled_from([1, 2]),
+        encoder=st.sampled_from([0, 5]),
+        slices=st.sampled_from([False, False, True]),
+    )
+    def start(self, mtp: int, encoder: int, slices: bool, **kw) -> None:  # type: ignore[no-untyped-def]
         super().start(**kw)
         speculation = attrs.evolve(self.config.speculation, tokens=mtp)
-        model = attrs.evolve(self.config.model, max_encoder_tokens=encoder)
+        model = attrs.evolve(self.config.model, max_encoder_tokens=encoder, span_slices=slices)
         self.config = attrs.evolve(self.config, speculation=speculation, model=model)
         self.engine = Engine(self.config, check_invariants=True)
-        self.executor = SpansWhole(self.executor, self.engine.state)
+        if not slices:  # (with span slices a row may start or end inside a span)
+            self.executor = SpansWhole(self.executor, self.engine.state)
         self.runner = _Faulty(self.executor)
 
     @rule(**ARRIVALS, image=IMAGES)

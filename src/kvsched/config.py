@@ -101,10 +101,13 @@ class ModelSpec:
     # running sequences, a waiting sequence whose adapter would be one too many is skipped
     # for the step. 0: no limit.
     max_adapters: int = 0
-    # Multimodal: the span positions the executor embeds in one step (vLLM's encoder compute
-    # budget; not part of the KV namespace). A chunk whose spans would take the step past it
-    # waits, as one past the token budget does (a step's first prefill runs). 0: no limit.
+    # Multimodal (not part of the KV namespace): the span positions the executor embeds in one
+    # step (vLLM's encoder compute budget; 0: no limit): a chunk whose spans would take the
+    # step past it waits (a chunk alone runs). ``span_slices``: the executor keeps a
+    # span's encoder output across chunks (vLLM's runner), so a chunk, hit or state may end
+    # inside a span (policy/spans.py); else never (lmdeploy's encoder embeds a span whole).
     max_encoder_tokens: int = 0
+    span_slices: bool = False
 
     def __attrs_post_init__(self) -> None:
         in_range("vocab_size", self.vocab_size, 1, 1 << 31)
@@ -114,6 +117,7 @@ class ModelSpec:
         in_range("kv_bytes_per_token", self.kv_bytes_per_token, 1, 1 << 30)
         in_range("max_adapters", self.max_adapters, 0, 1 << 16)
         in_range("max_encoder_tokens", self.max_encoder_tokens, 0, 1 << 31)
+        is_bool("span_slices", self.span_slices)
 
 
 @attrs.frozen(kw_only=True)
@@ -252,20 +256,16 @@ class Speculation:
     """MTP: a hit's last cached block(s) are recomputed for the draft model (Legacy.mtp_overlap)."""
 
     tokens: int = 0  # speculative tokens per step (0: no MTP)
-    # Speculative decoding: at most this many of the draft tokens an executor proposes for a
-    # sequence (StepExecuted.drafts) are verified in its next decode, besides its newest
-    # token; the drafts' positions take KV blocks like any token's. 0: drafts are ignored.
-    # Attention models only (a hybrid model's state per draft position is not modelled).
+    # Speculative decoding: at most this many of the drafts an executor proposes for a
+    # sequence (StepExecuted.drafts) are verified in its next decode, in positions that take
+    # KV blocks (0: drafts ignored; attention models: no state per draft position).
     max_drafts: int = 0
-    # Overlapped steps (vLLM's async scheduling): step N+1 is planned while step N's outcome
-    # is still out; N's outcome is an input of step N+1 or N+2. A row that samples in the
-    # step in flight counts a placeholder for the token it does not know yet.
+    # Overlapped steps (vLLM's async scheduling): step N+1 is planned while N's outcome is
+    # out (an input of N+1 or N+2); a row sampling in a step in flight counts a placeholder.
     pipelined: bool = False
-    # A drafter that writes KV for its own layers (vLLM's EAGLE family): each row's blocks
-    # hold ``lookahead`` positions past its scheduled work (vLLM's ``num_lookahead_tokens``,
-    # capped at the context); with ``eagle_block_drop`` a prefix hit gives up its last cached
-    # block, which the request recomputes so the drafter gets its hidden states (vLLM's KV
-    # cache manager, ``use_eagle_block_drop``).
+    # A drafter writing KV of its own (vLLM's EAGLE family): a row's blocks hold ``lookahead``
+    # positions past its work (``num_lookahead_tokens``, capped at the context); with
+    # ``eagle_block_drop`` a hit gives up its last block, recomputed for the drafter.
     lookahead: int = 0
     eagle_block_drop: bool = False
 

@@ -17,6 +17,7 @@ from tests.policy.helpers import (
 
 from kvsched.config import ModelSpec, SchedulerConfig
 from kvsched.events import types as ev
+from kvsched.policy import spans as spans_module
 
 
 def _span(start: int, end: int, content: bytes = b"image") -> ev.MultimodalSpan:
@@ -150,7 +151,7 @@ def _embedded_per_step(h: Harness, spans: dict[int, tuple[ev.MultimodalSpan, ...
 def test_the_encoder_budget_bounds_the_span_positions_one_step_embeds(budget: int) -> None:
     """Three requests with a 30-position image each (one with two), arriving together: with
     ``model.max_encoder_tokens`` no step embeds more than the budget, the chunks that would
-    pass it wait for a later step (its first prefill always runs), and every request
+    pass it wait for a later step (a chunk alone always runs), and every request
     finishes with the chunks it has without the budget."""
     model = ModelSpec(vocab_size=VOCAB, max_context=1024, max_encoder_tokens=budget)
     spans = {
@@ -173,6 +174,64 @@ def test_the_encoder_budget_bounds_the_span_positions_one_step_embeds(budget: in
     free.step([request(q, tokens(80, seed=10 + q), max_tokens=2, mm_spans=spans[q]) for q in spans])
     free.run_until_idle()
     assert sorted(_chunks(h, q) for q in spans) == sorted(_chunks(free, q) for q in spans)
+
+
+def test_with_span_slices_chunks_hits_and_the_encoder_budget_follow_the_token_grid() -> None:
+    """``model.span_slices`` (vLLM's runner keeps an item's encoder output across chunks):
+    chunks end on the plain grid inside a span, a hit ends at its deepest cached block even
+    inside a span (its blocks' identity names the span), and the encoder budget counts every
+    span a chunk reaches, whole."""
+    model = ModelSpec(vocab_size=VOCAB, max_context=1024, span_slices=True)
+    h = Harness(model=model)  # 64-token chunks
+    spans = (_span(50, 100),)
+    prompt = tokens(150, seed=1)
+    h.step([request(0, prompt, max_tokens=1, mm_spans=spans)])
+    h.run_until_idle()
+    assert _chunks(h, 0) == [(0, 64), (64, 128), (128, 150)]
+    longer = np.concatenate([prompt[:90], tokens(30, seed=2)])
+    admit = h.step([request(1, longer, max_tokens=1, mm_spans=spans)])
+    assert matched(admit)[1].num_tokens == 80  # (block 5 ends inside the span)
+    other = h.step([request(2, longer, max_tokens=1, mm_spans=(_span(50, 100, b"other"),))])
+    assert matched(other)[2].num_tokens == 48  # (a different image: the blocks before it)
+    assert spans_module.embedded(spans, 64, 128, whole=False) == 50
+    assert spans_module.embedded(spans, 64, 128, whole=True) == 0
+
+
+@pytest.mark.parametrize("budget", [0, 60])
+def test_with_span_slices_a_span_a_chunk_stopped_inside_holds_its_encoder_budget(
+    budget: int,
+) -> None:
+    """Request 0's first chunk stops inside its 60-position image (the executor keeps the
+    image's encoder output for its next chunk); request 1, with a 10-position image, fits
+    the step after token-wise, but 60 held + 10 pass the budget of 60: it waits until
+    request 0's next chunk has finished the image (without a budget it does not wait)."""
+    model = ModelSpec(
+        vocab_size=VOCAB, max_context=1024, span_slices=True, max_encoder_tokens=budget
+    )
+    h = Harness(model=model)  # 64-token chunks and budget
+    h.step([request(0, tokens(100, seed=7), max_tokens=1, mm_spans=(_span(40, 100, b"a"),))])
+    h.step([request(1, tokens(20, seed=8), max_tokens=1, mm_spans=(_span(0, 10, b"b"),))])
+    h.run_until_idle()
+    first = {q: next(i for i, r in enumerate(h.results) if any(p[0] == q for p in prefills(r)))
+             for q in (0, 1)}
+    assert _chunks(h, 0) == [(0, 64), (64, 100)]
+    assert first == {0: 0, 1: 2 if budget else 1}
+
+
+@pytest.mark.parametrize(
+    ("computed", "since", "held"),
+    [
+        (64, 64, 60),  # stopped inside [40, 100): held
+        (100, 100, 0),  # finished it: released
+        (100, 64, 60),  # finished it in a step still in flight: held until it lands
+        (130, 100, 0),  # the step in flight reached no span
+        (30, 30, 0),  # not reached yet
+    ],
+)
+def test_the_encoder_positions_a_running_sequence_holds(computed, since, held) -> None:
+    spans = (_span(40, 100), _span(120, 125))
+    want = held + (5 if since < 125 and computed > 120 else 0)
+    assert spans_module.held_positions(spans, computed, since) == want
 
 
 def test_old_logs_let_chunks_split_multimodal_spans() -> None:

@@ -69,7 +69,7 @@ class Admission:
         self._interval = config.interval_tokens if config.places("interval") else 0
         self._soft = config.soft_loads
         self._lora_slots = config.model.max_adapters  # (0: any number of adapters run)
-        self._mm_safe = config.legacy.multimodal_safe
+        self._mm_safe = spans.kept_whole(config)
         self._encoder_budget = config.model.max_encoder_tokens  # (0: none)
         # (derived settings read once: each admission reads them)
         self._external_load = config.external_load
@@ -106,34 +106,58 @@ class Admission:
         """Whether a chunk may end at ``step`` besides its canonical end: never in a span."""
         return not self._mm_safe or spans.boundary_safe(seq.mm_spans, step)
 
-    def refusal(self, budget: StepBudget, seq: Seq, chunk: Chunk) -> str:
+    def refusal(self, budget: StepBudget, seq: Seq, chunk: Chunk, held: bool = False) -> str:
         """Why this step cannot take the chunk, or "" when it can: "skip" when a gate closes
         (at most ``max_long_chunks_per_step`` non-final chunks per step; on a gated turn, no
-        chunk of a long prefill), "stop" when it overruns the token budget or the encoder
-        budget (``model.max_encoder_tokens``: the positions of the multimodal spans it
-        embeds; the first prefill of a step never does)."""
+        chunk of a long prefill), "stop" when it overruns the token budget (the first
+        prefill of a step never does) or the encoder budget (``model.max_encoder_tokens``:
+        the span positions it embeds beside those the step's chunks embed and those held at
+        the step's start; a chunk alone runs). ``held``: a running sequence's next chunk."""
         if not budget.long_prefills and self.config.long_prefill(seq.n_tokens - chunk.start):
             return "skip"
         if not chunk.final and budget.long_chunks >= self.config.turns.max_long_chunks_per_step:
             return "skip"
         fits = budget.tokens + chunk.end - chunk.start <= self.config.max_prefill_tokens
-        if fits and self._encoder_budget and seq.mm_spans:
-            encoder = budget.encoder_tokens + spans.embedded(seq.mm_spans, chunk.start, chunk.end)
-            fits = encoder <= self._encoder_budget
-        return "" if fits or budget.prefills == 0 else "stop"
+        if not fits and budget.prefills:
+            return "stop"
+        if self._encoder_budget and seq.mm_spans and budget.encoder_tokens:
+            embeds = spans.embedded(seq.mm_spans, chunk.start, chunk.end, self._mm_safe, held)
+            if embeds and budget.encoder_tokens + embeds > self._encoder_budget:
+                return "stop"
+        return ""
+
+    def encoder_held(self, state: EngineState) -> int:
+        """The span positions whose encoder output the running sequences hold at the step's
+        start (``spans.held_positions``): with an encoder budget, the step's chunks embed at
+        most the budget less these."""
+        table, held = state.seqs, 0
+        flights = table.flight_starts() if table.pipelined else {}
+        for row in table.running_rows().tolist():
+            seq = table.seq_at(row)
+            if seq.mm_spans:
+                computed = table.computed_at(row)
+                held += spans.held_positions(seq.mm_spans, computed, flights.get(row, computed))
+        return held
 
     def add_prefill(
-        self, state: EngineState, seq: Seq, chunk: Chunk, budget: StepBudget, emit: Emit
+        self,
+        state: EngineState,
+        seq: Seq,
+        chunk: Chunk,
+        budget: StepBudget,
+        emit: Emit,
+        held: bool = False,
     ) -> None:
-        """Schedule a chunk (the step's budget counts it); for a hybrid model, save the
-        states its placement rules ask for: at its end (the deepest first), then inside it
-        (deepest first)."""
+        """Schedule a chunk (the step's budget counts it; ``held``: a running sequence's next
+        chunk); for a hybrid model, save the states its placement rules ask for: at its end
+        (the deepest first), then inside it (deepest first)."""
         budget.seq_ids.append(seq.seq_id)
         budget.starts.append(chunk.start)
         budget.ends.append(chunk.end)
         budget.tokens += chunk.end - chunk.start
         if seq.mm_spans:
-            budget.encoder_tokens += spans.embedded(seq.mm_spans, chunk.start, chunk.end)
+            embeds = spans.embedded(seq.mm_spans, chunk.start, chunk.end, self._mm_safe, held)
+            budget.encoder_tokens += embeds
         budget.prefills += 1
         budget.long_chunks += 0 if chunk.final else 1
         if self.config.cache_when_planned:  # scheduled at once: a later admission may hit it
@@ -206,7 +230,7 @@ class Admission:
             if seq.state != SeqState.RUNNING:
                 continue  # preempted for an earlier sequence's chunk this step
             chunk = self.chunk_of(seq, table.computed_at(seq.row), seq.kv_hit_tokens)
-            if self.refusal(budget, seq, chunk):
+            if self.refusal(budget, seq, chunk, held=True):
                 continue
             need = self._blocks_to(chunk.end) - table.nblocks_at(seq.row)
             if need > state.pool.num_available:
@@ -222,7 +246,7 @@ class Admission:
                 if seq.state != SeqState.RUNNING or need > state.pool.num_available:
                     continue
             self.growth.allocate(state, [seq.seq_id], [need], emit)
-            self.add_prefill(state, seq, chunk, budget, emit)
+            self.add_prefill(state, seq, chunk, budget, emit, held=True)
 
     # ------------------------------------------------------------------- admission
 

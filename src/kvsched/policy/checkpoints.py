@@ -42,7 +42,7 @@ class Checkpoints:
         self.by_value = config.checkpoints.eviction == "value"
         self.eviction = CHECKPOINT_EVICTION[config.checkpoints.eviction](config)
         self.min_gain = config.checkpoints.min_gain_blocks * config.block_size
-        self.mm_safe = config.legacy.multimodal_safe
+        self.mm_safe = spans.kept_whole(config)
 
     # ------------------------------------------------------------------- placement
 

@@ -33,6 +33,7 @@ class Matcher:
         self.bs = config.block_size
         self._recompute = config.mtp_recompute_blocks  # (read once: derived properties)
         self._holds_overlap = config.mtp_holds_overlap
+        self._whole = spans.kept_whole(config)  # (no hit ends inside a multimodal span)
 
     def find_prefix(self, state: EngineState, seq: Seq) -> Match:
         """Tentative match: the longest usable cached prefix (nothing is emitted)."""
@@ -42,7 +43,8 @@ class Matcher:
             return self._find_checkpoint(state, seq)
         if not self.config.legacy.multimodal_safe:
             return self._find_prefix_before_schema4(state, seq)
-        pool, bs, mm_spans = state.pool, self.bs, seq.mm_spans
+        pool, bs = state.pool, self.bs
+        mm_spans = seq.mm_spans if self._whole else ()
         blocks = pool.cached_prefix(seq.hashes, (seq.n_tokens - 1) // bs)
         depth = len(blocks)
         if seq.want_experts:  # a block without routed-expert ids ends the match
@@ -73,7 +75,7 @@ class Matcher:
 
     def safe_depth(self, seq: Seq, depth: int) -> int:
         """``depth`` blocks, rewound out of multimodal spans (``multimodal_safe``)."""
-        if not seq.mm_spans or not self.config.legacy.multimodal_safe:
+        if not seq.mm_spans or not self._whole:
             return depth
         return spans.safe_depth(seq.mm_spans, depth, self.bs)
 
@@ -118,7 +120,7 @@ class Matcher:
         tails_usable = not seq.want_experts and self._fits_beside_a_frozen_tail(seq)
         tails = ckpts.find_partials(anchor) if tails_usable else {}
         for step in sorted(tails, reverse=True) if tails else ():
-            if step <= limit and spans.boundary_safe(seq.mm_spans, step):
+            if step <= limit and (not self._whole or spans.boundary_safe(seq.mm_spans, step)):
                 extra = tail_extra(seq.mm_spans, depth * bs, step)
                 partial = ckpts.find(partial_key(anchor, seq.tokens[depth * bs : step], extra))
                 if partial is not None:
@@ -126,7 +128,7 @@ class Matcher:
         if depth:
             aligned = ckpts.find(anchor)
             if aligned is not None and (
-                not seq.mm_spans or spans.boundary_safe(seq.mm_spans, aligned.step)
+                not self._whole or spans.boundary_safe(seq.mm_spans, aligned.step)
             ):
                 return aligned
         return None

@@ -306,6 +306,8 @@ class Policy:
             state, len(decode_rows), chunk_rows
         )
         budget = StepBudget()
+        if self.config.model.max_encoder_tokens:  # (the encoder inputs held at the start)
+            budget.encoder_tokens = self.admission.encoder_held(state)
         if len(decode_rows) and not (alternate and prefill_turn):
             budget.busy = self._schedule_decode(state, decode_rows, emit)
         if prefill_turn:

@@ -128,6 +128,16 @@ class PipelinedRows(DraftRows):
         state saved after it can be named (a checkpoint's identity hashes its tokens)."""
         return rows[self.ahead[rows] == 0]  # type: ignore[no-any-return]
 
+    def flight_starts(self) -> dict[int, int]:
+        """Row -> where the earliest work of it still in flight starts (rows in no launched
+        step are absent)."""
+        out: dict[int, int] = {}
+        for flight in self.in_flight:
+            rows, starts = self._live(flight)
+            for row, start in zip(rows.tolist(), starts.tolist(), strict=True):
+                out[row] = min(start, out.get(row, start))
+        return out
+
     def placeholders_of(self, seq_ids: np.ndarray) -> np.ndarray:
         """Each running sequence's placeholders: its tokens and verified drafts still out
         (vLLM's ``num_output_placeholders``; zeros without overlapped steps)."""

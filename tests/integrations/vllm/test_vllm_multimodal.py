@@ -1,14 +1,14 @@
 """Multimodal inputs under kvsched (a tiny Qwen2-Audio on vLLM's CPU build): greedy outputs
-equal vLLM's own scheduler's request by request; each audio clip is a kvsched span named by
-vLLM's content hash, so a prefix hit never ends inside a clip and a different clip in the
-same place never hits; the encoder inputs each step needs are scheduled in vLLM's encoder
-cache; the log verifies."""
+and cached tokens equal vLLM's own scheduler's request by request; each audio clip is a
+kvsched span named by vLLM's content hash, so a different clip in the same place never hits;
+the encoder inputs each step needs are scheduled in vLLM's encoder cache (kept across a
+request's chunks where a hit or chunk ends inside a clip); the log verifies."""
 
 from __future__ import annotations
 
 from pathlib import Path
-from types import SimpleNamespace as NS
 
+import numpy as np
 import pytest
 
 pytest.importorskip(
@@ -17,10 +17,13 @@ pytest.importorskip(
     "oracle tests'): scripts/test_vllm.sh builds .venv-vllm and runs `pytest -k vllm` there",
 )
 
+from kvsched.events import types as ev
+from kvsched.events.codec import decode_record
 from kvsched.events.reader import read_log
+from kvsched.integrations.vllm import harness as h
 from kvsched.integrations.vllm.models import build_audio
-from kvsched.integrations.vllm.requests import refusal, spans_of
 
+from .test_vllm_harness import assert_same_outputs
 from .test_vllm_scheduler import _script_result, _verifies
 
 AUDIO = """
@@ -30,7 +33,7 @@ from vllm import LLM, SamplingParams
 model, scheduler = sys.argv[1], sys.argv[2]
 kw = {} if scheduler == "vllm" else {"scheduler_cls": "kvsched.integrations.vllm.Scheduler"}
 llm = LLM(model, enforce_eager=True, block_size=32, max_model_len=1024,
-          max_num_batched_tokens=256, max_num_seqs=4, dtype="float32", seed=0,
+          max_num_batched_tokens=68, max_num_seqs=4, dtype="float32", seed=0,
           limit_mm_per_prompt={"audio": 2}, **kw)
 rng = np.random.default_rng(0)
 clips = [(rng.standard_normal(16000 * (1 + i % 2)).astype(np.float32) * 0.1, 16000)
@@ -63,10 +66,10 @@ def audio(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_vllm_audio_inputs_are_token_identical_to_vllms_own_scheduler(
     audio: Path, tmp_path: Path
 ):
-    """Six requests with one or two audio clips (two rounds): the same tokens as vLLM's own
-    scheduler; the repeats hit their first round's blocks, but never past the start of a
-    clip the hit would end inside (vLLM's hit may end inside one: docs/vllm.md), and a
-    request whose first clip differs hits only the text before it; the log verifies."""
+    """Six requests with one or two audio clips (two rounds): the same tokens and the same
+    cached tokens as vLLM's own scheduler, request by request (a repeat hits its first
+    round's blocks, even where its hit ends inside a clip; a request whose first clip
+    differs hits only the text before it); the log verifies."""
     log = tmp_path / "audio.kvlog"
     ref = _script_result(AUDIO, str(audio), "vllm")
     mine = _script_result(AUDIO, str(audio), "kvsched", env={"KVSCHED_VLLM_LOG": str(log)})
@@ -74,45 +77,82 @@ def test_vllm_audio_inputs_are_token_identical_to_vllms_own_scheduler(
     assert len({tuple(t) for t, _, _ in mine}) > 2  # (the clips change the tokens)
     # 117- and 172-token prompts, clips at [41, 76) and [118, 169): a repeat hits its
     # blocks past its clips (96); a different clip hits only the text before it (32); the
-    # two-clip repeat's hit would end at 160, inside its second clip: kvsched's stops at
-    # the block before that clip (96), vLLM's recomputes the clip's encoder output (160).
+    # two-clip repeat hits 160, inside its second clip, whose encoder output the runner
+    # computes again (kvsched, as vLLM, lets a hit end inside an item: span_slices).
     assert [c for _, c, _ in ref] == [0, 32, 96, 96, 160, 96]
-    assert [c for _, c, _ in mine] == [0, 32, 96, 96, 96, 96]
+    assert [c for _, c, _ in mine] == [c for _, c, _ in ref]
     _verifies(log)
-    arrivals = [e for p in read_log(log).records for e in _arrivals(p)]
+    records = [decode_record(p) for p in read_log(log).records]
+    arrivals = [e for r in records for e in r.inputs if isinstance(e, ev.RequestArrived)]
     assert [len(a.mm_spans) for a in arrivals] == [1, 1, 2, 1, 2, 2]
-
-
-def _arrivals(payload: bytes) -> list:
-    from kvsched.events import types as ev
-    from kvsched.events.codec import decode_record
-
-    return [e for e in decode_record(payload).inputs if isinstance(e, ev.RequestArrived)]
-
-
-def _request(*items: tuple[int, int, str]) -> NS:
-    features = [
-        NS(mm_position=NS(offset=o, length=n), identifier=h) for o, n, h in items
+    spans = {a.seq_id: a.mm_spans for a in arrivals}
+    chunks = [
+        (q, end)
+        for r in records
+        for d in r.decisions
+        if isinstance(d, ev.PrefillScheduled)
+        for q, end in zip(d.seq_ids.tolist(), d.ends.tolist(), strict=True)
     ]
-    return NS(
-        sampling_params=NS(repetition_detection=None),
-        prompt_token_ids=[5] * 100,
-        mm_features=features,
-        max_tokens=4,
-    )
+    # (64-token chunks: some end inside a clip, whose encoder output the next one reuses)
+    assert any(s.start < end < s.end for q, end in chunks for s in spans[q])
 
 
-def test_vllm_multimodal_items_become_spans_named_by_their_content_hash():
-    request = _request((10, 25, "aa11"), (50, 5, "bb22"))
-    spans = spans_of(request)
-    assert [(s.start, s.end, s.content_hash) for s in spans] == [
-        (10, 35, b"aa11"),
-        (50, 55, b"bb22"),
+def _mm_workload(seed: int) -> list[h.Op]:
+    """Requests with 400-position audio items (offset, length, content hash), which 64-token
+    chunks split and two of which overflow vLLM's encoder cache (750 positions): one
+    repeating another's prompt, one whose hit ends inside an item evicted from that cache
+    since (so its encoder output is computed again), an abort, arrivals between steps."""
+    rng = np.random.default_rng(seed)
+
+    def fresh(n: int) -> tuple[int, ...]:
+        return tuple(rng.integers(3, 400, n).tolist())
+
+    a = fresh(500)
+    return [
+        h.Add("a", a, 12, items=((20, 400, "clip-a"),)),
+        h.Add("b", fresh(460), 10, items=((10, 400, "clip-b"),)),
+        h.Steps(3),
+        h.Add("c", a, 8, items=((20, 400, "clip-a"),)),
+        h.Add("d", fresh(500), 10, items=((60, 400, "clip-c"),)),
+        h.Add("e", fresh(90), 30, items=((0, 50, "clip-d"),)),
+        h.Steps(4),
+        h.Abort("e"),
+        h.Steps(60),
+        h.Add("f", a[:400] + fresh(40), 6, items=((20, 400, "clip-a"),)),
+        h.Steps(30),
     ]
-    assert refusal(request) is None
 
 
-def test_vllm_multimodal_requests_are_refused_with_the_reason_under_async_scheduling():
-    reason = refusal(_request((10, 25, "aa11")), overlapped=True)
-    assert reason is not None and "async scheduling" in reason
-    assert refusal(_request(), overlapped=True) is None  # (no items: served)
+@pytest.mark.parametrize("blocks", [100, 32], ids=["roomy", "tight"])
+@pytest.mark.parametrize("batched", [68, 516], ids=["chunks-64", "chunks-512"])
+@pytest.mark.parametrize("order", ["sync", "async"])
+def test_vllm_adapter_schedules_audio_items_as_vllms_scheduler_in_both_orders(
+    audio: Path, tmp_path: Path, order: str, batched: int, blocks: int
+):
+    """Audio items split by 64-token chunks (or in 512-token ones), shared, repeated and
+    evicted from the encoder cache, 32 blocks or 100, an abort, in vLLM's synchronous and
+    asynchronous call orders: the runner finds the encoder output of every item each chunk
+    reaches (``RunnerEncoder``: scheduled then or kept since), the encoder cache never holds
+    more than its size (under async scheduling a step in flight holds its items: the next
+    waits), the encoder runs as often as under vLLM's scheduler, the outputs and cached
+    tokens are vLLM's (``Scheduler`` or ``AsyncScheduler``), and the log verifies."""
+    log = tmp_path / "mm.kvlog"
+    ref_kind = "vllm" if order == "sync" else "vllm-async"
+    script = _mm_workload(0)
+    traces = {}
+    for kind in (ref_kind, "kvsched"):
+        config, kv = h.configs(str(audio), blocks, max_seqs=4, batched=batched, block_size=32)
+        if kind == "kvsched":
+            config.additional_config = {"kvsched": {"log": str(log), "check_invariants": True}}
+        config.scheduler_config.async_scheduling = order == "async"
+        sched = h.make(kind, config, kv)
+        vocab = config.model_config.get_vocab_size()
+        try:
+            traces[kind] = h.drive(sched, script, order, vocab, 32)
+        finally:
+            sched.shutdown()
+    ref, mine = traces[ref_kind], traces["kvsched"]
+    assert_same_outputs(ref, mine, script, vocab)
+    assert mine.encoded == ref.encoded == 4  # (clip-a twice: evicted before f needs it)
+    assert mine.cached == ref.cached and mine.cached["f"] == 384  # (a hit inside clip-a)
+    _verifies(log)

@@ -264,7 +264,6 @@ def test_a_vllm_request_keeps_vllms_block_digests_when_the_adapter_is_told_to():
 @pytest.mark.parametrize(
     ("over", "reason"),
     [
-        ({"mm_features": [object()]}, "multimodal"),
         ({"sampling_params": None}, "pooling"),
         (
             {"sampling_params": _params(repetition_detection=NS(max_pattern_size=2))},
@@ -275,6 +274,25 @@ def test_a_vllm_request_keeps_vllms_block_digests_when_the_adapter_is_told_to():
 def test_vllm_requests_with_unsupported_features_are_refused_with_the_reason(over, reason):
     assert reason in (refusal(_request(**over)) or "")
     assert refusal(_request()) is None
+
+
+def _item(offset: int, length: int, identifier: str) -> NS:
+    return NS(mm_position=NS(offset=offset, length=length), identifier=identifier)
+
+
+def test_vllm_multimodal_items_arrive_as_spans_named_by_their_content_hash():
+    request = _request(mm_features=[_item(10, 25, "aa11"), _item(50, 5, "bb22")])
+    assert refusal(request) is None
+    spans = arrival(request, seq_id=1, t0=0.0).mm_spans
+    assert [(s.start, s.end, s.content_hash) for s in spans] == [
+        (10, 35, b"aa11"),
+        (50, 55, b"bb22"),
+    ]
+
+
+def test_vllm_a_multimodal_model_gets_vllms_encoder_budget_and_span_slices():
+    config = cfg.scheduler_config(_vllm_config(), _kv_cache(FullAttentionSpec), 32, 750)
+    assert config.model.max_encoder_tokens == 750 and config.model.span_slices
 
 
 def test_vllm_a_lora_request_arrives_with_its_lora_name_as_its_adapter_and_max_loras_binds():

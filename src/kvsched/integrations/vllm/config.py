@@ -206,6 +206,7 @@ def scheduler_config(
             max_context=int(model.max_model_len),
             max_adapters=int(lora.max_loras) if lora is not None else 0,
             max_encoder_tokens=encoder_tokens,
+            span_slices=True,  # (the runner keeps an item's encoder output across chunks)
         ),
         block_size=int(block_size),
         num_blocks=hybrid["num_blocks"],

@@ -34,9 +34,9 @@ runner also holds the scheduler to vLLM's count of a request's outputs: a cached
 ``num_output_tokens`` never below the tokens the runner sampled for it (the runner cuts its
 own list to that count; under async scheduling it includes the tokens still out).
 
-The trace holds, per engine step that ran work, the scheduled token count and the drafts
-verified per request, and per request the tokens the client received, how it finished and
-whether it was preempted.
+Multimodal items (``Add(items=...)``): every chunk must find its items' encoder outputs in the
+runner (``RunnerEncoder``). The trace holds, per step that ran work, the scheduled token count
+and drafts per request; per request the tokens received, the finish, preemptions.
 """
 
 from __future__ import annotations
@@ -44,12 +44,13 @@ from __future__ import annotations
 import zlib
 from collections import deque
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import attrs
 
+from kvsched.integrations.vllm import runner_states as rs
 from kvsched.integrations.vllm.models import STATE_DTYPE
-from kvsched.integrations.vllm.runner_states import RunnerBlocks, RunnerStates, mamba_group
 
 __all__ = [
     "Abort",
@@ -78,6 +79,7 @@ class Add:
     max_tokens: int
     stop_after: int | None = None
     structured: bool = False  # a structured output (the harness's CountingGrammars)
+    items: tuple[tuple[int, int, str], ...] = ()  # audio items: (offset, length, content hash)
 
 
 @attrs.frozen
@@ -117,6 +119,7 @@ class Trace:
     cached: dict[str, int] = attrs.Factory(dict)  # each request's cached prompt tokens
     accepted: int = 0  # drafts the runner accepted
     rejected: int = 0  # and rejected
+    encoded: int = 0  # encoder inputs the runner computed
 
 
 def configs(
@@ -140,7 +143,7 @@ def configs(
 
     args = EngineArgs(
         model=model_dir,
-        skip_tokenizer_init=True,
+        skip_tokenizer_init=not Path(model_dir, "preprocessor_config.json").exists(),
         enforce_eager=True,
         block_size=block_size,
         max_model_len=4096,
@@ -242,6 +245,7 @@ class NoGrammar:
 
 
 def vllm_request(op: Add, vocab: int, hasher: Any) -> Any:
+    from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
     from vllm.sampling_params import SamplingParams, StructuredOutputsParams
     from vllm.v1.request import Request
 
@@ -253,7 +257,13 @@ def vllm_request(op: Add, vocab: int, hasher: Any) -> Any:
         temperature=0.0, ignore_eos=True, max_tokens=op.max_tokens, stop_token_ids=stop,
         structured_outputs=grammar,
     )
-    return Request(op.name, list(op.prompt), params, None, block_hasher=hasher)
+    features = [
+        MultiModalFeatureSpec(None, "audio", h, PlaceholderRange(offset=o, length=n))
+        for o, n, h in op.items
+    ]
+    return Request(
+        op.name, list(op.prompt), params, None, mm_features=features or None, block_hasher=hasher
+    )
 
 
 class Driver:
@@ -265,14 +275,15 @@ class Driver:
         vocab: int,
         drafts: int = 0,
         acceptance: float = 0.6,
-        states: RunnerStates | None = None,
+        states: rs.RunnerStates | None = None,
         grammars: Any = None,
     ) -> None:
         self.sched = sched
         self.grammars = grammars  # (structured requests: the manager both schedulers share)
         self.structured: set[str] = set()
         self.proposed: dict[str, list[int]] = {}  # (async) the runner's drafts, last step
-        self.blocks = RunnerBlocks(sched.vllm_config)  # (its block tables' lengths)
+        self.blocks = rs.RunnerBlocks(sched.vllm_config)  # (its block tables' lengths)
+        self.encoder = rs.RunnerEncoder()  # (the encoder outputs it holds)
         self.states = states  # (a hybrid model: where the runner keeps its states)
         self.prompt_ids: dict[str, list[int]] = {}  # each request's prompt
         self.vocab = vocab
@@ -307,6 +318,7 @@ class Driver:
         computed.update(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
         if self.states is None:  # (an attention model: its one group)
             self.blocks.step(so, computed)
+        self.encoder.step(so, computed)
         resent = cached.all_token_ids or {}
         for name, tokens in resent.items():
             known[name] = len(tokens)  # (resent: a resumed request's sampled tokens are these)
@@ -460,8 +472,8 @@ def drive(
         raise ValueError(f"order must be 'sync' or 'async', not {order!r}")
     init_none_hash(sha256)
     hasher = get_request_block_hasher(block_size, sha256)
-    group = None if kv is None else mamba_group(kv)
-    states = None if group is None else RunnerStates(*group)
+    group = None if kv is None else rs.mamba_group(kv)
+    states = None if group is None else rs.RunnerStates(*group)
     driver = Driver(sched, vocab, drafts, states=states, grammars=grammars)
     step = driver.step_sync if order == "sync" else driver.step_async
     for op in script:
@@ -484,4 +496,5 @@ def drive(
         driver.drain()
     if driver.states is not None:
         driver.trace.states_checked = driver.states.checked
+    driver.trace.encoded = driver.encoder.computed
     return driver.trace

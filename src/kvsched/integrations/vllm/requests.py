@@ -19,19 +19,13 @@ import numpy as np
 from kvsched.events import types as ev
 
 
-def refusal(request: Any, overlapped: bool = False) -> str | None:
-    """Why the adapter cannot serve this request (None: it can). ``overlapped``: vLLM runs
-    async scheduling."""
+def refusal(request: Any) -> str | None:
+    """Why the adapter cannot serve this request (None: it can)."""
     params = request.sampling_params
     if params is None:
         return "pooling requests are not supported by the kvsched adapter"
     if request.prompt_token_ids is None:
         return "prompt embeddings are not supported by the kvsched adapter"
-    if request.mm_features and overlapped:
-        return (
-            "multimodal inputs are not supported by the kvsched adapter under async "
-            "scheduling (the encoder cache a step in flight holds is not counted yet)"
-        )
     reason = params_refusal(params)
     if reason is not None:
         return reason

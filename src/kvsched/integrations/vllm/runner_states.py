@@ -20,7 +20,7 @@ from __future__ import annotations
 import hashlib
 from typing import Any
 
-__all__ = ["RunnerBlocks", "RunnerStates", "follow_tables", "mamba_group"]
+__all__ = ["RunnerBlocks", "RunnerEncoder", "RunnerStates", "follow_tables", "mamba_group"]
 
 
 def mamba_group(kv_cache_config: Any) -> tuple[int, int] | None:
@@ -111,3 +111,33 @@ class RunnerBlocks:
                     f"request {name}: {held} blocks for {need} positions "
                     f"({self.slots} lookahead slots past its work)"
                 )
+
+
+class RunnerEncoder:
+    """The encoder outputs vLLM's runner holds (by item content hash): a step first drops
+    the ones ``free_encoder_mm_hashes`` names, then computes its ``scheduled_encoder_inputs``;
+    every item a scheduled request's work reaches must then be held (vLLM's GPU runner
+    gathers each chunk's embeddings from that cache; a miss is an error there, here an
+    ``AssertionError``)."""
+
+    def __init__(self) -> None:
+        self.held: set[str] = set()
+        self.items: dict[str, list[Any]] = {}  # each request's items (from its first step)
+        self.computed = 0  # encoder inputs computed
+
+    def step(self, so: Any, computed: dict[str, int]) -> None:
+        for r in so.scheduled_new_reqs:
+            self.items[r.req_id] = list(r.mm_features or ())
+        self.held -= set(so.free_encoder_mm_hashes)
+        for name, ids in so.scheduled_encoder_inputs.items():
+            self.held |= {self.items[name][i].identifier for i in ids}
+            self.computed += len(ids)
+        for name, n in so.num_scheduled_tokens.items():
+            start, end = computed[name], computed[name] + n
+            for f in self.items.get(name, ()):
+                p = f.mm_position
+                if p.offset < end and start < p.offset + p.length and f.identifier not in self.held:
+                    raise AssertionError(
+                        f"request {name}: work [{start}, {end}) reaches item {f.identifier} "
+                        "whose encoder output the runner does not hold"
+                    )

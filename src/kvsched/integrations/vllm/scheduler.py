@@ -38,7 +38,7 @@ from kvsched.engine import StepResult
 from kvsched.events import types as ev
 from kvsched.integrations.vllm import config as cfg
 from kvsched.integrations.vllm import drafts, startup
-from kvsched.integrations.vllm.encoders import EncoderInputs, encoder_budget
+from kvsched.integrations.vllm.encoders import EncoderInputs
 from kvsched.integrations.vllm.grammar import Grammars
 from kvsched.integrations.vllm.mamba import GroupTables
 from kvsched.integrations.vllm.mamba import layout as mamba_layout
@@ -83,11 +83,10 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # (vLLM is untyped h
         self.log_stats = log_stats
         self.connector = None  # read directly by vLLM's engine core
         self.ec_connector = None
-        compute, cache_size = encoder_budget(vllm_config, mm_registry)  # (0, 0: text only)
-        opts, self.config, self.engine = startup.start(
-            vllm_config, kv_cache_config, block_size, compute
+        opts, self.config, self.engine, encoder_cache = startup.start(
+            vllm_config, kv_cache_config, block_size, mm_registry
         )
-        self.encoders = EncoderInputs(cache_size)
+        self.encoders = EncoderInputs(encoder_cache)  # (multimodal models: vLLM's encoder cache)
         self.log_path: str | None = opts.get("log")
         self.max_model_len = self.config.model.max_context
         attn_group, mamba_groups = cfg.groups(kv_cache_config)
@@ -127,7 +126,7 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # (vLLM is untyped h
         name = request.request_id
         if name in self.requests:
             raise cfg.UnsupportedConfig(f"request {name}: resumable (streaming) requests")
-        reason = refusal(request, self.config.speculation.pipelined)
+        reason = refusal(request)
         if reason is not None:
             logger.warning("kvsched refuses request %s: %s", name, reason)
             request.status = RequestStatus.FINISHED_ERROR

@@ -11,21 +11,23 @@ import vllm
 from kvsched.config import SchedulerConfig
 from kvsched.engine import Engine, create_log
 from kvsched.integrations.vllm import config as cfg
+from kvsched.integrations.vllm.encoders import encoder_budget
 
 logger = logging.getLogger("kvsched.integrations.vllm.scheduler")
 
 
 def start(
-    vllm_config: Any, kv_cache_config: Any, block_size: int, encoder_tokens: int = 0
-) -> tuple[dict[str, Any], SchedulerConfig, Engine]:
-    """The adapter's options, kvsched's config and its engine (writing the event log the
-    options name), after the start-up checks: the vLLM release, the config, the log path.
-    ``encoder_tokens``: vLLM's encoder compute budget (0: a text-only model)."""
+    vllm_config: Any, kv_cache_config: Any, block_size: int, mm_registry: Any = None
+) -> tuple[dict[str, Any], SchedulerConfig, Engine, int]:
+    """The adapter's options, kvsched's config, its engine (writing the event log the
+    options name) and the size of vLLM's encoder cache (0: a text-only model), after the
+    start-up checks: the vLLM release, the config, the log path."""
     opts = cfg.options(vllm_config)
     untested = cfg.check_vllm_version(vllm.__version__, opts["allow_untested_vllm"])
     if untested:
         logger.warning("kvsched: %s", untested)
-    config = cfg.scheduler_config(vllm_config, kv_cache_config, block_size, encoder_tokens)
+    compute, cache_size = encoder_budget(vllm_config, mm_registry)
+    config = cfg.scheduler_config(vllm_config, kv_cache_config, block_size, compute)
     path = opts.get("log")
     if path:
         cfg.check_log_path(path, opts["overwrite_log"])
@@ -38,5 +40,5 @@ def start(
             "(LLM(logits_processors=[...])) to refuse them up front with the reason",
             "kvsched.integrations.vllm:RequestCheck",
         )
-    return opts, config, engine
+    return opts, config, engine, cache_size
 
