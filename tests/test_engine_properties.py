@@ -394,7 +394,7 @@ class EngineMachineWithMTPAndImages(EngineMachine):
         encoder=st.sampled_from([0, 5]),
         slices=st.sampled_from([False, False, True]),
     )
-    def start(self, mtp: int, encoder: int, slices: bool, **kw) -> None:  # type: ignore[no-untyped-def]
+    def start(self, mtp: int, encoder: int = 0, slices: bool = False, **kw) -> None:  # type: ignore[no-untyped-def]
         super().start(**kw)
         speculation = attrs.evolve(self.config.speculation, tokens=mtp)
         model = attrs.evolve(self.config.model, max_encoder_tokens=encoder, span_slices=slices)

@@ -92,7 +92,7 @@ def test_a_chunk_counts_its_tokens_a_prefill_and_a_chunk_that_does_not_end_a_pro
     admission = Admission(SchedulerConfig(), None, None, None, None, None)  # type: ignore[arg-type]
     state = SimpleNamespace(hybrid=False)  # (an attention model: no state to save)
     for seq_id, chunk in ((1, Chunk(0, 64, False)), (2, Chunk(16, 40, True))):
-        seq = SimpleNamespace(seq_id=seq_id)
+        seq = SimpleNamespace(seq_id=seq_id, mm_spans=())
         admission.add_prefill(state, seq, chunk, budget, lambda e: None)  # type: ignore[arg-type]
     assert (budget.tokens, budget.prefills, budget.long_chunks) == (88, 2, 1)
     assert (budget.seq_ids, budget.starts, budget.ends) == ([1, 2], [0, 16], [64, 40])

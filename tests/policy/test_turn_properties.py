@@ -162,8 +162,8 @@ def test_a_turn_rule_that_never_makes_the_long_turn_due_is_caught(
 def test_a_gate_that_lets_a_long_prefill_run_on_a_short_turn_is_caught(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    def gate_ignoring_the_turn(self, budget, seq, chunk):  # type: ignore[no-untyped-def]
-        return original(self, attrs.evolve(budget, long_prefills=True), seq, chunk)
+    def gate_ignoring_the_turn(self, budget, seq, chunk, held=False):  # type: ignore[no-untyped-def]
+        return original(self, attrs.evolve(budget, long_prefills=True), seq, chunk, held)
 
     original = Admission.refusal
     assert_machine_catches(

@@ -33,7 +33,10 @@ class Matcher:
         self.bs = config.block_size
         self._recompute = config.mtp_recompute_blocks  # (read once: derived properties)
         self._holds_overlap = config.mtp_holds_overlap
-        self._whole = spans.kept_whole(config)  # (no hit ends inside a multimodal span)
+        self._whole = spans.kept_whole(config)  # (no hit or load ends inside a span)
+        # (a checkpoint inside a span is never restored, in logs before schema 4 too, unless
+        # the executor keeps a span's encoder output across chunks)
+        self._states_whole = not config.model.span_slices
 
     def find_prefix(self, state: EngineState, seq: Seq) -> Match:
         """Tentative match: the longest usable cached prefix (nothing is emitted)."""
@@ -120,7 +123,9 @@ class Matcher:
         tails_usable = not seq.want_experts and self._fits_beside_a_frozen_tail(seq)
         tails = ckpts.find_partials(anchor) if tails_usable else {}
         for step in sorted(tails, reverse=True) if tails else ():
-            if step <= limit and (not self._whole or spans.boundary_safe(seq.mm_spans, step)):
+            if step <= limit and (
+                not self._states_whole or spans.boundary_safe(seq.mm_spans, step)
+            ):
                 extra = tail_extra(seq.mm_spans, depth * bs, step)
                 partial = ckpts.find(partial_key(anchor, seq.tokens[depth * bs : step], extra))
                 if partial is not None:
@@ -128,7 +133,7 @@ class Matcher:
         if depth:
             aligned = ckpts.find(anchor)
             if aligned is not None and (
-                not self._whole or spans.boundary_safe(seq.mm_spans, aligned.step)
+                not self._states_whole or spans.boundary_safe(seq.mm_spans, aligned.step)
             ):
                 return aligned
         return None

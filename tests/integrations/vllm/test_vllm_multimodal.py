@@ -101,7 +101,8 @@ def _mm_workload(seed: int) -> list[h.Op]:
     """Requests with 400-position audio items (offset, length, content hash), which 64-token
     chunks split and two of which overflow vLLM's encoder cache (750 positions): one
     repeating another's prompt, one whose hit ends inside an item evicted from that cache
-    since (so its encoder output is computed again), an abort, arrivals between steps."""
+    since (so its encoder output is computed again), one with two items a 512-token chunk
+    reaches together, an abort, arrivals between steps."""
     rng = np.random.default_rng(seed)
 
     def fresh(n: int) -> tuple[int, ...]:
@@ -119,6 +120,9 @@ def _mm_workload(seed: int) -> list[h.Op]:
         h.Abort("e"),
         h.Steps(60),
         h.Add("f", a[:400] + fresh(40), 6, items=((20, 400, "clip-a"),)),
+        h.Steps(30),
+        # two items one chunk may reach together (600 of the cache's 750 positions)
+        h.Add("g", fresh(640), 4, items=((10, 300, "clip-e"), (320, 300, "clip-f"))),
         h.Steps(30),
     ]
 
@@ -153,6 +157,6 @@ def test_vllm_adapter_schedules_audio_items_as_vllms_scheduler_in_both_orders(
             sched.shutdown()
     ref, mine = traces[ref_kind], traces["kvsched"]
     assert_same_outputs(ref, mine, script, vocab)
-    assert mine.encoded == ref.encoded == 4  # (clip-a twice: evicted before f needs it)
+    assert mine.encoded == ref.encoded == 6  # (clip-a twice: evicted before f needs it)
     assert mine.cached == ref.cached and mine.cached["f"] == 384  # (a hit inside clip-a)
     _verifies(log)

@@ -69,15 +69,18 @@ class EncoderInputs:
                 continue
             reads.append((request, items, end))
             todo = [i for i in items if not self.cache.check_and_update_cache(request, i)]
-            for n, i in enumerate(todo):
-                self._allocate(request, i, sum(request.get_num_encoder_embeds(j) for j in todo[:n]))
+            for i in todo:
+                self._allocate(request, i)
             if todo:
                 scheduled[request.request_id] = todo
         self._reads.append(reads)
         return scheduled
 
-    def _allocate(self, request: Any, i: int, before: int) -> None:
-        if not self.cache.can_allocate(request, i, 1 << 62, before):
+    def _allocate(self, request: Any, i: int) -> None:
+        """Room for item ``i`` in vLLM's encoder cache (evicting unreferenced entries as vLLM
+        does; the budget is kvsched's, so vLLM's own compute check is not applied), then the
+        item: each is allocated at once, so none is counted twice."""
+        if not self.cache.can_allocate(request, i, 1 << 62, 0):
             raise RuntimeError(
                 f"request {request.request_id}: vLLM's encoder cache has no room for input {i}"
                 f" ({request.get_num_encoder_embeds(i)} embeddings) beside the inputs in use"
