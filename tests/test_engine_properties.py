@@ -655,6 +655,17 @@ SHRUNK: dict[str, tuple[type[EngineMachine], dict, list[tuple[str, dict]]]] = {
          for row in (("", 6, 0, 0, "", -1, 4), ("lora-b", 3, 1, 2, "", -1, 9),
                      ("lora-b", 8, 0, 0, "tenant-b", 0, 9), ("", 5, 0, 0, "", -1, 7))],
     ),
+    # blocks cached at planning: a step failed while its only sequence was aborted, so the
+    # failure's recovery (which evicts the unwritten blocks of the step's sequences) missed
+    # them, and the next request hit a block never written
+    "an aborted sequence's unwritten blocks leave the index when its step fails": (
+        EngineMachineUnderVllmAsync,
+        {"hybrid": False, "num_blocks": 10, "max_batch": 1, "chunk_blocks": 2,
+         "policy": "vllm-kvsched"},
+        [("arrive", {"max_tokens": 1}), ("step_whose_executor_raises", {}),
+         ("abort", {"seq": 0}), ("arrive", {"max_tokens": 1, "suffix": 1}),
+         ("step", {}), ("step", {}), ("step", {})],
+    ),
     # MTP: a session's second turn whose prompt and max_tokens need every block, and a hit
     # that holds one more (the cached block beside its private recompute): refused now
     "a turn that cannot fit beside its MTP overlap block is refused": (

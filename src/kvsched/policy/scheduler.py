@@ -280,6 +280,8 @@ class Policy:
                 self.abort(state, seq_id, why, emit)
             elif state.hybrid or planned:
                 self.growth.preempt(state, seq, emit, "executor failed")
+        if planned and state.seqs.pipelined:  # (and those of sequences gone meanwhile)
+            unwritten += state.seqs.unwritten_of_departed()
         if unwritten:
             self.growth.uncache_failed(state, unwritten, emit)
 

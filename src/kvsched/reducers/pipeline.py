@@ -63,6 +63,9 @@ class InFlight:
     drafts: np.ndarray  # the drafts each sampler verifies (placeholders)
     left: set[int] = attrs.field(factory=set)  # rows freed since the launch
     void: bool = False  # planned on a step that failed: its outcome is dropped
+    # (``cache_when_planned``) per row, the blocks its work was to write that entered the
+    # prefix index at planning: (depth, block, hash)
+    cached: dict[int, list[tuple[int, int, bytes]]] = attrs.field(factory=dict)
 
 
 @attrs.frozen
@@ -98,6 +101,7 @@ class PipelinedRows(DraftRows):
         # (a row freed drops its placeholders)
         self.freed_columns += [self.ahead, self.ahead_drafts]
         self.in_flight: deque[InFlight] = deque()
+        self.departed_unwritten: list[tuple[int, int, bytes]] = []  # (fail_in_flight)
         self._landed = _NO_ROWS  # the sequences whose rows the latest outcome's tokens reached
         self._delivered: list[int] = []  # and (overlapped steps) the preempted ones it reached
 
@@ -251,8 +255,26 @@ class PipelinedRows(DraftRows):
             self.ndrafts[samplers] = self.max_drafts
             self.draft_ids[samplers] = -1
         ids = self.row_seq[samplers].copy()
-        self.in_flight.append(InFlight(self.pending_step, rows, starts, samplers, ids, drafts))
+        flight = InFlight(self.pending_step, rows, starts, samplers, ids, drafts)
+        flight.cached = self._cached_unwritten(rows, starts)
+        self.in_flight.append(flight)
         self.clear_pending()
+
+    def _cached_unwritten(
+        self, rows: np.ndarray, starts: np.ndarray
+    ) -> dict[int, list[tuple[int, int, bytes]]]:
+        """Per row, the blocks from its work's start on that are in the prefix index already
+        (cached when planned): unwritten until the step lands."""
+        firsts = starts // self.block_size
+        out: dict[int, list[tuple[int, int, bytes]]] = {}
+        for row, first in zip(rows.tolist(), firsts.tolist(), strict=True):
+            last = int(self.registered[row])
+            if last > first:
+                seq = self.objs[row]
+                assert seq is not None
+                blocks = self.table[row, first:last].tolist()
+                out[row] = [(first + k, b, seq.hashes[first + k]) for k, b in enumerate(blocks)]
+        return out
 
     def land(self, e: ev.StepExecuted) -> Landed:
         """The oldest launched step's outcome, its samplers' placeholders taken off (the
@@ -338,16 +360,27 @@ class PipelinedRows(DraftRows):
 
     def fail_in_flight(self) -> tuple[np.ndarray, np.ndarray]:
         """The oldest launched step failed: it and the step launched after it (voided) roll
-        back; returns (rows of the failed step, rows of the voided one) still in their rows."""
+        back; returns (rows of the failed step, rows of the voided one) still in their rows.
+        The blocks the two cached at planning for sequences that left their rows since are
+        kept for the recovery (``unwritten_of_departed``): nothing wrote them."""
         failed = self.in_flight.popleft()
+        self.departed_unwritten = []
         if failed.void:
             return _NO_ROWS, _NO_ROWS
         voided = self.in_flight[0] if self.in_flight else None
         later = _NO_ROWS
+        for flight in (failed, voided) if voided is not None else (failed,):
+            for row in sorted(flight.left):
+                self.departed_unwritten += flight.cached.get(row, [])
         if voided is not None:
             voided.void = True
             later = self._roll_back(voided)
         return self._roll_back(failed), later
+
+    def unwritten_of_departed(self) -> list[tuple[int, int, bytes]]:
+        """(depth, block, hash) of the blocks the latest failed step (and the step voided
+        with it) cached at planning for sequences that had left their rows (a copy)."""
+        return list(self.departed_unwritten)
 
     @staticmethod
     def _live(flight: InFlight) -> tuple[np.ndarray, np.ndarray]:
