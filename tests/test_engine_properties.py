@@ -666,6 +666,16 @@ SHRUNK: dict[str, tuple[type[EngineMachine], dict, list[tuple[str, dict]]]] = {
          ("abort", {"seq": 0}), ("arrive", {"max_tokens": 1, "suffix": 1}),
          ("step", {}), ("step", {}), ("step", {})],
     ),
+    # hybrid MTP: a partial checkpoint's frozen tail block and the cached block held beside
+    # the MTP recompute left the sequence one block short of its whole life after a failed
+    # step made it restore that checkpoint (preempted and rematched for ever)
+    "a partial hit leaves room for the frozen tail and the MTP overlap block": (
+        EngineMachineWithMTPAndImages,
+        {"hybrid": True, "chunk_blocks": 2, "policy": "kvsched", "mid_chunk": True, "mtp": 1},
+        [("arrive", {"max_tokens": 9, "prefix": 1, "suffix": 1, "image": None})]
+        + [("step", {})] * 6
+        + [("step_whose_executor_raises", {})],
+    ),
     # MTP: a session's second turn whose prompt and max_tokens need every block, and a hit
     # that holds one more (the cached block beside its private recompute): refused now
     "a turn that cannot fit beside its MTP overlap block is refused": (

@@ -141,10 +141,12 @@ class Matcher:
     def _fits_beside_a_frozen_tail(self, seq: Seq) -> bool:
         """Whether ``seq`` fits the cache alone beside a partial checkpoint's frozen tail
         block, which the checkpoint holds (pinned by the sequence, so never evicted) while
-        the sequence runs. Else a partial hit would have it preempted for that block and
-        matched to the same checkpoint again, forever: it takes an aligned one."""
+        the sequence runs, and (MTP) the cached block it holds beside its recompute. Else a
+        partial hit would have it preempted for that block and matched to the same
+        checkpoint again, forever: it takes an aligned one."""
         longest = min(seq.n_prompt + seq.max_tokens, self.config.model.max_context)
-        return cdiv(longest, self.bs) + 1 <= self.config.num_blocks - 1
+        held = 1 + int(self._holds_overlap)
+        return cdiv(longest, self.bs) + held <= self.config.num_blocks - 1
 
     def deeper_state_in_flight(self, state: EngineState, seq: Seq, hit: int) -> bool:
         """(overlapped steps) Whether a step still out saves a state on ``seq``'s prefix

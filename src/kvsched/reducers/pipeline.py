@@ -266,14 +266,13 @@ class PipelinedRows(DraftRows):
         """Per row, the blocks from its work's start on that are in the prefix index already
         (cached when planned): unwritten until the step lands."""
         firsts = starts // self.block_size
+        some = self.registered[rows] > firsts  # (most decodes fill no block: none)
         out: dict[int, list[tuple[int, int, bytes]]] = {}
-        for row, first in zip(rows.tolist(), firsts.tolist(), strict=True):
-            last = int(self.registered[row])
-            if last > first:
-                seq = self.objs[row]
-                assert seq is not None
-                blocks = self.table[row, first:last].tolist()
-                out[row] = [(first + k, b, seq.hashes[first + k]) for k, b in enumerate(blocks)]
+        for row, first in zip(rows[some].tolist(), firsts[some].tolist(), strict=True):
+            seq = self.objs[row]
+            assert seq is not None
+            blocks = self.table[row, first : int(self.registered[row])].tolist()
+            out[row] = [(first + k, b, seq.hashes[first + k]) for k, b in enumerate(blocks)]
         return out
 
     def land(self, e: ev.StepExecuted) -> Landed:
