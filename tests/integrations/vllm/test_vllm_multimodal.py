@@ -77,8 +77,9 @@ def test_vllm_audio_inputs_are_token_identical_to_vllms_own_scheduler(
     assert len({tuple(t) for t, _, _ in mine}) > 2  # (the clips change the tokens)
     # 117- and 172-token prompts, clips at [41, 76) and [118, 169): a repeat hits its
     # blocks past its clips (96); a different clip hits only the text before it (32); the
-    # two-clip repeat hits 160, inside its second clip, whose encoder output the runner
-    # computes again (kvsched, as vLLM, lets a hit end inside an item: span_slices).
+    # two-clip repeat hits 160, inside its second clip, whose embeddings past the hit the
+    # runner takes from that clip's encoder output (kvsched, as vLLM, lets a hit end
+    # inside an item: span_slices).
     assert [c for _, c, _ in ref] == [0, 32, 96, 96, 160, 96]
     assert [c for _, c, _ in mine] == [c for _, c, _ in ref]
     _verifies(log)

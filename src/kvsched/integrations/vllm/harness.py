@@ -131,12 +131,12 @@ def configs(
     drafts: int = 0,
     method: str = "ngram",
 ) -> tuple[Any, Any]:
-    """A ``VllmConfig`` for a local model (weights never loaded) and a ``KVCacheConfig`` of
-    one full-attention group of ``blocks`` blocks (block 0 vLLM's null block); ``drafts``:
-    speculative decoding with that many draft tokens (``method``: ``ngram``, whose drafts
-    the engine core hands over in the synchronous order, ``ngram_gpu``, which vLLM runs
-    under async scheduling, or ``eagle3``, a drafter with lookahead slots and EAGLE's
-    prefix-cache rule, in both orders)."""
+    """A ``VllmConfig`` for a local model (weights never loaded; a multimodal model's tokenizer
+    loaded, for its processor) and a ``KVCacheConfig`` of one full-attention group of
+    ``blocks`` blocks (block 0 vLLM's null block); ``drafts``: speculative decoding with that
+    many draft tokens (``method``: ``ngram``, whose drafts the engine core hands over in the
+    synchronous order, ``ngram_gpu``, which vLLM runs under async scheduling, or ``eagle3``,
+    a drafter with lookahead slots and EAGLE's prefix-cache rule, in both orders)."""
     import torch
     from vllm.engine.arg_utils import EngineArgs
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
