@@ -188,12 +188,7 @@ class Growth:
         """(depth, block, identity) of the running ``seq``'s blocks in the prefix index that
         are not computed: cached at planning by a step that then failed (a pure query)."""
         t = state.seqs
-        row, bs = seq.row, self.bs
-        first, last = t.computed_at(row) // bs, t.registered_at(row)
-        if last <= first:
-            return []
-        blocks = t.blocks_in(np.asarray([row]), np.asarray([first]), np.asarray([last]))
-        return [(first + k, int(b), seq.hashes[first + k]) for k, b in enumerate(blocks.tolist())]
+        return t.indexed_from(seq.row, t.computed_at(seq.row) // self.bs)
 
     def uncache_failed(
         self, state: EngineState, entries: list[tuple[int, int, bytes]], emit: Emit

@@ -267,13 +267,8 @@ class PipelinedRows(DraftRows):
         (cached when planned): unwritten until the step lands."""
         firsts = starts // self.block_size
         some = self.registered[rows] > firsts  # (most decodes fill no block: none)
-        out: dict[int, list[tuple[int, int, bytes]]] = {}
-        for row, first in zip(rows[some].tolist(), firsts[some].tolist(), strict=True):
-            seq = self.objs[row]
-            assert seq is not None
-            blocks = self.table[row, first : int(self.registered[row])].tolist()
-            out[row] = [(first + k, b, seq.hashes[first + k]) for k, b in enumerate(blocks)]
-        return out
+        pairs = zip(rows[some].tolist(), firsts[some].tolist(), strict=True)
+        return {row: self.indexed_from(row, first) for row, first in pairs}
 
     def land(self, e: ev.StepExecuted) -> Landed:
         """The oldest launched step's outcome, its samplers' placeholders taken off (the

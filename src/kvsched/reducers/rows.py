@@ -178,6 +178,17 @@ class RowTable:
         """Leading blocks of the row in the prefix index."""
         return int(self.registered[row])
 
+    def indexed_from(self, row: int, first: int) -> list[tuple[int, int, bytes]]:
+        """(depth, block, hash) of the row's blocks in the prefix index from block ``first``
+        on (none when the index holds no deeper one)."""
+        last = int(self.registered[row])
+        if last <= first:
+            return []
+        seq = self.objs[row]
+        assert seq is not None
+        blocks = self.table[row, first:last].tolist()
+        return [(first + k, b, seq.hashes[first + k]) for k, b in enumerate(blocks)]
+
     def saved_at(self, row: int) -> int:
         """Leading chain blocks of the row in the store or being saved."""
         return int(self.saved[row])
