@@ -326,7 +326,7 @@ class Policy:
             seq_ids = np.asarray(budget.seq_ids, dtype=I64)
             starts, ends = np.asarray(budget.starts, I64), np.asarray(budget.ends, I64)
             emit(ev.PrefillScheduled(seq_ids, starts, ends))
-        elif alternate and prefill_turn and len(decode_rows):
+        elif alternate and prefill_turn and len(decode_rows) and not budget.seq_ids:
             # The prefill turn found nothing it could run: decode rather than idle.
             self._schedule_decode(state, table.still_held(decode_rows), emit)
 
