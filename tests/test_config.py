@@ -207,3 +207,17 @@ def test_vllms_no_admission_after_a_preemption_is_refused_with_the_ttft_orders_t
     assert not SchedulerConfig(admit_after_preemption=False).admit_after_preemption
     with pytest.raises(ConfigError, match="admit_after_preemption"):
         SchedulerConfig(admit_after_preemption="no")  # type: ignore[arg-type]
+
+
+def test_blocks_cached_when_planned_serve_a_connectors_loads_but_refuse_kvscheds_own_saves():
+    """Under vLLM a KV connector saves on its own (``external.saver = "connector"``): loads
+    are served with blocks cached at planning; kvsched's own saves, which would read blocks
+    a plan has not written, are refused, as is a saver without a store."""
+    planned = {"cache_when_planned": True, "dedup_cached_blocks": False}
+    connector = {"enabled": True, "saver": "connector"}
+    config = SchedulerConfig.from_dict({**planned, "external": connector})
+    assert config.external_load and not config.external_save
+    with pytest.raises(ConfigError, match="external saves by kvsched"):
+        SchedulerConfig.from_dict({**planned, "external": {"enabled": True}})
+    with pytest.raises(ConfigError, match=r"external\.saver 'connector'"):
+        SchedulerConfig.from_dict({"external": {"saver": "connector"}})

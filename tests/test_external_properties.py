@@ -174,6 +174,10 @@ class ExternalKVMachine(RuleBasedStateMachine):
         self.failed = False
         return result.decisions
 
+    def _in_flight(self) -> bool:
+        """Transfers a drain waits for."""
+        return bool(self.loads or self.saves)
+
     def _settle_reports(self, reports: Reports) -> None:
         """The reports delivered this step are no longer owed."""
         for r in reports:
@@ -253,12 +257,12 @@ class ExternalKVMachine(RuleBasedStateMachine):
                 closed.discard(d.session_id)
             elif isinstance(d, ev.DrainDeferred):
                 assert not self.drain_deferred, "drain deferred twice"
-                assert self.loads or self.saves, "drain deferred with nothing in flight"
+                assert self._in_flight(), "drain deferred with nothing in flight"
                 self.drain_deferred = True
             elif isinstance(d, ev.Woken):
                 self.drain_deferred = False  # a wake cancels a drain still waiting
             elif isinstance(d, ev.Drained):
-                assert not self.loads and not self.saves, "drained with transfers in flight"
+                assert not self._in_flight(), "drained with transfers in flight"
                 assert not self.lookups, f"drained with lookups outstanding {self.lookups}"
                 self.drain_deferred = False
         for seq_id in settled:
@@ -266,7 +270,7 @@ class ExternalKVMachine(RuleBasedStateMachine):
             assert seq_id not in self.deferred_aborts, f"deferred abort of {seq_id} never happened"
         assert not closed, f"sessions {sorted(closed)} not closed after their deferred end"
         # (c) a deferred drain happens as soon as nothing is in flight.
-        assert not (self.drain_deferred and not self.loads and not self.saves), (
+        assert not (self.drain_deferred and not self._in_flight()), (
             "every transfer settled, but the deferred drain did not happen"
         )
 
@@ -577,6 +581,62 @@ ExternalKVMachineWithMTPAndImages.TestCase.settings = ExternalKVMachine.TestCase
 TestExternalKVStateMachineWithMTPAndImages = ExternalKVMachineWithMTPAndImages.TestCase
 
 
+class ExternalKVMachineUnderVllm(ExternalKVMachine):
+    """The same machine in the vLLM adapter's configuration with a KV connector: blocks
+    cached when planned, nothing admitted in a step that preempts, and the connector saving
+    on its own (``external.saver = "connector"``: kvsched orders no save), which may keep a
+    sequence's blocks past its end (``KVHoldRequested``) until it releases them; attention
+    models."""
+
+    @initialize(**EXTERNAL_CONFIGS)
+    def start(self, **kw) -> None:  # type: ignore[no-untyped-def]
+        order = "fcfs" if kw["order"] == "ttft" else kw["order"]  # (vLLM's orders)
+        super().start(**{**kw, "hybrid": False, "role": "both", "order": order})
+        self.config = attrs.evolve(
+            self.config,
+            cache_when_planned=True,
+            dedup_cached_blocks=False,
+            admit_after_preemption=False,
+            external=attrs.evolve(self.config.external, saver="connector"),
+        )
+        self.engine = Engine(self.config, check_invariants=True)
+        self.asked_holds: set[int] = set()  # holds sent, every one folded by the next step
+
+    @rule(pick=st.integers(0, 7), blocks=st.integers(1, 8))
+    def connector_holds(self, pick: int, blocks: int) -> None:
+        """The connector keeps a live sequence's first blocks (before its outcome, its end
+        or its abort in the same step are folded)."""
+        t = self.engine.state.seqs
+        live = [s for s in sorted(t.seqs) if len(t.block_table(t.seq(s)))]
+        live = [s for s in live if s not in self.asked_holds]
+        if live:
+            seq_id = live[pick % len(live)]
+            n = min(blocks, len(t.block_table(t.seq(seq_id))))
+            self.inputs.append(ev.KVHoldRequested(seq_id, n))
+            self.asked_holds.add(seq_id)
+
+    @rule(pick=st.integers(0, 7))
+    def connector_releases(self, pick: int) -> None:
+        asked = {e.seq_id for e in self.inputs if isinstance(e, ev.KVHoldReleased)}
+        held = sorted(set(self.engine.state.transfers.holds) - asked)
+        if held:
+            self.inputs.append(ev.KVHoldReleased(held[pick % len(held)]))
+
+    def _in_flight(self) -> bool:
+        return super()._in_flight() or bool(self.engine.state.transfers.holds)
+
+    def teardown(self) -> None:
+        if hasattr(self, "engine") and not self.failed:
+            self._step()  # (the holds asked are folded; then every one is released)
+            holds = sorted(self.engine.state.transfers.holds)
+            self.inputs += [ev.KVHoldReleased(s) for s in holds]
+        super().teardown()
+
+
+ExternalKVMachineUnderVllm.TestCase.settings = ExternalKVMachine.TestCase.settings
+TestExternalKVStateMachineUnderVllm = ExternalKVMachineUnderVllm.TestCase
+
+
 # ------------------------------------------------------------------------ planted bugs
 
 
@@ -810,3 +870,35 @@ def test_partial_checkpoints_with_one_anchor_and_length_coexist() -> None:
     node.step()
     node.step()
     assert any(isinstance(d, ev.Drained) for d in node.step(ev.DrainRequested()))
+
+
+def test_a_connector_hold_that_takes_no_block_references_is_caught(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A hold whose blocks are not referenced would let the sequence's end free blocks the
+    connector still reads."""
+    original = TransferTable._on_hold_requested
+
+    def hold_without_references(self: TransferTable, e: ev.KVHoldRequested) -> None:
+        original(self, e)  # the hold is recorded, its references never taken
+
+    assert_machine_catches(
+        monkeypatch, ExternalKVMachineUnderVllm, TransferTable, "_on_hold_requested",
+        hold_without_references, 150,
+    )
+
+
+def test_a_prefill_turn_that_admits_under_blocks_cached_when_planned_does_not_decode_too():
+    """Shrunk by the deep profile (alternate turns, blocks cached when planned: each chunk
+    emitted on its own, so the step's list of chunks stays empty): the prefill turn also
+    scheduled the running decodes, whose growth preempted the sequence it had just admitted
+    and left that row's chunk in the plan (``sequence -1 is not live``)."""
+    machine = ExternalKVMachineUnderVllm()
+    machine.start(
+        hybrid=False, role="both", num_blocks=12, max_batch=4, chunk_blocks=3,
+        decode_interval=0, budget=1, turn_mode="alternate", order="fcfs", load_admission="soft",
+    )  # fmt: skip
+    machine.arrive(requests=[(0, 0, 1, "", 0, -1), (0, 0, 5, "", 0, -1), (1, 0, 2, "", 0, -1)])
+    machine.load_burst(depth=1, n=2, ok=False, prefix=0)
+    machine.run_steps(n=1, store="silent")
+    machine.teardown()

@@ -48,12 +48,8 @@ Role = Literal["both", "prefill", "decode"]
 # kind of turn for every step, or lmdeploy's engine interleaving ("interleave": short-only turns
 # while long prefills wait, a long-first turn after short_per_long of them).
 PREFILL_TURNS: tuple[str, ...] = (
-    "standard",
-    "short_only",
-    "long_first",
-    "long_first_if_final",
-    "interleave",
-)
+    "standard", "short_only", "long_first", "long_first_if_final", "interleave"
+)  # fmt: skip
 # The order of long prefills on long-first turns: "size" (fewest chunks left, minus one per
 # aging_s waited) or "fifo" (arrival); lmdeploy's LMDEPLOY_PT_TTFT_POLICY.
 LONG_ORDERS: tuple[str, ...] = ("size", "fifo")
@@ -243,10 +239,16 @@ class ExternalStore:
     # Disaggregation: a prefill-role engine ends each request after its first token (reason
     # "migrated") once its prompt is saved; a decode-role engine loads prompts, saves nothing.
     role: Role = "both"
+    # Who saves: "kvsched" (its policy: KVSaveStarted, leases) or "connector" (a serving
+    # engine's KV connector saves on its own, as vLLM's do; kvsched looks up and loads).
+    saver: str = "kvsched"
 
     def __attrs_post_init__(self) -> None:
         is_bool("external.enabled", self.enabled)
         one_of("external.role", self.role, ("both", "prefill", "decode"))
+        one_of("external.saver", self.saver, ("kvsched", "connector"))
+        if self.saver != "kvsched" and not self.enabled:
+            raise refuse(f"external.saver {self.saver!r}", "external.enabled", "needs")
         if self.role != "both" and not self.enabled:
             raise refuse(f"external.role {self.role!r}", "external.enabled", "needs")
 
@@ -367,7 +369,7 @@ class SchedulerConfig:
         if self.cache_when_planned:  # each of these reads or saves KV a plan has not written
             for name, on in (
                 ("dedup_cached_blocks", self.dedup_cached_blocks),
-                ("external.enabled", self.external.enabled),
+                ("external saves by kvsched", self.external_save),
                 ("speculation.tokens", self.speculation.tokens),
             ):
                 if on:
@@ -411,7 +413,8 @@ class SchedulerConfig:
 
     @property
     def external_save(self) -> bool:
-        return self.external.enabled and self.external.role != "decode"
+        ext = self.external
+        return ext.enabled and ext.role != "decode" and ext.saver == "kvsched"
 
     @property
     def mtp_recompute_blocks(self) -> int:
@@ -422,8 +425,7 @@ class SchedulerConfig:
         return min(k, 1) if self.legacy.mtp_overlap == "one_block" else k
 
     @property
-    def mtp_holds_overlap(self) -> bool:
-        """Whether a sequence holds the cached block its MTP overlap recomputes privately."""
+    def mtp_holds_overlap(self) -> bool:  # its MTP overlap's cached block held privately
         return self.speculation.tokens > 0 and self.legacy.mtp_overlap == "one_block"
 
     @property
@@ -434,8 +436,7 @@ class SchedulerConfig:
         return self.checkpoints.budget
 
     @property
-    def checkpoint_capacity(self) -> int:
-        """What checkpoints may use together: bytes, or a count (one per checkpoint)."""
+    def checkpoint_capacity(self) -> int:  # bytes, or a count (one per checkpoint)
         return self.checkpoints.memory or self.checkpoints.budget
 
     def checkpoint_cost(self, frozen: bool) -> int:
@@ -464,9 +465,8 @@ class SchedulerConfig:
         """Canonical chunk length: the prefill budget rounded down to whole blocks."""
         return (self.max_prefill_tokens // self.block_size) * self.block_size
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, Any]:  # (from_dict reads it)
         return attrs.asdict(self)
-
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> SchedulerConfig:
         """The config ``to_dict`` wrote; the flat names of headers before sub-configs

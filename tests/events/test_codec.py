@@ -62,6 +62,8 @@ SAMPLES: dict[type[ev.Event], ev.Event] = {
     ev.KVLoadFinished: ev.KVLoadFinished(4),
     ev.KVLoadFailed: ev.KVLoadFailed(4, 3, "remote store timed out"),
     ev.KVSaveFinished: ev.KVSaveFinished(77, ok=False),
+    ev.KVHoldRequested: ev.KVHoldRequested(7, 3),
+    ev.KVHoldReleased: ev.KVHoldReleased(7),
     # decisions
     ev.StepStarted: ev.StepStarted(3, 0.5),
     ev.RequestRejected: ev.RequestRejected(6, "empty prompt"),

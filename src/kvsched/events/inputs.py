@@ -116,3 +116,18 @@ class KVLoadFailed(Event, frozen=True, tag="kv_load_failed"):
 class KVSaveFinished(Event, frozen=True, tag="kv_save_done"):
     save_id: int
     ok: bool = True
+
+
+class KVHoldRequested(Event, frozen=True, tag="kv_hold"):
+    """A serving engine's KV connector keeps the sequence's first ``num_blocks`` blocks (its
+    computed tokens, a partial last block too) for a transfer of its own, past the
+    sequence's end, until ``KVHoldReleased`` (vLLM: ``request_finished`` delaying the free)."""
+
+    seq_id: int
+    num_blocks: int
+
+
+class KVHoldReleased(Event, frozen=True, tag="kv_hold_done"):
+    """The connector's transfer of a held sequence's blocks ended: the hold is dropped."""
+
+    seq_id: int

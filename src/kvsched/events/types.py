@@ -54,6 +54,8 @@ from kvsched.events.inputs import (
     SLEEP_LEVELS,
     AdmissionsHeld,
     DrainRequested,
+    KVHoldReleased,
+    KVHoldRequested,
     KVLoadFailed,
     KVLoadFinished,
     KVLookupAnswered,
@@ -109,6 +111,8 @@ __all__ = [
     "DrainRequested",
     "Drained",
     "Event",
+    "KVHoldReleased",
+    "KVHoldRequested",
     "KVLoadAdmitted",
     "KVLoadCancelled",
     "KVLoadFailed",
@@ -155,6 +159,8 @@ INPUT_TYPES: tuple[type[Event], ...] = (
     KVLoadFinished,
     KVLoadFailed,
     KVSaveFinished,
+    KVHoldRequested,
+    KVHoldReleased,
 )
 
 DECISION_TYPES: tuple[type[Event], ...] = (

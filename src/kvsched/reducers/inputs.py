@@ -66,12 +66,15 @@ __all__ = [
 _I64 = 1 << 63
 
 _RANK: dict[type[ev.Event], int] = {
+    # a connector's hold first: the outcome's fold may retire the sequence it holds
+    ev.KVHoldRequested: -1,
     ev.StepExecuted: 0,
     ev.StepFailed: 0,
     ev.KVLookupAnswered: 1,
     ev.KVLoadFinished: 1,
     ev.KVLoadFailed: 1,
     ev.KVSaveFinished: 1,
+    ev.KVHoldReleased: 1,
 }
 _CLIENT_RANK = 2
 
@@ -104,7 +107,8 @@ class UnknownTransfer(InputError):
 
 
 def apply_order(inputs: Sequence[ev.Event]) -> list[ev.Event]:
-    """Outcomes, then transfer reports, then client requests; stable within each class."""
+    """Connector holds, outcomes, transfer reports, then client requests; stable within each
+    class."""
     return sorted(inputs, key=lambda e: _RANK.get(type(e), _CLIENT_RANK))
 
 
@@ -259,12 +263,15 @@ def _check_against_state(state: Owners, inputs: Sequence[ev.Event], order: list[
     """Check the inputs, in the order they are applied, against the state as each finds it:
     one outcome of the pending step, whose sampled ids are exactly the sequences that sample
     (once each, one in-vocabulary token each), with a finite duration and, for MoE, one set
-    of expert ids per computed token; transfer reports of transfers in flight, each once."""
+    of expert ids per computed token; transfer reports of transfers in flight, each once; a
+    connector's hold of a live sequence's blocks, once, and its release of a hold."""
     seqs, model = state.seqs, state.config.model
     owed = seqs.awaiting_outcomes  # (step, sampler ids), oldest first
     answered = 0  # outcomes given, of the owed steps in order
     loads_done: set[int] = set()
     saves_done: set[int] = set()
+    holds: set[int] = set()  # (asked in these inputs)
+    released: set[int] = set()
     for i in order:
         e = inputs[i]
         if type(e) not in _RANK:
@@ -317,6 +324,18 @@ def _check_against_state(state: Owners, inputs: Sequence[ev.Event], order: list[
             if e.save_id not in state.transfers.leases or e.save_id in saves_done:
                 raise UnknownTransfer(i, e, f"save {e.save_id} is not in flight")
             saves_done.add(e.save_id)
+        elif isinstance(e, ev.KVHoldRequested):
+            seq = seqs.find(e.seq_id)
+            if seq is None or e.seq_id in state.transfers.holds or e.seq_id in holds:
+                raise UnknownTransfer(i, e, f"sequence {e.seq_id} is not live, or held already")
+            if not 0 < e.num_blocks <= len(seqs.block_table(seq)):
+                raise MalformedInput(i, e, f"sequence {e.seq_id} holds no {e.num_blocks} blocks")
+            holds.add(e.seq_id)
+        elif isinstance(e, ev.KVHoldReleased):
+            held = e.seq_id in state.transfers.holds or e.seq_id in holds
+            if not held or e.seq_id in released:
+                raise UnknownTransfer(i, e, f"sequence {e.seq_id} is not held")
+            released.add(e.seq_id)
         elif isinstance(e, ev.KVLookupAnswered) and e.num_blocks < 0:
             raise MalformedInput(i, e, "num_blocks must be >= 0")
     # (overlapped steps: the newest step's outcome may come one step later)

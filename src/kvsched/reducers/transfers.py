@@ -110,6 +110,9 @@ class TransferTable:
         self._seqs = seqs
         self.loads: dict[int, KVLoad] = {}
         self.leases: dict[int, Lease] = {}
+        # A serving engine's connector saving a sequence on its own (KVHoldRequested): a
+        # lease by sequence id, on its blocks as they were, until KVHoldReleased.
+        self.holds: dict[int, Lease] = {}
         self.next_save_id = 0
         self.loaded_blocks = 0  # statistics: blocks loaded successfully
         self.failed_loads = 0
@@ -133,6 +136,8 @@ class TransferTable:
             ev.SequenceAborted: self._on_aborted,
             ev.KVSaveStarted: self._on_save_started,
             ev.KVSaveFinished: self._on_save_finished,
+            ev.KVHoldRequested: self._on_hold_requested,
+            ev.KVHoldReleased: self._on_hold_released,
             ev.Drained: self._on_drained,
         }
 
@@ -141,12 +146,13 @@ class TransferTable:
     @property
     def busy(self) -> bool:
         """A load or a save is in flight (or a load ended and is not settled yet)."""
-        return bool(self.leases) or any(ld.in_flight or ld.ended for ld in self.loads.values())
+        loads = self.loads.values()
+        return bool(self.leases or self.holds) or any(ld.in_flight or ld.ended for ld in loads)
 
     @property
     def transferring(self) -> bool:
         """A load or a save is in flight: device memory is being written or read."""
-        return bool(self.leases) or any(ld.in_flight for ld in self.loads.values())
+        return bool(self.leases or self.holds) or any(ld.in_flight for ld in self.loads.values())
 
     def ready_loads(self) -> list[int]:
         """Sequences whose load ended and that wait to be settled into a batch row."""
@@ -163,7 +169,8 @@ class TransferTable:
         return sorted(s for s, ld in self.loads.items() if ld.in_flight)
 
     def lease_holders(self) -> list[np.ndarray]:
-        return [lease.blocks for lease in self.leases.values() if len(lease.blocks)]
+        leases = [*self.leases.values(), *self.holds.values()]
+        return [lease.blocks for lease in leases if len(lease.blocks)]
 
     def lease_pins(self) -> dict[int, int]:
         pins: dict[int, int] = {}
@@ -311,6 +318,19 @@ class TransferTable:
             self.failed_saves += 1
         return RefChange(release=(lease.blocks,))
 
+    def _on_hold_requested(self, e: ev.KVHoldRequested) -> RefChange:
+        """(checked as an input: the sequence is live, holds that many blocks, once)"""
+        held = self._seqs.block_table(self._seqs.seq(e.seq_id))[: e.num_blocks].copy()
+        lease = Lease(-1, e.seq_id, held, len(held))
+        lease.fire(e)
+        self.holds[e.seq_id] = lease
+        return RefChange(attach=(held,))
+
+    def _on_hold_released(self, e: ev.KVHoldReleased) -> RefChange:
+        lease = self.holds.pop(e.seq_id)
+        lease.fire(e)
+        return RefChange(release=(lease.blocks,))
+
     def _on_drained(self, e: ev.Drained) -> None:
         if self.busy:
             raise ReplayMismatch("drained while KV transfers are in flight")
@@ -334,6 +354,9 @@ class TransferTable:
                 return f"lease of save {save_id} is not a started save"
             if lease.state != SaveState.SAVING:
                 return f"lease of save {save_id} in state {lease.state.name}"
+        for seq_id, hold in self.holds.items():
+            if hold.seq_id != seq_id or hold.state != SaveState.SAVING:
+                return f"hold of sequence {seq_id} in state {hold.state.name}"
         return None
 
     def snapshot(self) -> tuple[object, ...]:
@@ -346,5 +369,6 @@ class TransferTable:
             (k, ls.seq_id, ls.blocks.tobytes(), ls.ckpt_id, ls.state)
             for k, ls in sorted(self.leases.items())
         )
-        return (loads, leases, self.next_save_id, self.loaded_blocks, self.failed_loads,
+        holds = tuple((k, h.blocks.tobytes(), h.state) for k, h in sorted(self.holds.items()))
+        return (loads, leases, holds, self.next_save_id, self.loaded_blocks, self.failed_loads,
                 self.saved_blocks, self.failed_saves)

@@ -204,7 +204,10 @@ KVSAVE_SPEC = MachineSpec(
         "Saving KV blocks (and, for a hybrid model, an aligned state checkpoint) to an "
         "external store. A save starts in the step that decides it and holds a lease (block "
         "references, a checkpoint pin) until the store confirms or fails it; a save is never "
-        "cancelled (its blocks stay leased until the store answers)."
+        "cancelled (its blocks stay leased until the store answers). A serving engine's "
+        "connector that saves on its own asks to keep a sequence's blocks past its end "
+        "(`KVHoldRequested`, an input): the same lease, until it releases them "
+        "(`KVHoldReleased`)."
     ),
 )
 

@@ -114,6 +114,8 @@ EVENT_TRIGGERS: dict[type[ev.Event], dict[CompiledMachine, tuple[IntEnum, ...]]]
     ev.KVLoadFailed: {KVLOAD: (_L.fail,)},
     ev.KVSaveStarted: {KVSAVE: (_V.start,), CHECKPOINT: (_C.pin,)},
     ev.KVSaveFinished: {KVSAVE: Choice(_save_answer, _V.confirm, _V.fail), CHECKPOINT: (_C.unpin,)},
+    ev.KVHoldRequested: {KVSAVE: (_V.start,)},  # (a connector's own save: a lease it asked for)
+    ev.KVHoldReleased: {KVSAVE: (_V.confirm,)},
     ev.CheckpointPublished: {CHECKPOINT: (_C.publish,)},
     ev.CheckpointAbandoned: {CHECKPOINT: (_C.abandon,)},
     ev.CheckpointPinned: {CHECKPOINT: (_C.pin,)},
