@@ -126,6 +126,39 @@ def test_vllm_configurations_the_adapter_cannot_serve_are_refused_with_the_reaso
         cfg.scheduler_config(vc, kv, 32)
 
 
+def _with_connector(vc: NS, policy: str = "fail") -> NS:
+    vc.kv_transfer_config = NS(kv_connector="ExampleConnector", kv_load_failure_policy=policy)
+    return vc
+
+
+def test_vllm_a_kv_connector_makes_kvsched_look_up_and_load_while_the_connector_saves():
+    vc = _with_connector(_vllm_config())
+    config = cfg.scheduler_config(vc, _kv_cache(FullAttentionSpec), 32)
+    assert config.external.enabled and config.external.saver == "connector"
+    assert config.external_load and not config.external_save and config.cache_when_planned
+    assert cfg.fails_loads(vc) and not cfg.fails_loads(_with_connector(_vllm_config(), "recompute"))
+    plain = cfg.scheduler_config(_vllm_config(), _kv_cache(FullAttentionSpec), 32)
+    assert not plain.external.enabled
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"kv": (FullAttentionSpec, MambaSpec)}, "ExampleConnector .* hybrid model"),
+        ({"async": True}, "ExampleConnector .* async scheduling"),
+        ({"lookahead": 3, "eagle": True}, "ExampleConnector .* drafter that writes KV"),
+    ],
+)
+def test_vllm_a_kv_connector_is_refused_where_kvsched_cannot_serve_it_with_the_reason(
+    change: dict, message: str
+):
+    vc = _with_connector(_vllm_config(async_scheduling=change.get("async", False)))
+    if change.get("eagle"):
+        vc.speculative_config, vc.num_lookahead_tokens = _spec(eagle=True), change["lookahead"]
+    with pytest.raises(cfg.UnsupportedConfig, match=message):
+        cfg.scheduler_config(vc, _kv_cache(*change.get("kv", (FullAttentionSpec,))), 32)
+
+
 def test_vllm_ngram_speculative_decoding_sets_the_drafts_and_the_prefill_budget():
     vc = _vllm_config()
     vc.speculative_config = _spec(k=3)

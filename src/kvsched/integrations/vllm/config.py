@@ -13,6 +13,7 @@ from typing import Any
 from kvsched.config import (
     CHECKPOINT_POLICIES,
     Checkpoints,
+    ExternalStore,
     ModelSpec,
     SchedulerConfig,
     Speculation,
@@ -129,11 +130,36 @@ def _refuse_unsupported(vllm_config: Any, kv_cache_config: Any) -> None:
     spec = getattr(vllm_config, "speculative_config", None)
     if spec is not None:
         _refuse_speculation(vllm_config, spec, bool(mamba))
-    transfer = getattr(vllm_config, "kv_transfer_config", None)
-    if transfer is not None and getattr(transfer, "kv_connector", None):
-        raise UnsupportedConfig("KV connectors are not supported by the kvsched adapter")
+    if has_connector(vllm_config):
+        _refuse_connector(vllm_config, bool(mamba))
     if vllm_config.parallel_config.pipeline_parallel_size != 1:
         raise UnsupportedConfig("pipeline parallelism is not supported by the kvsched adapter")
+
+
+def has_connector(vllm_config: Any) -> bool:
+    transfer = getattr(vllm_config, "kv_transfer_config", None)
+    return transfer is not None and bool(getattr(transfer, "kv_connector", None))
+
+
+def fails_loads(vllm_config: Any) -> bool:
+    """Whether a failed KV load ends its request in error (vLLM's default), not recomputes."""
+    transfer = vllm_config.kv_transfer_config
+    return transfer is not None and transfer.kv_load_failure_policy == "fail"
+
+
+def _refuse_connector(vllm_config: Any, hybrid: bool) -> None:
+    """A KV connector is served for attention models in vLLM's synchronous order, without
+    a drafter that writes KV (docs/vllm.md, "KV connectors")."""
+    why = None
+    if hybrid:
+        why = "a hybrid model (vLLM's connectors move no mamba state)"
+    elif getattr(vllm_config.scheduler_config, "async_scheduling", False):
+        why = "async scheduling (not yet: external KV in overlapped steps)"
+    elif int(vllm_config.num_lookahead_tokens):
+        why = "a drafter that writes KV (EAGLE-family: lookahead slots beside loads)"
+    if why is not None:
+        name = vllm_config.kv_transfer_config.kv_connector
+        raise UnsupportedConfig(f"KV connector {name} is not supported by kvsched with {why}")
 
 
 def _refuse_speculation(vllm_config: Any, spec: Any, hybrid: bool) -> None:
@@ -228,6 +254,10 @@ def scheduler_config(
             lookahead=int(vllm_config.num_lookahead_tokens),
             eagle_block_drop=_eagle_block_drop(vllm_config),
         ),
+        # vLLM's KV connector: kvsched looks up and loads through it, the connector saves
+        external=ExternalStore(enabled=True, saver="connector")
+        if has_connector(vllm_config)
+        else ExternalStore(),
         checkpoints=Checkpoints(budget=hybrid["checkpoint_budget"], **CHECKPOINT_POLICIES[PRESET])
         if hybrid["hybrid"]
         else Checkpoints(),

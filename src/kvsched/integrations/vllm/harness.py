@@ -35,8 +35,8 @@ runner also holds the scheduler to vLLM's count of a request's outputs: a cached
 own list to that count; under async scheduling it includes the tokens still out).
 
 Multimodal items (``Add(items=...)``): every chunk must find its items' encoder outputs in the
-runner (``RunnerEncoder``). The trace holds, per step that ran work, the scheduled token count
-and drafts per request; per request the tokens received, the finish, preemptions.
+runner (``RunnerEncoder``). KV connectors: ``harness_connector``. The trace holds, per step
+that ran work, its token counts and drafts per request; per request its tokens, finish.
 """
 
 from __future__ import annotations
@@ -50,23 +50,13 @@ from typing import Any
 import attrs
 
 from kvsched.integrations.vllm import runner_states as rs
+from kvsched.integrations.vllm.harness_grammar import NoGrammar
 from kvsched.integrations.vllm.models import STATE_DTYPE
 
 __all__ = [
-    "Abort",
-    "Add",
-    "Driver",
-    "NoGrammar",
-    "ResetCache",
-    "Steps",
-    "Trace",
-    "configs",
-    "drive",
-    "hybrid_configs",
-    "make",
-    "token",
-    "vllm_request",
-]
+    "Abort", "Add", "Driver", "NoGrammar", "ResetCache", "Steps", "Trace", "configs", "drive",
+    "hybrid_configs", "make", "token", "vllm_request",
+]  # fmt: skip
 
 
 @attrs.frozen
@@ -120,6 +110,7 @@ class Trace:
     accepted: int = 0  # drafts the runner accepted
     rejected: int = 0  # and rejected
     encoded: int = 0  # encoder inputs the runner computed
+    external: list[int] = attrs.Factory(lambda: [0, 0])  # connector queries, hits (stats)
 
 
 def configs(
@@ -130,16 +121,20 @@ def configs(
     block_size: int = 64,
     drafts: int = 0,
     method: str = "ngram",
+    connector: bool = False,
 ) -> tuple[Any, Any]:
     """A ``VllmConfig`` for a local model (weights never loaded; a multimodal model's tokenizer
     loaded, for its processor) and a ``KVCacheConfig`` of one full-attention group of
     ``blocks`` blocks (block 0 vLLM's null block); ``drafts``: speculative decoding with that
     many draft tokens (``method``: ``ngram``, whose drafts the engine core hands over in the
     synchronous order, ``ngram_gpu``, which vLLM runs under async scheduling, or ``eagle3``,
-    a drafter with lookahead slots and EAGLE's prefix-cache rule, in both orders)."""
+    a drafter with lookahead slots and EAGLE's prefix-cache rule, in both orders);
+    ``connector``: the harness's KV connector (``harness_connector``)."""
     import torch
     from vllm.engine.arg_utils import EngineArgs
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+
+    from kvsched.integrations.vllm import harness_connector
 
     args = EngineArgs(
         model=model_dir,
@@ -157,7 +152,8 @@ def configs(
             if drafts  # the model's config stands in for the draft head's, never loaded)
             else None
         ),
-        async_scheduling=False if drafts and method == "ngram" else None,
+        async_scheduling=False if (drafts and method == "ngram") or connector else None,
+        kv_transfer_config=harness_connector.TRANSFER if connector else None,
     )
     vllm_config = args.create_engine_config()
     vllm_config.cache_config.num_gpu_blocks = blocks  # what the engine sets after profiling
@@ -199,10 +195,10 @@ def hybrid_configs(model_dir: str, blocks: int, max_seqs: int) -> tuple[Any, Any
 _ENGINES: list[Any] = []
 
 
-def make(kind: str, vllm_config: Any, kv: Any, grammars: Any = None) -> Any:
+def make(kind: str, vllm_config: Any, kv: Any, grammars: Any = None, stats: bool = False) -> Any:
     """vLLM's ``Scheduler`` ("vllm"), its ``AsyncScheduler`` ("vllm-async") or kvsched's
     adapter ("kvsched") over these configs (``grammars``: its structured-output manager;
-    default, one that none is requested of)."""
+    default, one that none is requested of; ``stats``: ``log_stats``)."""
     cls: Any
     if kind == "kvsched":
         from kvsched.integrations.vllm.scheduler import Scheduler
@@ -219,7 +215,6 @@ def make(kind: str, vllm_config: Any, kv: Any, grammars: Any = None) -> Any:
     else:
         raise ValueError(f"unknown scheduler {kind!r}: vllm, vllm-async or kvsched")
     from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
-
     block, hash_block = resolve_kv_cache_block_sizes(kv, vllm_config)
     return cls(
         vllm_config=vllm_config,
@@ -227,21 +222,8 @@ def make(kind: str, vllm_config: Any, kv: Any, grammars: Any = None) -> Any:
         structured_output_manager=grammars if grammars is not None else NoGrammar(),
         block_size=block,
         hash_block_size=hash_block,
-        log_stats=False,
+        log_stats=stats,
     )
-
-
-class NoGrammar:
-    """The structured-output manager's surface vLLM's scheduler touches (none requested)."""
-
-    def grammar_init(self, request: Any) -> None:
-        return None
-
-    def accept_tokens(self, request: Any, tokens: Any) -> bool:
-        return True
-
-    def validate_tokens(self, request: Any, tokens: list[int]) -> list[int]:
-        return tokens
 
 
 def vllm_request(op: Add, vocab: int, hasher: Any) -> Any:
@@ -297,6 +279,8 @@ class Driver:
     def run_model(self, so: Any) -> Any:
         """The model runner's output for a scheduled step (the synthetic model)."""
         from vllm.v1.outputs import ModelRunnerOutput
+
+        from kvsched.integrations.vllm.harness_connector import worker_report
 
         known = self.known  # the runner's token count per request: as it would hold it
         computed = {}
@@ -369,6 +353,7 @@ class Driver:
             req_ids=names,
             req_id_to_index={n: i for i, n in enumerate(names)},
             sampled_token_ids=sampled,
+            kv_connector_output=worker_report(so),
         )
 
     def _tokens(self, name: str, n: int) -> list[int]:
@@ -380,6 +365,10 @@ class Driver:
     def update(self, so: Any, mro: Any) -> None:
         results = self.sched.update_from_output(so, mro)
         for outs in results.values():
+            connector = outs.scheduler_stats and outs.scheduler_stats.connector_prefix_cache_stats
+            if connector:  # (with stats: the connector's prefix-cache counts)
+                self.trace.external = [a + b for a, b in zip(self.trace.external, (
+                    connector.queries, connector.hits), strict=True)]
             for out in outs.outputs:
                 self.trace.outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
                 if out.prefill_stats is not None:  # (with its first token)

@@ -1,5 +1,6 @@
 """``CountingGrammars``: a structured-output manager for the scheduler-level harness (no
-tokenizer, no grammar backend), which both vLLM's schedulers and kvsched's adapter are given.
+tokenizer, no grammar backend), which both vLLM's schedulers and kvsched's adapter are given
+(``NoGrammar``: the one given when no structured output is requested).
 
 Each structured request's grammar counts the tokens it has accepted. A bitmask request
 records, per row, the request and how many tokens its grammar had accepted at that moment
@@ -17,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["CountingGrammar", "CountingGrammars"]
+__all__ = ["CountingGrammar", "CountingGrammars", "NoGrammar"]
 
 
 class CountingGrammar:
@@ -63,3 +64,16 @@ class CountingGrammars:
 
     def clear_backend(self) -> None:
         return None
+
+
+class NoGrammar:
+    """The structured-output manager's surface vLLM's scheduler touches (none requested)."""
+
+    def grammar_init(self, request: Any) -> None:
+        return None
+
+    def accept_tokens(self, request: Any, tokens: Any) -> bool:
+        return True
+
+    def validate_tokens(self, request: Any, tokens: list[int]) -> list[int]:
+        return tokens

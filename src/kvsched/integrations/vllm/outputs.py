@@ -81,13 +81,21 @@ def token_output(
 
 
 def scheduler_stats(
-    running: int, waiting: int, usage: float, prefix: PrefixCacheStats
+    running: int,
+    waiting: int,
+    usage: float,
+    prefix: PrefixCacheStats,
+    connector: tuple[PrefixCacheStats | None, dict[str, Any] | None] = (None, None),
 ) -> SchedulerStats:
+    """``connector``: a KV connector's prefix-cache counts (external hits) and its own
+    transfer statistics (``KVConnectorStats.to_dict()``), when one is configured."""
     return SchedulerStats(
         num_running_reqs=running,
         num_waiting_reqs=waiting,
         kv_cache_usage=usage,
         prefix_cache_stats=prefix,
+        connector_prefix_cache_stats=connector[0],
+        kv_connector_stats=connector[1],
     )
 
 

@@ -31,13 +31,13 @@ from vllm.distributed.kv_events import (
 from vllm.v1.core.sched.interface import PauseState, SchedulerInterface
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.engine import EngineCoreOutputs
-from vllm.v1.metrics.stats import PrefixCacheStats, SchedulerStats
+from vllm.v1.metrics.stats import PrefixCacheStats
 from vllm.v1.request import Request, RequestStatus
 
 from kvsched.engine import StepResult
 from kvsched.events import types as ev
 from kvsched.integrations.vllm import config as cfg
-from kvsched.integrations.vllm import drafts, startup
+from kvsched.integrations.vllm import connector, drafts, startup
 from kvsched.integrations.vllm.encoders import EncoderInputs
 from kvsched.integrations.vllm.grammar import Grammars
 from kvsched.integrations.vllm.mamba import GroupTables
@@ -49,9 +49,9 @@ from kvsched.integrations.vllm.outputs import (
     error_output,
     kv_events,
     preempt,
-    scheduler_stats,
     token_output,
 )
+from kvsched.integrations.vllm.queries import Queries
 from kvsched.integrations.vllm.requests import Registry, refusal, stop_reason
 from kvsched.integrations.vllm.worker import WorkerView
 from kvsched.plan import StepPlan
@@ -66,7 +66,7 @@ _STATUS = {
 }
 
 
-class Scheduler(SchedulerInterface):  # type: ignore[misc]  # (vLLM is untyped here)
+class Scheduler(Queries, SchedulerInterface):  # type: ignore[misc]  # (vLLM is untyped here)
     def __init__(
         self,
         vllm_config: Any,
@@ -81,11 +81,15 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # (vLLM is untyped h
         self.vllm_config = vllm_config
         self.kv_cache_config = kv_cache_config
         self.log_stats = log_stats
-        self.connector = None  # read directly by vLLM's engine core
         self.ec_connector = None
         opts, self.config, self.engine, encoder_cache = startup.start(
             vllm_config, kv_cache_config, block_size, mm_registry
         )
+        self.connector = connector.create(vllm_config, kv_cache_config)  # (vLLM's engine reads)
+        self.kv: connector.ConnectorBridge | None = None
+        if self.connector is not None:
+            fails = cfg.fails_loads(vllm_config)
+            self.kv = connector.ConnectorBridge(self.connector, block_size, fails)
         self.encoders = EncoderInputs(encoder_cache)  # (multimodal models: vLLM's encoder cache)
         self.log_path: str | None = opts.get("log")
         self.max_model_len = self.config.model.max_context
@@ -154,6 +158,8 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # (vLLM is untyped h
             request.status = finished_status
             if self.grammars.drop(name) is None:  # (one still compiling: kvsched never saw it)
                 seq_id = self.reg.seq_of[name]
+                if self.kv:
+                    self.kv.finished(request, seq_id, self._computed(request))
                 self._inputs.append(ev.RequestAborted(seq_id, "vllm finish_requests"))
             done.append(request)
         return done
@@ -175,6 +181,8 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # (vLLM is untyped h
         if self.grammars.waiting:
             self._settle_grammars()
         inputs, self._inputs = self._inputs, []
+        if self.kv:  # (lookup answers, loads that ended)
+            inputs += self.kv.inputs(self.reg.req_of)
         result = self.engine.step(inputs, time.monotonic() - self.clock0)
         self._awaiting.append((result, {}))
         preempted = self._fold_decisions(result)
@@ -202,9 +210,25 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # (vLLM is untyped h
         if self.reg.structured:  # (get_grammar_bitmask's rows)
             structured, req_of = self.reg.structured, self.reg.req_of
             self._grammar_rows = Grammars.rows(out, plan, out_ids, structured, req_of)
+        if self.kv:  # (last: build_connector_meta reads the step's whole output)
+            self.kv.after_step(result.decisions, self.reg.req_of, self._blocks_of)
+            self.kv.meta(out, lambda name: (self._blocks_of(self.reg.seq_of[name]),))
         self._fresh_blocks = []
         self._finished_ids = set()
         return out
+
+    def _connector_landed(self, kv: connector.ConnectorBridge, report: Any) -> None:
+        """The connector's worker report; under vLLM's ``kv_load_failure_policy`` "fail" a
+        request whose load failed ends in error (kvsched aborts it)."""
+        kv.landed(report)
+        for seq_id, reason in kv.take_failed():
+            request = self.requests.pop(self.reg.req_of[seq_id].request_id, None)
+            if request is None:
+                continue  # (aborted meanwhile: its abort is kvsched's input already)
+            request.status = RequestStatus.FINISHED_ERROR
+            self._errors.append((request, reason))
+            self._inputs.append(ev.RequestAborted(seq_id, reason))
+        self._events += kv.events() if self._publish else []
 
     def _name_of(self, seq_id: int) -> str:
         return str(self.reg.req_of[seq_id].request_id)
@@ -239,19 +263,29 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # (vLLM is untyped h
             elif isinstance(d, ev.BlocksAllocated) and self._zeroing:
                 self._fresh_blocks += d.blocks.tolist()
             elif isinstance(d, ev.PrefixMatched) and d.num_query_tokens:
-                request = self.reg.req_of[d.seq_id]
                 self._prefix_stats.record(d.num_query_tokens, d.num_tokens, False)
-                # vLLM's num_cached_tokens: the sequence's cached-token counts, as its
-                # SequenceFinished reports them (no external KV under vLLM: no connector).
-                local, ckpt, _ = self.engine.state.seq(d.seq_id).cached_tokens
-                self.reg.cached[d.seq_id] = local + ckpt
-                if request.prefill_stats is not None:
-                    request.prefill_stats.set(request.num_prompt_tokens, local + ckpt, 0)
+                self._cached_tokens(d.seq_id)
+            elif isinstance(d, ev.KVLoadSettled):
+                self._cached_tokens(d.seq_id, settled=True)
         if self._expected:
             raise AdapterMismatch(
                 f"vLLM finished {sorted(self._expected.values())} but kvsched did not"
             )
         return preempted
+
+    def _cached_tokens(self, seq_id: int, settled: bool = False) -> None:
+        """vLLM's ``num_cached_tokens`` (and ``PrefillStats``): the sequence's cached-token
+        counts as its ``SequenceFinished`` reports them (a load's once it settles); with a
+        connector, its prefix-cache counts (a load's once it settles, as vLLM's)."""
+        request = self.reg.req_of[seq_id]
+        local, ckpt, external = self.engine.state.seq(seq_id).cached_tokens
+        self.reg.cached[seq_id] = local + ckpt + external
+        if request.prefill_stats is not None:
+            request.prefill_stats.set(request.num_prompt_tokens, local + ckpt, external)
+        load = self.engine.state.transfers.load_of(seq_id)
+        if self.kv is not None and (settled or load is None or not load.admitted):
+            queries = request.num_tokens - local - ckpt
+            self.kv.prefix_stats.record(queries, external, request.num_preemptions > 0)
 
     def _settle_grammars(self) -> None:
         """Requests whose grammar is compiled go to kvsched; a failed one ends in error."""
@@ -301,6 +335,8 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # (vLLM is untyped h
         for request, reason in self._errors:
             outputs[request.client_index].append(error_output(request, reason))
         self._errors = []
+        if self.kv:
+            self._connector_landed(self.kv, model_runner_output.kv_connector_output)
         if self._events:
             self.kv_event_publisher.publish(KVEventBatch(ts=time.time(), events=self._events))
             self._events = []
@@ -359,6 +395,9 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # (vLLM is untyped h
             if with_prompt:
                 prompt = (prompt_tensors.get(name), prompt_ids.get(name))
             out = token_output(request, got, finish, logprobs, prompt)
+            if finish is not None and self.kv:
+                blocks = self._computed(request)
+                out.kv_transfer_params = self.kv.finished(request, seq_id, blocks)
             outputs[request.client_index].append(out)
         executed = ev.StepExecuted(plan.step, seq_ids.copy(), np.asarray(tokens, dtype=np.int32))
         if len(plan.num_drafts):
@@ -391,42 +430,6 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # (vLLM is untyped h
             self._expected[seq_id] = request.request_id
         return request.get_finished_reason()
 
-    # ------------------------------------------------------------------ queries
-
-    def get_num_unfinished_requests(self) -> int:
-        """vLLM's count: none under PAUSED_ALL; under PAUSED_NEW only what runs (the queued
-        requests stay queued, so a pause that waits for a drain ends)."""
-        if self._pause == PauseState.PAUSED_ALL:
-            return 0
-        if self._pause == PauseState.PAUSED_NEW:
-            return int(self.engine.state.seqs.num_running)
-        return len(self.requests)
-
-    def has_finished_requests(self) -> bool:
-        # Folds still owed to kvsched (an outcome, aborts) count: the engine keeps stepping
-        # until kvsched has retired what vLLM already finished.
-        return bool(self._finished_ids or self._inputs or self._errors or self._expected)
-
-    def get_request_counts(self) -> tuple[int, int]:
-        t = self.engine.state.seqs  # (waiting: also those whose grammar compiles, as vLLM's)
-        return t.num_running, len(t.waiting) + len(self.grammars.waiting)
-
-    def get_kv_cache_usage(self) -> float:
-        pool = self.engine.state.pool
-        return 1.0 - pool.num_available / max(1, self.config.num_blocks - 1)
-
-    def make_stats(self, *args: Any, **kwargs: Any) -> SchedulerStats | None:
-        if not self.log_stats:
-            return None
-        running, waiting = self.get_request_counts()
-        stats, self._prefix_stats = self._prefix_stats, PrefixCacheStats()
-        return scheduler_stats(running, waiting, self.get_kv_cache_usage(), stats)
-
-    def cached_names(self) -> dict[str, list[str]]:
-        """The vLLM event names of kvsched's cached blocks and published checkpoints
-        (``KVEventTranslator.cache_names``): what a KV-events subscriber must hold."""
-        return self._kv_events.cache_names(self.engine.state)
-
     def reset_encoder_cache(self) -> None:
         self.encoders.reset()
 
@@ -441,13 +444,11 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # (vLLM is untyped h
         ):
             return False
         self._inputs += [ev.DrainRequested(), ev.WakeRequested()]
+        if reset_connector and self.connector is not None:
+            self.connector.reset_cache()
         return True
 
     # ------------------------------------------------------------------ pause, KV events, end
-
-    @property
-    def pause_state(self) -> PauseState:
-        return self._pause
 
     def set_pause_state(self, pause_state: PauseState) -> None:
         """PAUSED_NEW holds kvsched's admissions from the next step on, PAUSED_ALL what runs
@@ -458,10 +459,9 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # (vLLM is untyped h
             self._inputs.append(ev.AdmissionsHeld(held=held, running=running))
         self._pause = pause_state
 
-    def get_kv_event_publisher_config(self) -> Any:
-        return self.kv_event_publisher.get_publisher_config()
-
     def shutdown(self) -> None:
         self.kv_event_publisher.shutdown()
+        if self.connector is not None:
+            self.connector.shutdown()
         if self.engine.log is not None:
             self.engine.log.close()
