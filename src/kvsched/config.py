@@ -47,9 +47,7 @@ Role = Literal["both", "prefill", "decode"]
 # The TTFT order's prefill-turn policies (lmdeploy's _PrefillTurnPolicy, policy/turns.py): one
 # kind of turn for every step, or lmdeploy's engine interleaving ("interleave": short-only turns
 # while long prefills wait, a long-first turn after short_per_long of them).
-PREFILL_TURNS: tuple[str, ...] = (
-    "standard", "short_only", "long_first", "long_first_if_final", "interleave"
-)  # fmt: skip
+PREFILL_TURNS = ("standard", "short_only", "long_first", "long_first_if_final", "interleave")
 # The order of long prefills on long-first turns: "size" (fewest chunks left, minus one per
 # aging_s waited) or "fifo" (arrival); lmdeploy's LMDEPLOY_PT_TTFT_POLICY.
 LONG_ORDERS: tuple[str, ...] = ("size", "fifo")
@@ -465,8 +463,9 @@ class SchedulerConfig:
         """Canonical chunk length: the prefill budget rounded down to whole blocks."""
         return (self.max_prefill_tokens // self.block_size) * self.block_size
 
-    def to_dict(self) -> dict[str, Any]:  # (from_dict reads it)
+    def to_dict(self) -> dict[str, Any]:
         return attrs.asdict(self)
+
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> SchedulerConfig:
         """The config ``to_dict`` wrote; the flat names of headers before sub-configs
