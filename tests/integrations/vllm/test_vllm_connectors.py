@@ -62,6 +62,27 @@ print("RESULT" + json.dumps(out))
 """
 
 
+TIGHT = """
+import json, sys
+import numpy as np
+from vllm import LLM, SamplingParams
+from vllm.inputs import TokensPrompt
+model, scheduler, store = sys.argv[1:4]
+kw = {} if scheduler == "vllm" else {"scheduler_cls": "kvsched.integrations.vllm.Scheduler"}
+llm = LLM(model, enforce_eager=True, block_size=32, max_model_len=320, dtype="float32",
+          max_num_batched_tokens=320, max_num_seqs=8, seed=0, skip_tokenizer_init=True,
+          enable_prefix_caching=True, num_gpu_blocks_override=12,
+          kv_transfer_config={"kv_connector": "ExampleConnector", "kv_role": "kv_both",
+                              "kv_connector_extra_config": {"shared_storage_path": store}},
+          **kw)
+rng = np.random.default_rng(1)
+prompts = [rng.integers(10, 400, 100 + 25 * i).tolist() for i in range(6)]
+greedy = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], greedy, use_tqdm=False)
+print("RESULT" + json.dumps([[list(o.outputs[0].token_ids), o.num_cached_tokens] for o in outs]))
+"""
+
+
 @pytest.fixture(scope="module")
 def qwen3(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from kvsched.integrations.vllm.models import build
@@ -113,6 +134,32 @@ def test_vllm_example_connector_loads_a_fresh_engine_as_vllms_own_scheduler_does
     assert [(order[d.seq_id], d.first_block) for d in first] == [(0, 0), (1, 9), (2, 9), (3, 0)]
     answers = [e for r in records for e in r.inputs if isinstance(e, ev.KVLookupAnswered)]
     assert [(order[e.seq_id], e.num_blocks) for e in answers] == [(0, 9), (1, 10), (2, 9), (3, 0)]
+
+
+def test_vllm_example_connector_under_memory_pressure_matches_vllms_own_scheduler(
+    qwen3: Path, tmp_path: Path
+):
+    """Six prompts at once on 11 usable blocks, twice (the second engine loads what the
+    first saved): requests are preempted with and after their loads, and tokens and cached
+    tokens still equal vLLM's scheduler's; the logs verify."""
+    runs = {}
+    for kind in ("vllm", "kvsched"):
+        store = tmp_path / f"store-{kind}"
+        for phase in ("save", "load"):
+            log = tmp_path / f"{kind}-{phase}.kvlog"
+            env = {"KVSCHED_VLLM_LOG": str(log)} if kind == "kvsched" else None
+            runs[kind, phase] = _script_result(TIGHT, str(qwen3), kind, str(store), env=env)
+    for phase in ("save", "load"):
+        assert runs["kvsched", phase] == runs["vllm", phase]
+    assert [c for _, c in runs["vllm", "load"]] == [96, 96, 128, 160, 192, 0]
+    for phase in ("save", "load"):
+        log = tmp_path / f"kvsched-{phase}.kvlog"
+        _verifies(log)
+        decisions = [d for r in read_log(log).records for d in decode_record(r).decisions]
+        assert any(isinstance(d, ev.SequencePreempted) for d in decisions)
+    settled = [d for r in read_log(tmp_path / "kvsched-load.kvlog").records
+               for d in decode_record(r).decisions if isinstance(d, ev.KVLoadSettled)]
+    assert len(settled) == 5
 
 
 # --------------------------------------------------------------------------- the harness
