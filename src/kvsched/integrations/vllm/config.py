@@ -154,7 +154,10 @@ def _refuse_connector(vllm_config: Any, hybrid: bool) -> None:
     if hybrid:
         why = "a hybrid model (vLLM's connectors move no mamba state)"
     elif getattr(vllm_config.scheduler_config, "async_scheduling", False):
-        why = "async scheduling (not yet: external KV in overlapped steps)"
+        why = (
+            "async scheduling (not yet: external KV in overlapped steps); start vLLM with "
+            "--no-async-scheduling (LLM(async_scheduling=False)) to serve it synchronously"
+        )
     elif int(vllm_config.num_lookahead_tokens):
         why = "a drafter that writes KV (EAGLE-family: lookahead slots beside loads)"
     if why is not None:
