@@ -35,6 +35,7 @@ from vllm.v1.metrics.stats import PrefixCacheStats
 from vllm.v1.request import Request, RequestStatus
 
 from kvsched.events import types as ev
+from kvsched.integrations.vllm.config import fails_loads, has_connector
 
 BlocksOf = Callable[[int], list[int]]  # a sequence's block ids, as kvsched holds them
 
@@ -43,17 +44,18 @@ class ConnectorError(RuntimeError):
     """What the adapter cannot do with this connector (a clear error, never a wrong token)."""
 
 
-def create(vllm_config: Any, kv_cache_config: Any) -> Any | None:
-    """The scheduler side of the KV connector vLLM is configured with (None: none)."""
-    transfer = getattr(vllm_config, "kv_transfer_config", None)
-    if transfer is None or not getattr(transfer, "kv_connector", None):
+def create(vllm_config: Any, kv_cache_config: Any, block_size: int) -> ConnectorBridge | None:
+    """The bridge to the scheduler side of the KV connector vLLM is configured with (None:
+    none), made by vLLM's factory as vLLM's scheduler makes it."""
+    if not has_connector(vllm_config):
         return None
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
     from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole
 
-    return KVConnectorFactory.create_connector(
+    made = KVConnectorFactory.create_connector(
         config=vllm_config, role=KVConnectorRole.SCHEDULER, kv_cache_config=kv_cache_config
     )
+    return ConnectorBridge(made, block_size, fails_loads(vllm_config))
 
 
 class ConnectorBridge:

@@ -367,8 +367,8 @@ class Driver:
         for outs in results.values():
             connector = outs.scheduler_stats and outs.scheduler_stats.connector_prefix_cache_stats
             if connector:  # (with stats: the connector's prefix-cache counts)
-                self.trace.external = [a + b for a, b in zip(self.trace.external, (
-                    connector.queries, connector.hits), strict=True)]
+                self.trace.external[0] += connector.queries
+                self.trace.external[1] += connector.hits
             for out in outs.outputs:
                 self.trace.outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
                 if out.prefill_stats is not None:  # (with its first token)

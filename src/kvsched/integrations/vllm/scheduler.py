@@ -85,11 +85,8 @@ class Scheduler(Queries, SchedulerInterface):  # type: ignore[misc]  # (vLLM is 
         opts, self.config, self.engine, encoder_cache = startup.start(
             vllm_config, kv_cache_config, block_size, mm_registry
         )
-        self.connector = connector.create(vllm_config, kv_cache_config)  # (vLLM's engine reads)
-        self.kv: connector.ConnectorBridge | None = None
-        if self.connector is not None:
-            fails = cfg.fails_loads(vllm_config)
-            self.kv = connector.ConnectorBridge(self.connector, block_size, fails)
+        self.kv = connector.create(vllm_config, kv_cache_config, block_size)
+        self.connector = self.kv.connector if self.kv else None  # (vLLM's engine reads it)
         self.encoders = EncoderInputs(encoder_cache)  # (multimodal models: vLLM's encoder cache)
         self.log_path: str | None = opts.get("log")
         self.max_model_len = self.config.model.max_context
@@ -282,8 +279,10 @@ class Scheduler(Queries, SchedulerInterface):  # type: ignore[misc]  # (vLLM is 
         self.reg.cached[seq_id] = local + ckpt + external
         if request.prefill_stats is not None:
             request.prefill_stats.set(request.num_prompt_tokens, local + ckpt, external)
+        if self.kv is None:
+            return
         load = self.engine.state.transfers.load_of(seq_id)
-        if self.kv is not None and (settled or load is None or not load.admitted):
+        if settled or load is None or not load.admitted:
             queries = request.num_tokens - local - ckpt
             self.kv.prefix_stats.record(queries, external, request.num_preemptions > 0)
 
