@@ -209,15 +209,16 @@ def test_vllms_no_admission_after_a_preemption_is_refused_with_the_ttft_orders_t
         SchedulerConfig(admit_after_preemption="no")  # type: ignore[arg-type]
 
 
-def test_blocks_cached_when_planned_serve_a_connectors_loads_but_refuse_kvscheds_own_saves():
-    """Under vLLM a KV connector saves on its own (``external.saver = "connector"``): loads
-    are served with blocks cached at planning; kvsched's own saves, which would read blocks
-    a plan has not written, are refused, as is a saver without a store."""
+def test_blocks_cached_when_planned_serve_a_connectors_loads_and_kvscheds_own_saves():
+    """Under vLLM a KV connector saves on its own (``external.saver = "connector"``), or
+    kvsched does (``KvschedConnector``: its saves start when the outcome that wrote their
+    blocks is folded, ``ExternalKVMachineUnderVllmStore``); both with blocks cached at
+    planning. A saver without a store is refused."""
     planned = {"cache_when_planned": True, "dedup_cached_blocks": False}
     connector = {"enabled": True, "saver": "connector"}
     config = SchedulerConfig.from_dict({**planned, "external": connector})
     assert config.external_load and not config.external_save
-    with pytest.raises(ConfigError, match="external saves by kvsched"):
-        SchedulerConfig.from_dict({**planned, "external": {"enabled": True}})
+    own = SchedulerConfig.from_dict({**planned, "external": {"enabled": True}})
+    assert own.external_load and own.external_save
     with pytest.raises(ConfigError, match=r"external\.saver 'connector'"):
         SchedulerConfig.from_dict({"external": {"saver": "connector"}})

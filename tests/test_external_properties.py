@@ -637,6 +637,66 @@ ExternalKVMachineUnderVllm.TestCase.settings = ExternalKVMachine.TestCase.settin
 TestExternalKVStateMachineUnderVllm = ExternalKVMachineUnderVllm.TestCase
 
 
+class ExternalKVMachineUnderVllmStore(ExternalKVMachine):
+    """The vLLM adapter's configuration with kvsched's own store connector
+    (``KvschedConnector``): blocks cached when planned and kvsched deciding its saves, with
+    hybrid states; every save reads only blocks an outcome already wrote."""
+
+    @initialize(**EXTERNAL_CONFIGS)
+    def start(self, **kw) -> None:  # type: ignore[no-untyped-def]
+        order = "fcfs" if kw["order"] == "ttft" else kw["order"]  # (vLLM's orders)
+        role = "decode" if kw["role"] == "decode" else "both"  # (kv_consumer, or saving)
+        super().start(**{**kw, "role": role, "order": order})
+        self.config = attrs.evolve(
+            self.config, cache_when_planned=True, dedup_cached_blocks=False,
+            admit_after_preemption=False,
+        )
+        self.engine = Engine(self.config, check_invariants=True)
+        self.written: set[int] = set()  # blocks whose KV an executed step or a load wrote
+        self.loading: dict[int, list[int]] = {}  # seq -> the blocks its load writes
+        self.executor = _RecordsWrites(self.executor, self.written)
+
+    def _step(self, reports: Reports = (), **kw) -> tuple[ev.Event, ...]:  # type: ignore[no-untyped-def]
+        for r in reports:  # (a load's blocks are written when it is reported)
+            if isinstance(r, ev.KVLoadFinished | ev.KVLoadFailed):
+                blocks = self.loading.pop(r.seq_id, [])
+                good = len(blocks) if isinstance(r, ev.KVLoadFinished) else r.num_good_blocks
+                self.written.update(blocks[:good])
+        return super()._step(reports, **kw)
+
+    def _check_decisions(self, reports: Reports, decisions: tuple[ev.Event, ...]) -> None:
+        for d in decisions:
+            if isinstance(d, ev.BlocksAllocated):
+                self.written.difference_update(d.blocks.tolist())
+            elif isinstance(d, ev.KVLoadStarted):
+                self.loading[d.seq_id] = d.blocks.tolist()
+            elif isinstance(d, ev.KVSaveStarted):
+                unwritten = sorted(set(d.blocks.tolist()) - self.written)
+                assert not unwritten, f"save {d.save_id} reads blocks {unwritten} not yet written"
+        super()._check_decisions(reports, decisions)
+
+
+class _RecordsWrites:
+    """An executor that records the blocks each executed plan fills (its last position's)."""
+
+    def __init__(self, inner: Any, written: set[int]) -> None:
+        self.inner, self.written = inner, written
+
+    def execute(self, plan: Any) -> ev.Event:
+        out = self.inner.execute(plan)
+        for src, dst in plan.copy_blocks.tolist():
+            if src in self.written:
+                self.written.add(dst)
+        bs = plan.block_size
+        full = plan.positions % bs == bs - 1
+        self.written.update((plan.slot_mapping[full] // bs).tolist())
+        return out
+
+
+ExternalKVMachineUnderVllmStore.TestCase.settings = ExternalKVMachine.TestCase.settings
+TestExternalKVStateMachineUnderVllmStore = ExternalKVMachineUnderVllmStore.TestCase
+
+
 # ------------------------------------------------------------------------ planted bugs
 
 

@@ -364,10 +364,11 @@ class SchedulerConfig:
                 if _is_set(self.checkpoints, field.name):
                     raise refuse(f"checkpoints.{field.name}", "hybrid", "is used only with")
         self.turns.refuse_ignored(self.order)
-        if self.cache_when_planned:  # each of these reads or saves KV a plan has not written
+        # each of these reads KV a plan has not written (kvsched's saves start at the fold of
+        # the outcome that wrote their blocks: ExternalKVMachineUnderVllmStore)
+        if self.cache_when_planned:
             for name, on in (
                 ("dedup_cached_blocks", self.dedup_cached_blocks),
-                ("external saves by kvsched", self.external_save),
                 ("speculation.tokens", self.speculation.tokens),
             ):
                 if on:

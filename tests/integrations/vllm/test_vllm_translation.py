@@ -141,6 +141,67 @@ def test_vllm_a_kv_connector_makes_kvsched_look_up_and_load_while_the_connector_
     assert not plain.external.enabled
 
 
+@pytest.mark.parametrize("role, saves", [("kv_both", True), ("kv_consumer", False)])
+def test_vllm_kvsched_connector_lets_kvsched_save_with_hybrid_states_unless_a_consumer(
+    role: str, saves: bool
+):
+    """``KvschedConnector``: kvsched decides its saves (a hybrid model's too), none as a
+    ``kv_consumer`` (a decode engine: kvsched's role "decode")."""
+    vc = _vllm_config()
+    vc.kv_transfer_config = NS(
+        kv_connector="KvschedConnector", kv_load_failure_policy="recompute", kv_role=role
+    )
+    vc.cache_config.mamba_cache_mode = "align"
+    config = cfg.scheduler_config(vc, _kv_cache(FullAttentionSpec, MambaSpec), 32)
+    assert config.hybrid and config.external.saver == "kvsched"
+    assert config.external_load and config.external_save == saves
+    assert config.external.role == ("both" if saves else "decode")
+
+
+@pytest.mark.parametrize(
+    "scheduler_cls, tp, message",
+    [
+        (None, 1, "runs under kvsched's scheduler only .* --scheduler-cls"),
+        ("vllm.v1.core.sched.async_scheduler.AsyncScheduler", 1, "kvsched's scheduler only"),
+        ("kvsched.integrations.vllm.Scheduler", 2, "one worker"),
+    ],
+)
+def test_vllm_kvsched_connector_refuses_vllms_own_scheduler_and_tensor_parallelism(
+    scheduler_cls, tp, message
+):
+    """kvsched's policy decides ``KvschedConnector``'s transfers: under vLLM's own scheduler
+    (which would call ``get_num_new_matched_tokens``) it refuses to start, with the flag."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from kvsched.integrations.vllm.store_connector import KvschedConnector, StoreOptionsError
+
+    vc = NS(
+        kv_transfer_config=NS(kv_connector_extra_config={"store": "dir:/nonexistent"}),
+        scheduler_config=NS(scheduler_cls=scheduler_cls),
+        parallel_config=NS(world_size=tp),
+    )
+    with pytest.raises(StoreOptionsError, match=message):
+        KvschedConnector(vc, KVConnectorRole.SCHEDULER, None)
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        ({}, "'store' must be 'dir:PATH' or 'mooncake:HOST:PORT'"),
+        ({"store": "s3://x"}, "'store' must be"),
+        ({"store": "dir:/x", "speed": 3}, r"unknown kv_connector_extra_config keys \['speed'\]"),
+        ({"store": "dir:/x", "job_timeout_s": -1}, "job_timeout_s must be seconds >= 0"),
+        ({"store": "dir:/x", "synchronous": "yes"}, "synchronous must be true or false"),
+        ({"store": "dir:/x", "drill": {"mode": "melt"}}, "drill: drill mode must be one of"),
+    ],
+)
+def test_vllm_kvsched_connector_refuses_malformed_options_with_the_reason(extra, message):
+    from kvsched.integrations.vllm.store_connector import StoreOptions, StoreOptionsError
+
+    with pytest.raises(StoreOptionsError, match=message):
+        StoreOptions.parse(extra)
+
+
 @pytest.mark.parametrize(
     "change, message",
     [

@@ -141,6 +141,16 @@ def has_connector(vllm_config: Any) -> bool:
     return transfer is not None and bool(getattr(transfer, "kv_connector", None))
 
 
+KVSCHED_CONNECTOR = "KvschedConnector"  # (integrations/vllm/store_connector.py)
+
+
+def is_kvsched_connector(vllm_config: Any) -> bool:
+    """Whether vLLM's connector is kvsched's own store path (kvsched decides its saves)."""
+    return has_connector(vllm_config) and (
+        vllm_config.kv_transfer_config.kv_connector == KVSCHED_CONNECTOR
+    )
+
+
 def fails_loads(vllm_config: Any) -> bool:
     """Whether a failed KV load ends its request in error (vLLM's default), not recomputes."""
     transfer = vllm_config.kv_transfer_config
@@ -151,8 +161,11 @@ def _refuse_connector(vllm_config: Any, hybrid: bool) -> None:
     """A KV connector is served for attention models in vLLM's synchronous order, without
     a drafter that writes KV (docs/vllm.md, "KV connectors")."""
     why = None
-    if hybrid:
-        why = "a hybrid model (vLLM's connectors move no mamba state)"
+    if hybrid and not is_kvsched_connector(vllm_config):
+        why = (
+            f"a hybrid model (vLLM's connectors move no mamba state; {KVSCHED_CONNECTOR}, "
+            "kvsched's own store path, saves and restores the states)"
+        )
     elif getattr(vllm_config.scheduler_config, "async_scheduling", False):
         why = (
             "async scheduling (not yet: external KV in overlapped steps); start vLLM with "
@@ -257,14 +270,23 @@ def scheduler_config(
             lookahead=int(vllm_config.num_lookahead_tokens),
             eagle_block_drop=_eagle_block_drop(vllm_config),
         ),
-        # vLLM's KV connector: kvsched looks up and loads through it, the connector saves
-        external=ExternalStore(enabled=True, saver="connector")
-        if has_connector(vllm_config)
-        else ExternalStore(),
+        external=_external(vllm_config),
         checkpoints=Checkpoints(budget=hybrid["checkpoint_budget"], **CHECKPOINT_POLICIES[PRESET])
         if hybrid["hybrid"]
         else Checkpoints(),
     )
+
+
+def _external(vllm_config: Any) -> ExternalStore:
+    """vLLM's KV connector: kvsched looks up and loads through it and the connector saves;
+    kvsched's own (``KvschedConnector``) saves as kvsched decides (none as a ``kv_consumer``,
+    a decode engine)."""
+    if not has_connector(vllm_config):
+        return ExternalStore()
+    if not is_kvsched_connector(vllm_config):
+        return ExternalStore(enabled=True, saver="connector")
+    consumer = vllm_config.kv_transfer_config.kv_role == "kv_consumer"
+    return ExternalStore(enabled=True, role="decode" if consumer else "both")
 
 
 PRESET = "vllm-kvsched"  # the adapter's checkpoint policy (config.CHECKPOINT_POLICIES)

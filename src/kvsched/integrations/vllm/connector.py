@@ -35,7 +35,9 @@ from vllm.v1.metrics.stats import PrefixCacheStats
 from vllm.v1.request import Request, RequestStatus
 
 from kvsched.events import types as ev
-from kvsched.integrations.vllm.config import fails_loads, has_connector
+from kvsched.integrations.vllm.config import fails_loads, has_connector, is_kvsched_connector
+from kvsched.integrations.vllm.mamba import MambaLayout
+from kvsched.integrations.vllm.store_bridge import StoreBridge
 
 BlocksOf = Callable[[int], list[int]]  # a sequence's block ids, as kvsched holds them
 
@@ -44,9 +46,12 @@ class ConnectorError(RuntimeError):
     """What the adapter cannot do with this connector (a clear error, never a wrong token)."""
 
 
-def create(vllm_config: Any, kv_cache_config: Any, block_size: int) -> ConnectorBridge | None:
+def create(
+    vllm_config: Any, kv_cache_config: Any, block_size: int, mamba: MambaLayout | None = None
+) -> ConnectorBridge | StoreBridge | None:
     """The bridge to the scheduler side of the KV connector vLLM is configured with (None:
-    none), made by vLLM's factory as vLLM's scheduler makes it."""
+    none), made by vLLM's factory as vLLM's scheduler makes it: kvsched's own
+    (``KvschedConnector``: ``StoreBridge``, kvsched decides its saves too) or any other."""
     if not has_connector(vllm_config):
         return None
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
@@ -55,6 +60,9 @@ def create(vllm_config: Any, kv_cache_config: Any, block_size: int) -> Connector
     made = KVConnectorFactory.create_connector(
         config=vllm_config, role=KVConnectorRole.SCHEDULER, kv_cache_config=kv_cache_config
     )
+    if is_kvsched_connector(vllm_config):
+        saves = vllm_config.kv_transfer_config.kv_role != "kv_consumer"
+        return StoreBridge(made, mamba, block_size, fails_loads(vllm_config), saves)
     return ConnectorBridge(made, block_size, fails_loads(vllm_config))
 
 
@@ -231,3 +239,6 @@ class ConnectorBridge:
 
 def _blocks(ids: list[int]) -> KVCacheBlocks:
     return KVCacheBlocks((tuple(KVCacheBlock(i) for i in ids),))
+
+
+Bridge = ConnectorBridge | StoreBridge  # (the adapter's side of a KV connector)

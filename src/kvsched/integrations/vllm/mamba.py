@@ -83,6 +83,10 @@ class MambaLayout:
             out.append(row)
         return out
 
+    def blocks_of(self, slot: int) -> tuple[int, ...]:
+        """The vLLM block holding state slot ``slot`` in each mamba group, now."""
+        return tuple(int(b) for b in self.phys[slot])
+
     def saved(self, runtime: int, ckpt: int) -> None:
         """A save: the runtime block is the checkpoint's now, and vice versa."""
         self.phys[[runtime, ckpt]] = self.phys[[ckpt, runtime]]

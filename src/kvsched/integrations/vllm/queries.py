@@ -11,7 +11,7 @@ from vllm.v1.metrics.stats import PrefixCacheStats, SchedulerStats
 
 from kvsched.config import SchedulerConfig
 from kvsched.engine import Engine
-from kvsched.integrations.vllm.connector import ConnectorBridge
+from kvsched.integrations.vllm.connector import Bridge
 from kvsched.integrations.vllm.grammar import Grammars
 from kvsched.integrations.vllm.kv_events import KVEventTranslator
 from kvsched.integrations.vllm.outputs import scheduler_stats
@@ -34,7 +34,7 @@ class Queries:
     _kv_events: KVEventTranslator
     reg: Registry
     connector: Any
-    kv: ConnectorBridge | None
+    kv: Bridge | None
     kv_event_publisher: Any
 
     def get_num_unfinished_requests(self) -> int:
@@ -48,8 +48,10 @@ class Queries:
 
     def has_finished_requests(self) -> bool:
         # Folds still owed to kvsched (an outcome, aborts) count: the engine keeps stepping
-        # until kvsched has retired what vLLM already finished.
-        return bool(self._finished_ids or self._inputs or self._errors or self._expected)
+        # until kvsched has retired what vLLM already finished, and while kvsched's loads
+        # or saves are in flight (the last request's saves land; their leases are freed).
+        owed = self._finished_ids or self._inputs or self._errors or self._expected
+        return bool(owed) or (self.kv is not None and any(self.engine.transfers_in_flight()))
 
     def get_request_counts(self) -> tuple[int, int]:
         t = self.engine.state.seqs  # (waiting: also those whose grammar compiles, as vLLM's)

@@ -85,14 +85,14 @@ class Scheduler(Queries, SchedulerInterface):  # type: ignore[misc]  # (vLLM is 
         opts, self.config, self.engine, encoder_cache = startup.start(
             vllm_config, kv_cache_config, block_size, mm_registry
         )
-        self.kv = connector.create(vllm_config, kv_cache_config, block_size)
-        self.connector = self.kv.connector if self.kv else None  # (vLLM's engine reads it)
         self.encoders = EncoderInputs(encoder_cache)  # (multimodal models: vLLM's encoder cache)
         self.log_path: str | None = opts.get("log")
         self.max_model_len = self.config.model.max_context
         attn_group, mamba_groups = cfg.groups(kv_cache_config)
         num_ids = kv_cache_config.num_blocks
         self.mamba = mamba_layout(self.config, mamba_groups, block_size, num_ids)
+        self.kv = connector.create(vllm_config, kv_cache_config, block_size, self.mamba)
+        self.connector = self.kv.connector if self.kv else None  # (vLLM's engine reads it)
         num_groups = len(kv_cache_config.kv_cache_groups)
         self.worker = WorkerView(GroupTables(attn_group, mamba_groups, num_groups, self.mamba))
         self._zeroing = bool(getattr(kv_cache_config, "needs_kv_cache_zeroing", False))
@@ -214,7 +214,7 @@ class Scheduler(Queries, SchedulerInterface):  # type: ignore[misc]  # (vLLM is 
         self._finished_ids = set()
         return out
 
-    def _connector_landed(self, kv: connector.ConnectorBridge, report: Any) -> None:
+    def _connector_landed(self, kv: connector.Bridge, report: Any) -> None:
         """The connector's worker report; under vLLM's ``kv_load_failure_policy`` "fail" a
         request whose load failed ends in error (kvsched aborts it)."""
         kv.landed(report)
