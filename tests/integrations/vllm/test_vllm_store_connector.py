@@ -11,6 +11,7 @@ metrics by source; both logs verify."""
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace as NS
 from typing import Any
 
 import pytest
@@ -442,3 +443,75 @@ def test_vllm_disaggregated_prefill_and_decode_equal_one_engine_and_decode_loads
     for log in logs:
         _verifies(log)
     assert not any(isinstance(d, ev.KVSaveStarted) for d in _decisions(logs[1]))
+
+
+@pytest.mark.parametrize(
+    "scheduler_cls, tp, message",
+    [
+        (None, 1, "runs under kvsched's scheduler only .* --scheduler-cls"),
+        ("vllm.v1.core.sched.async_scheduler.AsyncScheduler", 1, "kvsched's scheduler only"),
+        ("kvsched.integrations.vllm.Scheduler", 2, "one worker"),
+    ],
+)
+def test_vllm_kvsched_connector_refuses_vllms_own_scheduler_and_tensor_parallelism(
+    scheduler_cls, tp, message
+):
+    """kvsched's policy decides ``KvschedConnector``'s transfers: under vLLM's own scheduler
+    (which would call ``get_num_new_matched_tokens``) it refuses to start, with the flag."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from kvsched.integrations.vllm.store_connector import KvschedConnector, StoreOptionsError
+
+    vc = NS(
+        kv_transfer_config=NS(kv_connector_extra_config={"store": "dir:/nonexistent"}),
+        scheduler_config=NS(scheduler_cls=scheduler_cls),
+        parallel_config=NS(world_size=tp),
+    )
+    with pytest.raises(StoreOptionsError, match=message):
+        KvschedConnector(vc, KVConnectorRole.SCHEDULER, None)
+
+
+def _store_bridge(tmp_path, wait_s: float):
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from kvsched.integrations.vllm.store_bridge import StoreBridge
+    from kvsched.integrations.vllm.store_connector import KvschedConnector
+
+    extra = {"store": f"dir:{tmp_path}", "wait_prefilled_s": wait_s}
+    vc = NS(
+        kv_transfer_config=NS(kv_connector_extra_config=extra),
+        scheduler_config=NS(scheduler_cls="kvsched.integrations.vllm.Scheduler"),
+        parallel_config=NS(world_size=1),
+    )
+    return StoreBridge(KvschedConnector(vc, KVConnectorRole.SCHEDULER, None), None, 16)
+
+
+@pytest.mark.parametrize("wait_s", [30.0, 0.0])
+def test_vllm_store_bridge_holds_a_prefilled_requests_lookup_until_its_prompt_blocks_are_stored(
+    tmp_path, wait_s: float
+):
+    """A request another engine prefilled (``kv_transfer_params``) is answered only once
+    the store holds the prompt blocks the prefill computed, or when its wait is over (0 s:
+    at once, with what is there); a request without them is answered at once."""
+    from kvsched.connectors.directory_store import DirectoryStore
+    from kvsched.connectors.keys import block_key
+    from kvsched.events import types as ev
+
+    bridge = _store_bridge(tmp_path, wait_s)
+    root, hashes = bytes(16), [bytes([i + 1]) * 16 for i in range(4)]
+    prefilled = NS(kv_transfer_params={"kvsched": {"prompt_blocks": 4}})
+    plain = NS(kv_transfer_params=None)
+    req_of = {1: prefilled, 2: plain}
+    asked = [ev.KVLookupStarted(s, 0, 4, root, b"".join(hashes)) for s in (1, 2)]
+    bridge.after_step(asked, req_of, None)
+    store = DirectoryStore(tmp_path)
+    store.put_many([(block_key(root, h), b"kv") for h in hashes[:2]])
+    first = bridge.inputs(req_of)
+    if wait_s == 0.0:
+        assert first == [ev.KVLookupAnswered(1, 0), ev.KVLookupAnswered(2, 0)]
+        return
+    assert first == [ev.KVLookupAnswered(2, 0)]  # (probed when asked: nothing stored yet)
+    assert bridge.inputs(req_of) == []  # two of four stored: still waiting
+    store.put_many([(block_key(root, h), b"kv") for h in hashes[2:]])
+    assert bridge.inputs(req_of) == [ev.KVLookupAnswered(1, 4)]
+    assert bridge.inputs(req_of) == []

@@ -9,6 +9,7 @@ import pytest
 
 from kvsched.integrations.vllm import config as cfg
 from kvsched.integrations.vllm.requests import arrival, refusal, stop_reason, stop_rule
+from kvsched.integrations.vllm.store_options import StoreOptions, StoreOptionsError
 
 
 def _vllm_config(**sched: object) -> NS:
@@ -159,32 +160,6 @@ def test_vllm_kvsched_connector_lets_kvsched_save_with_hybrid_states_unless_a_co
 
 
 @pytest.mark.parametrize(
-    "scheduler_cls, tp, message",
-    [
-        (None, 1, "runs under kvsched's scheduler only .* --scheduler-cls"),
-        ("vllm.v1.core.sched.async_scheduler.AsyncScheduler", 1, "kvsched's scheduler only"),
-        ("kvsched.integrations.vllm.Scheduler", 2, "one worker"),
-    ],
-)
-def test_vllm_kvsched_connector_refuses_vllms_own_scheduler_and_tensor_parallelism(
-    scheduler_cls, tp, message
-):
-    """kvsched's policy decides ``KvschedConnector``'s transfers: under vLLM's own scheduler
-    (which would call ``get_num_new_matched_tokens``) it refuses to start, with the flag."""
-    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
-
-    from kvsched.integrations.vllm.store_connector import KvschedConnector, StoreOptionsError
-
-    vc = NS(
-        kv_transfer_config=NS(kv_connector_extra_config={"store": "dir:/nonexistent"}),
-        scheduler_config=NS(scheduler_cls=scheduler_cls),
-        parallel_config=NS(world_size=tp),
-    )
-    with pytest.raises(StoreOptionsError, match=message):
-        KvschedConnector(vc, KVConnectorRole.SCHEDULER, None)
-
-
-@pytest.mark.parametrize(
     "extra, message",
     [
         ({}, "'store' must be 'dir:PATH' or 'mooncake:HOST:PORT'"),
@@ -196,8 +171,6 @@ def test_vllm_kvsched_connector_refuses_vllms_own_scheduler_and_tensor_paralleli
     ],
 )
 def test_vllm_kvsched_connector_refuses_malformed_options_with_the_reason(extra, message):
-    from kvsched.integrations.vllm.store_connector import StoreOptions, StoreOptionsError
-
     with pytest.raises(StoreOptionsError, match=message):
         StoreOptions.parse(extra)
 

@@ -151,8 +151,9 @@ class StoreBridge:
 
     def finished(self, request: Request, seq_id: int, block_ids: list[int]) -> Any:
         """A request ended: for a decode engine, the full prompt blocks this engine computed
-        (and saves: kvsched saves every block it caches, with the states of its aligned
-        checkpoints)."""
+        and saves (an attention model's every full block; a hybrid model's up to each aligned
+        checkpoint, with its state: a decode engine then waits until its wait is over for
+        blocks past the last one, and loads what is there)."""
         if not self.saves:
             return None
         computed = min(request.num_computed_tokens, request.num_prompt_tokens)

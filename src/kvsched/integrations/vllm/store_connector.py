@@ -38,7 +38,6 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-import attrs
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
@@ -48,83 +47,17 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
-from kvsched.connectors.drills import Drill, DrillStore
-from kvsched.connectors.protocol import (
-    KVStore,
-    StepTransfers,
-    TransferReport,
-)
+from kvsched.connectors.protocol import StepTransfers, TransferReport
 from kvsched.connectors.scheduler import StoreConnector
 from kvsched.connectors.transfer import TransferEngine
+from kvsched.integrations.vllm.store_options import (
+    NAME,
+    StoreOptions,
+    StoreOptionsError,
+    refuse_placement,
+)
 
 logger = logging.getLogger(__name__)
-
-NAME = "KvschedConnector"
-SCHEDULER = "kvsched.integrations.vllm.Scheduler"
-
-
-class StoreOptionsError(ValueError):
-    """``kv_connector_extra_config`` asks for something KvschedConnector does not do."""
-
-
-@attrs.frozen(kw_only=True)
-class StoreOptions:
-    store: str
-    synchronous: bool = False
-    lookup_timeout_s: float = 5.0
-    job_timeout_s: float = 10.0
-    wait_prefilled_s: float = 30.0
-    drill: dict[str, Any] | None = None  # a fault drill on the worker's store (drills.py)
-
-    @classmethod
-    def parse(cls, extra: dict[str, Any]) -> StoreOptions:
-        known = {f.name for f in attrs.fields(cls)}
-        unknown = set(extra) - known
-        if unknown:
-            raise StoreOptionsError(
-                f"{NAME}: unknown kv_connector_extra_config keys {sorted(unknown)} "
-                f"(known: {sorted(known)})"
-            )
-        store = extra.get("store")
-        if not isinstance(store, str) or not store.startswith(("dir:", "mooncake:")):
-            raise StoreOptionsError(
-                f"{NAME}: kv_connector_extra_config 'store' must be 'dir:PATH' or "
-                f"'mooncake:HOST:PORT' (the Mooncake master), got {store!r}"
-            )
-        for key in ("lookup_timeout_s", "job_timeout_s", "wait_prefilled_s"):
-            value = extra.get(key, 1.0)
-            if not isinstance(value, int | float) or value < 0:
-                raise StoreOptionsError(f"{NAME}: {key} must be seconds >= 0, got {value!r}")
-        if not isinstance(extra.get("synchronous", False), bool):
-            raise StoreOptionsError(f"{NAME}: synchronous must be true or false")
-        if extra.get("drill") is not None:
-            try:
-                Drill.parse(extra["drill"])
-            except (TypeError, ValueError) as exc:
-                raise StoreOptionsError(f"{NAME}: drill: {exc}") from exc
-        return cls(**extra)
-
-    @property
-    def local(self) -> bool:
-        """Whether the store is a directory on this machine (probed inline)."""
-        return self.store.startswith("dir:")
-
-    def open(self) -> KVStore:
-        """A client of the store (each process opens its own)."""
-        kind, _, where = self.store.partition(":")
-        if kind == "dir":
-            from kvsched.connectors.directory_store import DirectoryStore
-
-            return DirectoryStore(where)
-        from kvsched.connectors.mooncake_store import MooncakeStore
-
-        return MooncakeStore(where, timeout_s=self.lookup_timeout_s)
-
-    def open_worker(self) -> KVStore:
-        """The worker's client: with a ``drill``, failing on its cue."""
-        store = self.open()
-        return store if self.drill is None else DrillStore(store, Drill.parse(self.drill))
-
 
 @dataclass
 class StepOrders(KVConnectorMetadata):  # type: ignore[misc]
@@ -155,18 +88,7 @@ class KvschedConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         self._lookups: StoreConnector | None = None  # (scheduler) its probes of the store
         self._engine: TransferEngine | None = None  # (worker)
         self._pages: VllmPages | None = None
-        if role == KVConnectorRole.SCHEDULER:
-            cls = vllm_config.scheduler_config.scheduler_cls
-            name = (
-                cls if isinstance(cls, str) or cls is None else f"{cls.__module__}.{cls.__name__}"
-            )
-            if not str(name).startswith("kvsched."):
-                raise StoreOptionsError(
-                    f"{NAME} runs under kvsched's scheduler only (its policy decides the "
-                    f"transfers): start vLLM with --scheduler-cls {SCHEDULER}"
-                )
-        if vllm_config.parallel_config.world_size != 1:
-            raise StoreOptionsError(f"{NAME} runs on one worker (tensor parallel size 1)")
+        refuse_placement(vllm_config, scheduler_side=role == KVConnectorRole.SCHEDULER)
 
     # ------------------------------------------------------------------ scheduler side
 
