@@ -87,6 +87,19 @@ EXTERNAL_CONFIGS = dict(
 )
 
 
+def _port(depths: list[int]) -> Any:
+    """A lookup port answering the step's lookups in turn: each depth as ``_answer``'s
+    (quarters of the asked range; -1, or none left: not known yet)."""
+
+    def answer(e: ev.KVLookupStarted) -> int | None:
+        depth = depths.pop(0) if depths else -1
+        if depth < 0:
+            return None
+        return e.first_block + (e.num_blocks - e.first_block) * depth // 4
+
+    return answer
+
+
 class ExternalKVMachine(RuleBasedStateMachine):
     """The engine and a fake store; the model is "what the store owes the engine"."""
 
@@ -149,16 +162,24 @@ class ExternalKVMachine(RuleBasedStateMachine):
     # ------------------------------------------------------------------------ driving
 
     def _step(
-        self, reports: Reports = (), *, fail: bool = False, reports_first: bool = True
+        self,
+        reports: Reports = (),
+        *,
+        fail: bool = False,
+        reports_first: bool = True,
+        in_step: list[int] | None = None,
     ) -> tuple[ev.Event, ...]:
         """One engine step fed the executor's outcome, the store's ``reports`` and the
-        client's inputs (reports first or last); every protocol check follows."""
+        client's inputs (reports first or last), with a lookup port answering the step's
+        lookups in turn from ``in_step`` (depths as ``_answer``'s; -1 or none left: not
+        known yet); every protocol check follows."""
         self.failed = True  # until the step and every check passed (teardown then skips)
         if reports_first:
             inputs = [*self.outcome, *reports, *self.inputs]
         else:
             inputs = [*self.outcome, *self.inputs, *reports]
-        result = self.engine.step(inputs, self.clock)
+        port = None if in_step is None else _port(list(in_step))
+        result = self.engine.step(inputs, self.clock, port)
         self.inputs, self.outcome = [], []
         self.clock += 0.01
         self._settle_reports(reports)
@@ -203,7 +224,8 @@ class ExternalKVMachine(RuleBasedStateMachine):
                 assert d.seq_id not in self.failed_loads, f"{d.seq_id} retries a failed store"
                 assert 0 <= d.first_block < d.num_blocks, d
                 assert d.with_state == self.config.hybrid
-                self.lookups[d.seq_id] = (d.first_block, d.num_blocks)
+                if d.answer < 0:  # (else answered within the step: nothing is owed)
+                    self.lookups[d.seq_id] = (d.first_block, d.num_blocks)
             elif isinstance(d, ev.KVLoadCancelled):
                 assert d.seq_id not in self.loads, f"load of {d.seq_id} cancelled in flight"
                 if self.lookups.pop(d.seq_id, None) is not None:
@@ -359,15 +381,17 @@ class ExternalKVMachine(RuleBasedStateMachine):
         stale=st.booleans(),
         reports_first=st.booleans(),
         executor_raises=st.booleans(),
+        in_step=st.none() | st.lists(st.integers(-1, 4), max_size=3),
     )
     def step(  # type: ignore[no-untyped-def]
-        self, answers, finishes, failures, saves, stale, reports_first, executor_raises
+        self, answers, finishes, failures, saves, stale, reports_first, executor_raises, in_step
     ):
         """One step whose inputs carry some of what the store owes, before or after the
         client's inputs: lookup answers (pending, miss, or a hit of some depth), loads
         finished or failed (with some good leading blocks), saves confirmed or failed; maybe
-        the late answer of a lookup cancelled meanwhile (it must be ignored). The executor
-        runs the step's plan, or raises."""
+        the late answer of a lookup cancelled meanwhile (it must be ignored); maybe a store
+        that answers the step's own lookups within it (a lookup port). The executor runs the
+        step's plan, or raises."""
         reports: list[ev.Event] = []
         for seq_id, depth in _pick_with(sorted(self.lookups), answers):
             reports.append(self._answer(seq_id, depth))
@@ -384,24 +408,26 @@ class ExternalKVMachine(RuleBasedStateMachine):
         late = sorted(self.cancelled_lookups - set(self.lookups))
         if stale and late:
             reports.append(ev.KVLookupAnswered(late[-1], 1 << 20))
-        self._step(reports, fail=executor_raises, reports_first=reports_first)
+        self._step(reports, fail=executor_raises, reports_first=reports_first, in_step=in_step)
 
     @rule(
         n=st.integers(2, 5),
         prefix=st.integers(0, len(PREFIXES) - 1),
         depth=st.integers(1, 4),
         ok=st.booleans(),
+        synchronous=st.booleans(),
     )
-    def load_burst(self, n: int, prefix: int, depth: int, ok: bool) -> None:
+    def load_burst(self, n: int, prefix: int, depth: int, ok: bool, synchronous: bool) -> None:
         """Several requests on one prefix arrive at once; the store answers every lookup with
-        ``depth`` quarters of its range, then finishes (or fails) every load it owes, step
-        after step: loads start several to a step, with tails (the rest of each prompt) that
-        may not fit the cache together."""
+        ``depth`` quarters of its range (at the next step, or, ``synchronous``, within the
+        step that asks), then finishes (or fails) every load it owes, step after step: loads
+        start several to a step, with tails (the rest of each prompt) that may not fit the
+        cache together."""
         for i in range(n):
             prompt = np.concatenate([PREFIXES[prefix], np.full(3 + 2 * i, 7, np.int32)])
             self.inputs.append(ev.RequestArrived(self.next_id, prompt, 2, arrival_time=self.clock))
             self.next_id += 1
-        self._step()
+        self._step(in_step=[depth] * n if synchronous else None)
         self._step([self._answer(s, depth) for s in sorted(self.lookups)])
         for _ in range(3):
             self._step(self._all_reports(ok=ok)[len(self.lookups) :])
@@ -959,6 +985,6 @@ def test_a_prefill_turn_that_admits_under_blocks_cached_when_planned_does_not_de
         decode_interval=0, budget=1, turn_mode="alternate", order="fcfs", load_admission="soft",
     )  # fmt: skip
     machine.arrive(requests=[(0, 0, 1, "", 0, -1), (0, 0, 5, "", 0, -1), (1, 0, 2, "", 0, -1)])
-    machine.load_burst(depth=1, n=2, ok=False, prefix=0)
+    machine.load_burst(depth=1, n=2, ok=False, prefix=0, synchronous=False)
     machine.run_steps(n=1, store="silent")
     machine.teardown()

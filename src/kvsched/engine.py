@@ -13,6 +13,10 @@ no log describes.
 
 The engine never runs the executor: its caller (a driver) does, and feeds the outcome back as
 an input of the next step. The engine holds no clock: the caller passes each step's clock.
+
+A caller whose store answers lookups synchronously (vLLM's connectors) may pass a lookup port
+to a step: each lookup the policy starts is asked of it at once, and its answer, recorded in
+the ``KVLookupStarted`` decision, is folded in the same step (a replay answers from the log).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
 import attrs
+import msgspec
 
 import kvsched
 from kvsched.config import SchedulerConfig
@@ -36,11 +41,16 @@ from kvsched.reducers.inputs import InputError, MalformedInput, validate_inputs
 from kvsched.reducers.planner import plan_step
 from kvsched.reducers.state import EngineState
 
-__all__ = ["Engine", "EngineHalted", "InputError", "RecordSink", "StepResult", "create_log"]
+__all__ = [
+    "Engine", "EngineHalted", "InputError", "LookupPort", "RecordSink", "StepResult", "create_log",
+]
 
 
 # How the policy answers a folded input: (state, input, emit).
 Reaction = Callable[[EngineState, Any, Emit], None]
+# A step's synchronous answer to a lookup: the chain blocks the store holds (a
+# ``KVLookupAnswered.num_blocks``), or None: not known yet (answered later, as an input).
+LookupPort = Callable[[ev.KVLookupStarted], int | None]
 
 
 class EngineHalted(RuntimeError):
@@ -118,10 +128,24 @@ class Engine:
         self.halted: BaseException | None = None
         self._decisions: list[ev.Event] = []
         self._reactions = self.reactions()
+        self._lookups: LookupPort | None = None  # (the current step's)
 
     def _emit(self, event: ev.Event) -> None:
         self.state.apply(event)
         self._decisions.append(event)
+
+    def _emit_answering(self, event: ev.Event) -> None:
+        """``_emit``, a lookup answered first by the step's lookup port."""
+        if type(event) is ev.KVLookupStarted and event.answer < 0 and self._lookups:
+            answer = self._lookups(event)
+            if answer is not None:
+                if isinstance(answer, bool) or not isinstance(answer, int) or answer < 0:
+                    raise ValueError(
+                        f"the lookup port answered {answer!r} for sequence {event.seq_id}: "
+                        "expected a block count >= 0, or None (answered later)"
+                    )
+                event = msgspec.structs.replace(event, answer=answer)
+        self._emit(event)
 
     @property
     def has_work(self) -> bool:
@@ -132,8 +156,11 @@ class Engine:
         transfers = self.state.transfers
         return transfers.in_flight_loads(), sorted(transfers.leases)
 
-    def step(self, inputs: Sequence[ev.Event], clock: float) -> StepResult:
-        """Check and fold the inputs, decide, plan, record. Returns the plan to execute."""
+    def step(
+        self, inputs: Sequence[ev.Event], clock: float, lookups: LookupPort | None = None
+    ) -> StepResult:
+        """Check and fold the inputs, decide, plan, record. Returns the plan to execute.
+        ``lookups``: the step's lookup port (the module docstring), if any."""
         if self.halted is not None:
             raise EngineHalted(f"the engine halted after an earlier failure: {self.halted}")
         if (
@@ -148,7 +175,9 @@ class Engine:
         try:
             decisions: list[ev.Event] = []
             self._decisions = decisions
-            state, emit, answers = self.state, self._emit, self._reactions
+            self._lookups = lookups
+            emit = self._emit if lookups is None else self._emit_answering
+            state, answers = self.state, self._reactions
             step = state.step + 1
             emit(ev.StepStarted(step, clock))
             for event in ordered:
@@ -164,6 +193,7 @@ class Engine:
                 if answer is not None:
                     answer(state, event, emit)
             self.policy.schedule(state, emit)
+            self._lookups = None
             plan = plan_step(state)
             if self.log is not None or self.sinks:
                 digest = plan_digest(plan, self.config.identity)

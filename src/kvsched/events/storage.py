@@ -68,7 +68,11 @@ class CheckpointEvicted(Event, frozen=True, tag="ckpt_evicted"):
 
 class KVLookupStarted(Event, frozen=True, tag="kv_lookup_started"):
     """Ask the external store how many blocks of the chain ``[first_block, num_blocks)`` it
-    holds (the engine has ``[0, first_block)`` itself)."""
+    holds (the engine has ``[0, first_block)`` itself). ``answer``: -1, the answer comes
+    later (``KVLookupAnswered``, an input); else the store answered within the step (the
+    step's lookup port, ``Engine.step(lookups=...)``: a connector asked synchronously, as
+    vLLM asks ``get_num_new_matched_tokens``), with ``KVLookupAnswered.num_blocks``'s
+    meaning; the log keeps it, so a replay answers the same."""
 
     seq_id: int
     first_block: int
@@ -76,6 +80,7 @@ class KVLookupStarted(Event, frozen=True, tag="kv_lookup_started"):
     root: bytes  # the chain's namespace root (store keys are made of it and the hashes)
     hashes: bytes  # 16 bytes per block of [first_block, num_blocks)
     with_state: bool = False  # hybrid: a hit must end at a block with a stored state
+    answer: int = -1
 
 
 class KVLoadCancelled(Event, frozen=True, tag="kv_load_cancelled"):

@@ -41,7 +41,8 @@ class Transfers:
         return match.num_tokens // self.bs, end
 
     def awaits_lookup(self, state: EngineState, seq: Seq, emit: Emit) -> bool:
-        """Start the store lookup of a sequence that has none; True while it is pending."""
+        """Start the store lookup of a sequence that has none; True while it is pending (a
+        lookup the step's lookup port answered is not: the sequence is admitted now)."""
         load = state.transfers.load_of(seq.seq_id)
         if load is None:
             if seq.want_experts or self._no_state_slot or seq.skip_hit:
@@ -51,8 +52,8 @@ class Transfers:
                 return False  # the local cache serves every block the store could
             hashes = seq.hashes.packed(first, end)
             emit(ev.KVLookupStarted(seq.seq_id, first, end, seq.root, hashes, state.hybrid))
-            return True
-        return load.state == LoadState.LOOKUP_PENDING
+            load = state.transfers.load_of(seq.seq_id)
+        return load is not None and load.state == LoadState.LOOKUP_PENDING
 
     def planned_load(self, state: EngineState, seq: Seq, hit_tokens: int) -> tuple[int, int]:
         """(first, end) of a usable planned load, else (0, 0). The local part is the cached

@@ -194,10 +194,13 @@ class TransferTable:
         self.loads[e.seq_id] = KVLoad(
             e.seq_id, LoadState.LOOKUP_PENDING, e.first_block, e.num_blocks, e.with_state
         )
+        if e.answer >= 0:  # (answered within the step: as its answer would be folded)
+            self._on_lookup_answered(ev.KVLookupAnswered(e.seq_id, e.answer))
 
     def _on_lookup_answered(self, e: ev.KVLookupAnswered) -> None:
-        """An input: a stale answer (its lookup was cancelled meanwhile) is ignored; an answer
-        larger than the lookup asked counts only the asked range."""
+        """An input (or a lookup's answer within its step): a stale answer (its lookup was
+        cancelled meanwhile) is ignored; an answer larger than the lookup asked counts only
+        the asked range."""
         load = self.loads.get(e.seq_id)
         if load is None or load.state != LoadState.LOOKUP_PENDING:
             return

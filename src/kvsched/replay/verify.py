@@ -32,7 +32,7 @@ import msgspec
 import numpy as np
 
 from kvsched.config import SchedulerConfig
-from kvsched.engine import Engine, StepResult
+from kvsched.engine import Engine, LookupPort, StepResult
 from kvsched.events.codec import (
     RecordDecodeError,
     SchemaVersionError,
@@ -43,7 +43,7 @@ from kvsched.events.codec import (
     to_builtins,
 )
 from kvsched.events.log import CorruptLogError, LogReader, TornTail
-from kvsched.events.types import CheckpointReserved, Event, entity_of
+from kvsched.events.types import CheckpointReserved, Event, KVLookupStarted, entity_of
 from kvsched.plan import (
     FIELD_DIGEST_SIZE,
     PLAN_FIELDS,
@@ -242,7 +242,7 @@ def replay_record(
     if not record.plan:  # every record of schema 2 on has a digest
         return None, RecordDamage(step, offset, f"of step {step} carries no plan digest")
     try:
-        result = engine.step(record.inputs, record.clock)
+        result = engine.step(record.inputs, record.clock, recorded_answers(record))
     except Exception as exc:
         why = f"the engine refused the logged inputs: {type(exc).__name__}: {exc}"
         return None, _step_divergence(step, "engine", why)
@@ -250,6 +250,16 @@ def replay_record(
     if divergence is None:
         divergence = _plan_divergence(record, result.plan, engine.config.identity)
     return ((record, result), None) if divergence is None else (None, divergence)
+
+
+def recorded_answers(record: StepRecord) -> LookupPort | None:
+    """The lookup port that gives a replay the answers the step's lookups got within it
+    (``KVLookupStarted.answer``); None when it had none."""
+    started: list[KVLookupStarted] = [
+        d for d in record.decisions if isinstance(d, KVLookupStarted)
+    ]
+    answers = {d.seq_id: d.answer for d in started if d.answer >= 0}
+    return (lambda e: answers.get(e.seq_id)) if answers else None
 
 
 def _plan_divergence(record: StepRecord, plan: StepPlan, scheme: str) -> Divergence | None:

@@ -2,9 +2,14 @@
 own scheduler calls it, on kvsched's external-KV machine (``KVLoad``).
 
     kvsched decision / input             vLLM connector call (scheduler side)
-    KVLookupStarted(seq, first, end)  -> get_num_new_matched_tokens(request, first * block)
-                                         (None: asked again each step, as vLLM does)
-    KVLookupAnswered(seq, blocks)     <- first + matched tokens // block
+    KVLookupStarted(seq, first, end)  -> get_num_new_matched_tokens(request, first * block),
+                                         within the step's planning (the step's lookup
+                                         port, ``answer``): the answer, first + matched
+                                         tokens // block, is the decision's ``answer``, so
+                                         the request is admitted in that step, as vLLM's is
+    KVLookupAnswered(seq, blocks)     <- the same, for a lookup the connector could not
+                                         answer yet (None: asked again each step, as vLLM
+                                         does)
     KVLoadStarted (an async load)     -> update_state_after_alloc(request, blocks, tokens)
     KVLoadFinished / KVLoadFailed     <- kv_connector_output: finished_recving, failed_recving,
                                          invalid_block_ids (the good leading blocks)
@@ -98,8 +103,14 @@ class ConnectorBridge:
         the loads that ended."""
         out, self._reports = self._reports, []
         for seq_id in sorted(self._asked):
-            out += self._ask(seq_id, req_of[seq_id])
+            out += self._answered(seq_id, req_of[seq_id])
         return out
+
+    def answer(self, e: ev.KVLookupStarted, req_of: dict[int, Request]) -> int | None:
+        """The step's lookup port: the connector asked within the step's planning, as
+        vLLM's scheduler asks it (None: it cannot answer yet; asked again next step)."""
+        self._asked[e.seq_id] = e.first_block
+        return self._ask(e.seq_id, req_of[e.seq_id])
 
     def after_step(
         self, decisions: Iterable[ev.Event], req_of: dict[int, Request], blocks_of: BlocksOf
@@ -108,8 +119,9 @@ class ConnectorBridge:
         self._sync_now = False
         for d in decisions:
             if isinstance(d, ev.KVLookupStarted):
-                self._asked[d.seq_id] = d.first_block
-                self._reports += self._ask(d.seq_id, req_of[d.seq_id])
+                if d.answer < 0 and d.seq_id not in self._asked:  # (no port asked it)
+                    self._asked[d.seq_id] = d.first_block
+                    self._reports += self._answered(d.seq_id, req_of[d.seq_id])
             elif isinstance(d, ev.KVLoadCancelled):
                 self._asked.pop(d.seq_id, None)
                 self._async.pop(d.seq_id, None)
@@ -210,16 +222,22 @@ class ConnectorBridge:
 
     # ------------------------------------------------------------------ helpers
 
-    def _ask(self, seq_id: int, request: Request) -> list[ev.Event]:
+    def _ask(self, seq_id: int, request: Request) -> int | None:
+        """Ask the connector about an outstanding lookup: the chain blocks it can serve
+        (then the lookup is no longer outstanding), or None (asked again at the next step)."""
         first = self._asked[seq_id]
         tokens, load_async = self.connector.get_num_new_matched_tokens(request, first * self.bs)
         if tokens is None:
-            return []  # (asked again at the next step)
+            return None
         del self._asked[seq_id]
         blocks = max(0, int(tokens)) // self.bs
         if blocks:
             self._async[seq_id] = bool(load_async)
-        return [ev.KVLookupAnswered(seq_id, first + blocks)]
+        return first + blocks
+
+    def _answered(self, seq_id: int, request: Request) -> list[ev.Event]:
+        blocks = self._ask(seq_id, request)
+        return [] if blocks is None else [ev.KVLookupAnswered(seq_id, blocks)]
 
     def _forget(self, seq_id: int) -> None:
         """A sequence left, or went back to waiting: no load of it is owed to the worker."""

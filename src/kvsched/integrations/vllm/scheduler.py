@@ -21,6 +21,7 @@ import logging
 import time
 from collections import defaultdict, deque
 from collections.abc import Iterable
+from functools import partial
 from typing import Any
 
 import msgspec
@@ -180,7 +181,8 @@ class Scheduler(Queries, SchedulerInterface):  # type: ignore[misc]  # (vLLM is 
         inputs, self._inputs = self._inputs, []
         if self.kv:  # (lookup answers, loads that ended)
             inputs += self.kv.inputs(self.reg.req_of)
-        result = self.engine.step(inputs, time.monotonic() - self.clock0)
+        port = partial(self.kv.answer, req_of=self.reg.req_of) if self.kv else None
+        result = self.engine.step(inputs, time.monotonic() - self.clock0, port)
         self._awaiting.append((result, {}))
         preempted = self._fold_decisions(result)
         plan = result.plan

@@ -4,8 +4,10 @@ kvsched's policy decides every transfer, as in its own engine; this bridge carri
 decision out in vLLM:
 
     KVLookupStarted    -> a probe of the store (``StoreConnector``: inline for a directory,
-                          on a thread for Mooncake); its answer is ``KVLookupAnswered`` at
-                          a later step
+                          on a thread for Mooncake), within the step's planning (the step's
+                          lookup port, ``answer``); an answer known then is the decision's
+                          ``answer`` (the request is admitted in that step), else it is
+                          ``KVLookupAnswered`` at a later step
     KVLoadStarted      -> a ``LoadOrder`` for the worker (its state slot: the vLLM block of
                           each mamba group holding it, ``MambaLayout.phys``)
     KVSaveStarted      -> a ``SaveOrder`` likewise (the checkpoint's state with the blocks)
@@ -77,16 +79,30 @@ class StoreBridge:
         out, self._reports = self._reports, []
         now = time.monotonic()
         for seq_id in sorted(self._asked):
-            request, wanted, until = self._asked[seq_id]
-            answer = self.lookups.lookup(request)
-            if answer is PENDING:
-                continue
-            self.lookups.cancel_lookup(seq_id)  # (consumed: a later lookup probes again)
-            if answer.num_blocks < wanted and now < until:
-                continue  # (probed again next step)
-            del self._asked[seq_id]
-            out.append(ev.KVLookupAnswered(seq_id, answer.num_blocks))
+            blocks = self._poll(seq_id, now)
+            if blocks is not None:
+                out.append(ev.KVLookupAnswered(seq_id, blocks))
         return out
+
+    def answer(self, e: ev.KVLookupStarted, req_of: dict[int, Request]) -> int | None:
+        """The step's lookup port: the store probed within the step's planning (None: no
+        answer yet, a Mooncake probe on its thread or a prefilled request still waiting;
+        polled again at each step's ``inputs``)."""
+        self._asked[e.seq_id] = (LookupRequest.from_event(e), *self._wait_for(e, req_of))
+        return self._poll(e.seq_id, time.monotonic())
+
+    def _poll(self, seq_id: int, now: float) -> int | None:
+        """The answer to an outstanding lookup if it is known and final (then it is no
+        longer outstanding), else None."""
+        request, wanted, until = self._asked[seq_id]
+        answer = self.lookups.lookup(request)
+        if answer is PENDING:
+            return None
+        self.lookups.cancel_lookup(seq_id)  # (consumed: a later lookup probes again)
+        if answer.num_blocks < wanted and now < until:
+            return None  # (probed again next step)
+        del self._asked[seq_id]
+        return answer.num_blocks
 
     def after_step(
         self, decisions: Iterable[ev.Event], req_of: dict[int, Request], blocks_of: Any
@@ -96,9 +112,10 @@ class StoreBridge:
         slots: set[int] = set()
         for d in decisions:
             if isinstance(d, ev.KVLookupStarted):
-                request = LookupRequest.from_event(d)
-                self._asked[d.seq_id] = (request, *self._wait_for(d, req_of[d.seq_id]))
-                self.lookups.lookup(request)
+                if d.answer < 0 and d.seq_id not in self._asked:  # (no port asked it)
+                    request = LookupRequest.from_event(d)
+                    self._asked[d.seq_id] = (request, *self._wait_for(d, req_of))
+                    self.lookups.lookup(request)
             elif isinstance(d, ev.KVLoadCancelled | ev.KVLoadStarted):
                 self._asked.pop(d.seq_id, None)
                 self.lookups.cancel_lookup(d.seq_id)
@@ -117,10 +134,12 @@ class StoreBridge:
             return {}
         return {s: self.mamba.blocks_of(s) for s in sorted(slots) if s > 0}
 
-    def _wait_for(self, asked: ev.KVLookupStarted, request: Request) -> tuple[int, float]:
+    def _wait_for(
+        self, asked: ev.KVLookupStarted, req_of: dict[int, Request]
+    ) -> tuple[int, float]:
         """(the blocks a lookup waits for, until when): a request another engine prefilled
         waits for the prompt blocks it computed (no more than asked), others for nothing."""
-        params = getattr(request, "kv_transfer_params", None) or {}
+        params = getattr(req_of[asked.seq_id], "kv_transfer_params", None) or {}
         mine = params.get(PARAMS_KEY) if isinstance(params, dict) else None
         if not isinstance(mine, dict) or not isinstance(mine.get("prompt_blocks"), int):
             return 0, 0.0
