@@ -36,7 +36,7 @@ from tests.planted import assert_machine_catches
 from tests.policy.helpers import Harness
 
 from kvsched.config import ModelSpec, SchedulerConfig, Speculation
-from kvsched.engine import Engine
+from kvsched.engine import Engine, LookupAnswer
 from kvsched.events import types as ev
 from kvsched.events.codec import SCHEMA_VERSION
 from kvsched.gpu.sim import SimulatedExecutor
@@ -87,15 +87,16 @@ EXTERNAL_CONFIGS = dict(
 )
 
 
-def _port(depths: list[int]) -> Any:
-    """A lookup port answering the step's lookups in turn: each depth as ``_answer``'s
-    (quarters of the asked range; -1, or none left: not known yet)."""
+def _port(answers: list[tuple[int, bool]]) -> Any:
+    """A lookup port answering the step's lookups in turn: each (depth, synchronous load),
+    the depth as ``_answer``'s (quarters of the asked range; -1, or none left: not known
+    yet)."""
 
-    def answer(e: ev.KVLookupStarted) -> int | None:
-        depth = depths.pop(0) if depths else -1
+    def answer(e: ev.KVLookupStarted) -> LookupAnswer | None:
+        depth, sync = answers.pop(0) if answers else (-1, False)
         if depth < 0:
             return None
-        return e.first_block + (e.num_blocks - e.first_block) * depth // 4
+        return LookupAnswer(e.first_block + (e.num_blocks - e.first_block) * depth // 4, sync)
 
     return answer
 
@@ -153,6 +154,7 @@ class ExternalKVMachine(RuleBasedStateMachine):
         self.deferred_aborts: dict[int, bool] = {}  # seq id -> close its session too
         self.drain_deferred = False
         self.cancelled_lookups: set[int] = set()  # their late answers must be ignored
+        self.sync_offered: set[int] = set()  # answered with a synchronous load
         self.failed_loads: set[int] = set()  # sequences whose load failed: never looked up again
         self.retired: set[int] = set()
         self.session_of: dict[int, int] = {}
@@ -167,12 +169,11 @@ class ExternalKVMachine(RuleBasedStateMachine):
         *,
         fail: bool = False,
         reports_first: bool = True,
-        in_step: list[int] | None = None,
+        in_step: list[tuple[int, bool]] | None = None,
     ) -> tuple[ev.Event, ...]:
         """One engine step fed the executor's outcome, the store's ``reports`` and the
         client's inputs (reports first or last), with a lookup port answering the step's
-        lookups in turn from ``in_step`` (depths as ``_answer``'s; -1 or none left: not
-        known yet); every protocol check follows."""
+        lookups in turn from ``in_step`` (``_port``); every protocol check follows."""
         self.failed = True  # until the step and every check passed (teardown then skips)
         if reports_first:
             inputs = [*self.outcome, *reports, *self.inputs]
@@ -205,6 +206,8 @@ class ExternalKVMachine(RuleBasedStateMachine):
             if isinstance(r, ev.KVLookupAnswered):
                 if not r.pending:
                     self.lookups.pop(r.seq_id, None)
+                if r.sync_load:
+                    self.sync_offered.add(r.seq_id)
             elif isinstance(r, ev.KVLoadFinished | ev.KVLoadFailed):
                 del self.loads[r.seq_id]
                 self.ready.add(r.seq_id)  # (until settled into a row, preempted or aborted)
@@ -219,6 +222,8 @@ class ExternalKVMachine(RuleBasedStateMachine):
         closed: set[int] = set()
         for d in decisions:
             if isinstance(d, ev.KVLookupStarted):
+                if d.sync_load:
+                    self.sync_offered.add(d.seq_id)
                 assert d.seq_id not in self.lookups, f"second lookup of {d.seq_id} outstanding"
                 assert d.seq_id not in self.loads, f"lookup of {d.seq_id} while it loads"
                 assert d.seq_id not in self.failed_loads, f"{d.seq_id} retries a failed store"
@@ -243,7 +248,11 @@ class ExternalKVMachine(RuleBasedStateMachine):
                 assert d.seq_id not in self.loads, f"second load of {d.seq_id} in flight"
                 assert len(d.blocks) or self.config.hybrid  # (hybrid: maybe only the state)
                 assert (d.state_slot >= 0) == self.config.hybrid
-                self.loads[d.seq_id] = len(d.blocks)
+                if d.synchronous:  # (ended when started: nothing is owed, it waits to settle)
+                    assert d.seq_id in self.sync_offered, f"{d.seq_id} loads synchronously"
+                    self.ready.add(d.seq_id)
+                else:
+                    self.loads[d.seq_id] = len(d.blocks)
             elif isinstance(d, ev.KVSaveStarted):
                 assert self.config.external.role != "decode", "a decode-role engine saved"
                 assert d.save_id not in self.saves, f"save id {d.save_id} reused"
@@ -340,12 +349,13 @@ class ExternalKVMachine(RuleBasedStateMachine):
                 f"session {session_id} was ended but is still open"
             )
 
-    def _answer(self, seq_id: int, depth: int) -> ev.KVLookupAnswered:
-        """depth -1: 'still pending'; 0: a miss; 1..4: that many quarters of the range."""
+    def _answer(self, seq_id: int, depth: int, sync: bool = False) -> ev.KVLookupAnswered:
+        """depth -1: 'still pending'; 0: a miss; 1..4: that many quarters of the range
+        (``sync``: loaded synchronously)."""
         first, end = self.lookups[seq_id]
         if depth < 0:
             return ev.KVLookupAnswered(seq_id, first, pending=True)
-        return ev.KVLookupAnswered(seq_id, first + (end - first) * depth // 4)
+        return ev.KVLookupAnswered(seq_id, first + (end - first) * depth // 4, sync_load=sync)
 
     def _all_reports(self, ok: bool = True) -> list[ev.Event]:
         out: list[ev.Event] = [self._answer(s, 4) for s in sorted(self.lookups)]
@@ -374,14 +384,17 @@ class ExternalKVMachine(RuleBasedStateMachine):
             self.next_id += 1
 
     @rule(
-        answers=st.lists(st.tuples(st.integers(0, 7), st.integers(-1, 4)), max_size=3),
+        answers=st.lists(
+            st.tuples(st.integers(0, 7), st.tuples(st.integers(-1, 4), st.booleans())),
+            max_size=3,
+        ),
         finishes=st.lists(st.integers(0, 3), max_size=2),
         failures=st.lists(st.tuples(st.integers(0, 3), st.integers(0, 8)), max_size=2),
         saves=st.lists(st.tuples(st.integers(0, 7), st.booleans()), max_size=3),
         stale=st.booleans(),
         reports_first=st.booleans(),
         executor_raises=st.booleans(),
-        in_step=st.none() | st.lists(st.integers(-1, 4), max_size=3),
+        in_step=st.none() | st.lists(st.tuples(st.integers(-1, 4), st.booleans()), max_size=3),
     )
     def step(  # type: ignore[no-untyped-def]
         self, answers, finishes, failures, saves, stale, reports_first, executor_raises, in_step
@@ -393,8 +406,8 @@ class ExternalKVMachine(RuleBasedStateMachine):
         that answers the step's own lookups within it (a lookup port). The executor runs the
         step's plan, or raises."""
         reports: list[ev.Event] = []
-        for seq_id, depth in _pick_with(sorted(self.lookups), answers):
-            reports.append(self._answer(seq_id, depth))
+        for seq_id, (depth, sync) in _pick_with(sorted(self.lookups), answers):
+            reports.append(self._answer(seq_id, depth, sync))
         loads = sorted(self.loads)
         failing = _pick_with(loads, failures)
         for seq_id, good in failing:
@@ -416,19 +429,22 @@ class ExternalKVMachine(RuleBasedStateMachine):
         depth=st.integers(1, 4),
         ok=st.booleans(),
         synchronous=st.booleans(),
+        sync_loads=st.booleans(),
     )
-    def load_burst(self, n: int, prefix: int, depth: int, ok: bool, synchronous: bool) -> None:
+    def load_burst(  # type: ignore[no-untyped-def]
+        self, n, prefix, depth, ok, synchronous, sync_loads
+    ) -> None:
         """Several requests on one prefix arrive at once; the store answers every lookup with
         ``depth`` quarters of its range (at the next step, or, ``synchronous``, within the
-        step that asks), then finishes (or fails) every load it owes, step after step: loads
-        start several to a step, with tails (the rest of each prompt) that may not fit the
-        cache together."""
+        step that asks; ``sync_loads``: loaded within the step that starts them), then
+        finishes (or fails) every load it owes, step after step: loads start several to a
+        step, with tails (the rest of each prompt) that may not fit the cache together."""
         for i in range(n):
             prompt = np.concatenate([PREFIXES[prefix], np.full(3 + 2 * i, 7, np.int32)])
             self.inputs.append(ev.RequestArrived(self.next_id, prompt, 2, arrival_time=self.clock))
             self.next_id += 1
-        self._step(in_step=[depth] * n if synchronous else None)
-        self._step([self._answer(s, depth) for s in sorted(self.lookups)])
+        self._step(in_step=[(depth, sync_loads)] * n if synchronous else None)
+        self._step([self._answer(s, depth, sync_loads) for s in sorted(self.lookups)])
         for _ in range(3):
             self._step(self._all_reports(ok=ok)[len(self.lookups) :])
 
@@ -680,6 +696,7 @@ class ExternalKVMachineUnderVllmStore(ExternalKVMachine):
         self.engine = Engine(self.config, check_invariants=True)
         self.written: set[int] = set()  # blocks whose KV an executed step or a load wrote
         self.loading: dict[int, list[int]] = {}  # seq -> the blocks its load writes
+        self.loading_sync: set[int] = set()  # synchronous loads not settled yet
         self.executor = _RecordsWrites(self.executor, self.written)
 
     def _step(self, reports: Reports = (), **kw) -> tuple[ev.Event, ...]:  # type: ignore[no-untyped-def]
@@ -696,6 +713,11 @@ class ExternalKVMachineUnderVllmStore(ExternalKVMachine):
                 self.written.difference_update(d.blocks.tolist())
             elif isinstance(d, ev.KVLoadStarted):
                 self.loading[d.seq_id] = d.blocks.tolist()
+                if d.synchronous:  # (loaded before the forward of the step that settles it)
+                    self.loading_sync.add(d.seq_id)
+            elif isinstance(d, ev.KVLoadSettled) and d.seq_id in self.loading_sync:
+                self.loading_sync.discard(d.seq_id)
+                self.written.update(self.loading.pop(d.seq_id, []))
             elif isinstance(d, ev.KVSaveStarted):
                 unwritten = sorted(set(d.blocks.tolist()) - self.written)
                 assert not unwritten, f"save {d.save_id} reads blocks {unwritten} not yet written"
@@ -755,7 +777,7 @@ def test_an_abort_that_does_not_wait_for_the_load_is_caught(
         self.growth.end(state, [seq], ev.SequenceAborted(seq_id, reason), emit)
         return True
 
-    _run_broken(monkeypatch, Policy, "abort", abort_at_once)
+    _run_broken(monkeypatch, Policy, "abort", abort_at_once, examples=300)
 
 
 def test_a_deferred_abort_that_is_forgotten_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -985,6 +1007,6 @@ def test_a_prefill_turn_that_admits_under_blocks_cached_when_planned_does_not_de
         decode_interval=0, budget=1, turn_mode="alternate", order="fcfs", load_admission="soft",
     )  # fmt: skip
     machine.arrive(requests=[(0, 0, 1, "", 0, -1), (0, 0, 5, "", 0, -1), (1, 0, 2, "", 0, -1)])
-    machine.load_burst(depth=1, n=2, ok=False, prefix=0, synchronous=False)
+    machine.load_burst(depth=1, n=2, ok=False, prefix=0, synchronous=False, sync_loads=False)
     machine.run_steps(n=1, store="silent")
     machine.teardown()

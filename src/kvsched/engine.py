@@ -42,15 +42,32 @@ from kvsched.reducers.planner import plan_step
 from kvsched.reducers.state import EngineState
 
 __all__ = [
-    "Engine", "EngineHalted", "InputError", "LookupPort", "RecordSink", "StepResult", "create_log",
+    "Engine",
+    "EngineHalted",
+    "InputError",
+    "LookupAnswer",
+    "LookupPort",
+    "RecordSink",
+    "StepResult",
+    "create_log",
 ]
 
 
 # How the policy answers a folded input: (state, input, emit).
 Reaction = Callable[[EngineState, Any, Emit], None]
-# A step's synchronous answer to a lookup: the chain blocks the store holds (a
-# ``KVLookupAnswered.num_blocks``), or None: not known yet (answered later, as an input).
-LookupPort = Callable[[ev.KVLookupStarted], int | None]
+
+
+@attrs.frozen
+class LookupAnswer:
+    """A lookup port's answer: the chain blocks the store holds (``KVLookupAnswered``'s
+    ``num_blocks``) and whether their load runs within the step that starts it."""
+
+    num_blocks: int
+    sync_load: bool = False
+
+
+# A step's synchronous answer to a lookup, or None: not known yet (answered later, an input).
+LookupPort = Callable[[ev.KVLookupStarted], LookupAnswer | None]
 
 
 class EngineHalted(RuntimeError):
@@ -78,6 +95,13 @@ def log_header(config: SchedulerConfig) -> dict[str, object]:
         "kvsched_version": kvsched.__version__,
         "config": config.to_dict(),
     }
+
+
+def _good_answer(answer: object) -> bool:
+    if not isinstance(answer, LookupAnswer):
+        return False
+    blocks, sync = answer.num_blocks, answer.sync_load
+    return isinstance(sync, bool) and type(blocks) is int and blocks >= 0
 
 
 def create_log(path: str, config: SchedulerConfig) -> EventLog:
@@ -139,12 +163,14 @@ class Engine:
         if type(event) is ev.KVLookupStarted and event.answer < 0 and self._lookups:
             answer = self._lookups(event)
             if answer is not None:
-                if isinstance(answer, bool) or not isinstance(answer, int) or answer < 0:
+                if not _good_answer(answer):
                     raise ValueError(
                         f"the lookup port answered {answer!r} for sequence {event.seq_id}: "
-                        "expected a block count >= 0, or None (answered later)"
+                        "expected a LookupAnswer of blocks >= 0, or None (answered later)"
                     )
-                event = msgspec.structs.replace(event, answer=answer)
+                event = msgspec.structs.replace(
+                    event, answer=answer.num_blocks, sync_load=answer.sync_load
+                )
         self._emit(event)
 
     @property

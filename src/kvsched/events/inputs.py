@@ -98,9 +98,14 @@ class StepFailed(Event, frozen=True, tag="step_failed"):
 
 
 class KVLookupAnswered(Event, frozen=True, tag="kv_lookup"):
+    """The store holds the chain up to ``num_blocks`` (``pending``: not known yet).
+    ``sync_load``: a load of it runs within the step that starts it (``KVLoadStarted``'s
+    ``synchronous``: vLLM's synchronous connectors)."""
+
     seq_id: int
     num_blocks: int
     pending: bool = False
+    sync_load: bool = False
 
 
 class KVLoadFinished(Event, frozen=True, tag="kv_load_done"):

@@ -72,7 +72,8 @@ class KVLookupStarted(Event, frozen=True, tag="kv_lookup_started"):
     later (``KVLookupAnswered``, an input); else the store answered within the step (the
     step's lookup port, ``Engine.step(lookups=...)``: a connector asked synchronously, as
     vLLM asks ``get_num_new_matched_tokens``), with ``KVLookupAnswered.num_blocks``'s
-    meaning; the log keeps it, so a replay answers the same."""
+    meaning, and ``sync_load`` its ``sync_load``; the log keeps them, so a replay answers
+    the same."""
 
     seq_id: int
     first_block: int
@@ -81,6 +82,7 @@ class KVLookupStarted(Event, frozen=True, tag="kv_lookup_started"):
     hashes: bytes  # 16 bytes per block of [first_block, num_blocks)
     with_state: bool = False  # hybrid: a hit must end at a block with a stored state
     answer: int = -1
+    sync_load: bool = False  # (answered) its load runs within the step that starts it
 
 
 class KVLoadCancelled(Event, frozen=True, tag="kv_load_cancelled"):
@@ -105,7 +107,9 @@ class KVLoadAdmitted(Event, frozen=True, tag="kv_load_admitted"):
 class KVLoadStarted(Event, frozen=True, tag="kv_load_started"):
     """Load chain blocks ``[first_block, first_block + len(blocks))`` (hashes ``hashes``
     under ``root``) into ``blocks`` and, for a hybrid model, the state stored at the block
-    with hash ``state_hash`` into ``state_slot``."""
+    with hash ``state_hash`` into ``state_slot``. ``synchronous``: the executor loads them
+    before the forward of the step that first runs the sequence (vLLM's synchronous
+    connectors), so the load has ended when it starts (no ``KVLoadFinished`` follows)."""
 
     seq_id: int
     blocks: np.ndarray
@@ -114,6 +118,7 @@ class KVLoadStarted(Event, frozen=True, tag="kv_load_started"):
     hashes: bytes  # 16 bytes per loaded block
     state_slot: int = -1
     state_hash: bytes = b""
+    synchronous: bool = False
 
 
 class KVLoadSettled(Event, frozen=True, tag="kv_load_settled"):

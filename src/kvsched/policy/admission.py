@@ -286,7 +286,7 @@ class Admission:
         if self._external_load:
             first, end = self.transfers.planned_load(state, seq, match.num_tokens)
             if end:
-                return self._admit_with_load(state, seq, first, end, emit)
+                return self._admit_with_load(state, seq, first, end, budget, emit)
         if self._soft and state.seqs.num_running >= self.config.max_batch:
             return "skip"  # every row runs (only loads start now): it waits for a row
         chunk = self.chunk_of(seq, match.num_tokens, match.kv_tokens)
@@ -329,12 +329,14 @@ class Admission:
             )
 
     def _admit_with_load(
-        self, state: EngineState, seq: Seq, first: int, end: int, emit: Emit
+        self, state: EngineState, seq: Seq, first: int, end: int, budget: StepBudget, emit: Emit
     ) -> str:
         """Admit a sequence whose chain blocks [first, end) load from the store; it computes
         nothing until the load settles. Soft loads: no row, only the blocks it loads into
         (and, hybrid, a state slot), if its whole prefill fits beside every incomplete load's
-        soft reservation. Else (before schema 4): a row and every block of its prompt."""
+        soft reservation. Else (before schema 4): a row and every block of its prompt. A
+        synchronous load has ended when it starts: it is settled into a row at once if one is
+        free (its first chunk runs in this step, after the executor's load), else later."""
         soft = self._soft
         hit = state.pool.cached_prefix(seq.hashes, first)
         assert len(hit) == first, "the local part of a planned load is cached"
@@ -351,7 +353,10 @@ class Admission:
             self.growth.free_session_hold(state, seq.session_id, emit)
         taken = end if soft else cdiv(seq.n_tokens, self.bs)  # (whole prompt: before schema 4)
         self.growth.allocate(state, [seq.seq_id], [taken - first], emit)
-        emit(self.transfers.load_started(state, seq, first, end))
+        started = self.transfers.load_started(state, seq, first, end)
+        emit(started)
+        if started.synchronous and state.seqs.num_running < self.config.max_batch:
+            self._settle_into_row(state, seq, budget, emit)  # (else it waits, ready)
         return "admitted"
 
     def _settle_ready(

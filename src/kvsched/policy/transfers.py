@@ -89,14 +89,20 @@ class Transfers:
     def load_started(self, state: EngineState, seq: Seq, first: int, end: int) -> ev.KVLoadStarted:
         """The load of chain blocks [first, end) into the sequence's blocks (and, for a hybrid
         model, the state stored at block end - 1 into its runtime slot, or, without a row,
-        into the next free checkpoint slot, which the load then owns)."""
+        into the next free checkpoint slot, which the load then owns); synchronous (ended
+        when started) where the store said so and the load takes no row (soft loads: it is
+        then settled like any load that ended)."""
         blocks = state.seqs.block_table(seq)[first:end].copy()
         hashes = seq.hashes.packed(first, end)
+        load = state.transfers.load_of(seq.seq_id)
+        sync = load is not None and load.sync and self.config.soft_loads
         if not state.hybrid:
-            return ev.KVLoadStarted(seq.seq_id, blocks, first, seq.root, hashes)
+            return ev.KVLoadStarted(seq.seq_id, blocks, first, seq.root, hashes, synchronous=sync)
         slot = state.ckpts.runtime_slot(seq.row) if seq.row >= 0 else state.ckpts.peek_slot()
         anchor = seq.hashes[end - 1]
-        return ev.KVLoadStarted(seq.seq_id, blocks, first, seq.root, hashes, slot, anchor)
+        return ev.KVLoadStarted(
+            seq.seq_id, blocks, first, seq.root, hashes, slot, anchor, synchronous=sync
+        )
 
     def kept_blocks(self, state: EngineState, seq: Seq, load: KVLoad) -> int:
         """The chain blocks a sequence keeps when its load settles: every loaded block, or

@@ -58,6 +58,7 @@ class KVLoad:
     close_session: bool = False  # the deferred abort came from an end of session
     failure: str = ""
     good_blocks: int = 0  # a failed load: its leading blocks written completely
+    sync: bool = False  # the store's answer: its load runs within the step that starts it
     settled: bool = False  # the sequence runs (KVLoadSettled)
     # Its sequence left after the load failed: the record only keeps the store from being
     # asked again (it holds and reserves nothing).
@@ -195,7 +196,7 @@ class TransferTable:
             e.seq_id, LoadState.LOOKUP_PENDING, e.first_block, e.num_blocks, e.with_state
         )
         if e.answer >= 0:  # (answered within the step: as its answer would be folded)
-            self._on_lookup_answered(ev.KVLookupAnswered(e.seq_id, e.answer))
+            self._on_lookup_answered(ev.KVLookupAnswered(e.seq_id, e.answer, sync_load=e.sync_load))
 
     def _on_lookup_answered(self, e: ev.KVLookupAnswered) -> None:
         """An input (or a lookup's answer within its step): a stale answer (its lookup was
@@ -207,6 +208,7 @@ class TransferTable:
         load.fire(e)  # (pending, a hit or a miss: triggers.py selects)
         if not e.pending and e.num_blocks > load.first_block:  # a hit
             load.num_blocks = min(e.num_blocks, load.num_blocks)
+            load.sync = e.sync_load
 
     def _on_load_cancelled(self, e: ev.KVLoadCancelled) -> None:
         load = self._load(e.seq_id)
@@ -233,8 +235,12 @@ class TransferTable:
         held = self._seqs.block_table(seq)[lo:hi]
         if e.first_block != lo or not np.array_equal(held, e.blocks):
             raise ReplayMismatch(f"sequence {e.seq_id}: load into blocks it does not hold")
+        if e.synchronous and not load.sync:
+            raise ReplayMismatch(f"sequence {e.seq_id}: a synchronous load its store did not offer")
         load.fire(e)
         load.blocks = np.array(e.blocks, dtype=np.int32)
+        if e.synchronous:  # (it ends within its step: the executor loads before the forward)
+            self._on_load_finished(ev.KVLoadFinished(e.seq_id))
 
     def _on_load_finished(self, e: ev.KVLoadFinished) -> None:
         load = self._load(e.seq_id)

@@ -32,7 +32,7 @@ import msgspec
 import numpy as np
 
 from kvsched.config import SchedulerConfig
-from kvsched.engine import Engine, LookupPort, StepResult
+from kvsched.engine import Engine, LookupAnswer, LookupPort, StepResult
 from kvsched.events.codec import (
     RecordDecodeError,
     SchemaVersionError,
@@ -258,7 +258,7 @@ def recorded_answers(record: StepRecord) -> LookupPort | None:
     started: list[KVLookupStarted] = [
         d for d in record.decisions if isinstance(d, KVLookupStarted)
     ]
-    answers = {d.seq_id: d.answer for d in started if d.answer >= 0}
+    answers = {d.seq_id: LookupAnswer(d.answer, d.sync_load) for d in started if d.answer >= 0}
     return (lambda e: answers.get(e.seq_id)) if answers else None
 
 

@@ -157,10 +157,14 @@ KVLOAD_SPEC = MachineSpec(
     description=(
         "Loading a sequence's KV blocks (and, for a hybrid model, the state at the loaded "
         "boundary) from an external store. The lookup is asynchronous (it may stay pending "
-        "for steps: each pending answer fires `lookup_pending`); PLANNED -> ADMITTED -> "
+        "for steps: each pending answer fires `lookup_pending`) or answered within the step "
+        "that starts it (a lookup port: LOOKUP_PENDING -> PLANNED or CANCELLED at once); "
+        "PLANNED -> ADMITTED -> "
         "ALLOCATED -> LOADING happen in one admission (the destination blocks, transfer "
         "start; ADMITTED -> LOADING directly for a hybrid load of the state alone, which "
-        "allocates no block). A load can be cancelled until its "
+        "allocates no block; a synchronous load, which the executor runs before the forward "
+        "of the step that first runs the sequence, also LOADING -> READY). A load can be "
+        "cancelled until its "
         "transfer starts; once LOADING it either finishes or fails (with the number of good "
         "leading blocks: the sequence recomputes from there)."
     ),

@@ -23,6 +23,7 @@ pytest.importorskip(
     "oracle tests'): scripts/test_vllm.sh builds .venv-vllm and runs `pytest -k vllm` there",
 )
 
+from kvsched.engine import LookupAnswer
 from kvsched.events import types as ev
 from kvsched.events.codec import decode_record
 from kvsched.events.reader import read_log
@@ -54,10 +55,12 @@ prompts.append(rng.integers(10, 400, 150).tolist())
 # stored prompts), hits prompt 0's loaded prefix locally for prompt 2, computes prompt 3
 todo = prompts[:2] if phase == "save" else prompts
 greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+# one at a time (each sees what the previous one left), or ("burst") all submitted together
+batches = [todo] if phase == "burst" else [[p] for p in todo]
 out = []
-for p in todo:  # (one at a time: each sees what the previous one left)
-    o = llm.generate([TokensPrompt(prompt_token_ids=p)], greedy, use_tqdm=False)[0]
-    out.append([list(o.outputs[0].token_ids), o.num_cached_tokens])
+for batch in batches:
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in batch], greedy, use_tqdm=False)
+    out += [[list(o.outputs[0].token_ids), o.num_cached_tokens] for o in outs]
 print("RESULT" + json.dumps(out))
 """
 
@@ -135,6 +138,27 @@ def test_vllm_example_connector_loads_a_fresh_engine_as_vllms_own_scheduler_does
     got = [(order[d.seq_id], d.first_block, d.answer) for d in first]
     assert got == [(0, 0, 9), (1, 9, 10), (2, 9, 9), (3, 0, 0)]
     assert not [e for r in records for e in r.inputs if isinstance(e, ev.KVLookupAnswered)]
+
+
+def test_vllm_example_connector_serves_prompts_submitted_together_as_vllms_scheduler_does(
+    qwen3: Path, tmp_path: Path
+):
+    """The four prompts submitted together to the fresh engine: each looked up, and each
+    synchronous load started and run, in the step that admits it, as under vLLM's
+    scheduler, so the third prompt hits the blocks the first one loads in that same step
+    (before lookups and synchronous loads ran within their step it hit nothing)."""
+    runs = {}
+    for kind in ("vllm", "kvsched"):
+        store, log = tmp_path / f"store-{kind}", tmp_path / f"{kind}.kvlog"
+        _run(qwen3, kind, store, "save", None)
+        runs[kind] = _run(qwen3, kind, store, "burst", log if kind == "kvsched" else None)
+    assert runs["kvsched"] == runs["vllm"]
+    assert [c for _, c in runs["vllm"]] == [288, 320, 288, 0]
+    _verifies(tmp_path / "kvsched.kvlog")
+    decisions = [d for r in read_log(tmp_path / "kvsched.kvlog").records
+                 for d in decode_record(r).decisions]  # fmt: skip
+    loads = [d for d in decisions if isinstance(d, ev.KVLoadStarted)]
+    assert loads and all(d.synchronous for d in loads)
 
 
 def test_vllm_example_connector_under_memory_pressure_matches_vllms_own_scheduler(
@@ -427,6 +451,33 @@ def test_under_the_fail_policy_a_failed_load_ends_its_request_in_error():
     bridge.after_step([_load(0, [7, 8, 9], 1)], {0: req}, lambda s: [3, 7, 8, 9])
     bridge.landed(_report(failed=("a",)))
     assert [s for s, _ in bridge.take_failed()] == [0] and bridge.take_failed() == []
+
+
+def test_the_lookup_port_asks_within_the_step_and_says_which_hits_load_synchronously():
+    """``answer`` (the step's lookup port) asks the connector at once: an async hit, a sync
+    one (``sync_load``: its ``KVLoadStarted`` is synchronous, ended when started, so the
+    bridge reports no ``KVLoadFinished``; the connector hears of it when the sequence
+    first runs), a miss, and one not known yet (asked again at the next step's inputs)."""
+    answers = {"a": [(48, True)], "b": [(32, False)], "c": [(0, False)]}
+    conn = Scripted({**answers, "d": [(None, False), (16, True)]})
+    bridge = ConnectorBridge(conn, 16)
+    req_of = {i: Req(n) for i, n in enumerate("abcd")}
+
+    def ask(seq_id: int, first: int) -> Any:
+        return bridge.answer(ev.KVLookupStarted(seq_id, first, 9, b"r" * 16, b"h" * 16), req_of)
+
+    assert [ask(0, 1), ask(1, 0), ask(2, 0), ask(3, 2)] == [
+        LookupAnswer(4), LookupAnswer(2, sync_load=True), LookupAnswer(0), None
+    ]
+    started = [ev.KVLookupStarted(s, f, 9, b"r" * 16, b"h" * 16, answer=a) for s, f, a in
+               [(0, 1, 4), (1, 0, 2), (2, 0, 0), (3, 2, -1)]]  # fmt: skip
+    sync_load = ev.KVLoadStarted(1, np.asarray([7, 8], np.int32), 0, b"r" * 16, b"h" * 32,
+                                 synchronous=True)  # fmt: skip
+    bridge.after_step([*started, sync_load], req_of, lambda s: [7, 8])
+    assert bridge.inputs(req_of) == [ev.KVLookupAnswered(3, 3)]  # (no KVLoadFinished for b)
+    assert not any(c[0] == "alloc" for c in conn.calls)
+    bridge.after_step([ev.KVLoadSettled(1, 2, 0)], req_of, lambda s: [7, 8, 11])
+    assert conn.calls[-1] == ("alloc", "b", [7, 8, 11], 32)
 
 
 def test_a_sync_load_ends_at_once_and_reaches_the_connector_when_its_sequence_first_runs():

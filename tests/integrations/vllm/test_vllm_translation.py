@@ -460,3 +460,34 @@ def test_vllm_requests_with_min_tokens_are_served_and_keep_vllms_stop_order():
     assert stop_reason(rule, 9, 1) == ("stop", None)  # (vLLM checks eos before min_tokens)
     off = _params(repetition_detection=NS(max_pattern_size=0))  # 0: detection is off
     assert refusal(_request(sampling_params=off)) is None
+
+
+@pytest.mark.parametrize(
+    "line, message",
+    [
+        ("not json", "must be a JSON object"),
+        ("[1, 2]", "must be a JSON object"),
+        ('{"id": "a", "prompt": [1], "max_tokens": 1, "x": 2}', r"unknown request keys \['x'\]"),
+        ('{"id": "", "prompt": [1], "max_tokens": 1}', "'id' must be a non-empty string"),
+        ('{"id": "a", "prompt": [], "max_tokens": 1}', "'prompt' must be a non-empty list"),
+        ('{"id": "a", "prompt": [1, -2], "max_tokens": 1}', "'prompt' must be"),
+        ('{"id": "a", "prompt": [1], "max_tokens": 0}', "'max_tokens' must be an int >= 1"),
+        ('{"id": "a", "prompt": [1], "max_tokens": true}', "'max_tokens' must be"),
+        ('{"id": "a", "prompt": [1], "max_tokens": 2, "kv_transfer_params": 3}', "an object"),
+    ],
+)
+def test_vllm_disaggregation_engine_refuses_a_bad_request_line_naming_what_is_wrong(line, message):
+    """A disaggregation engine answers such a line with ``{"id", "error"}`` and goes on."""
+    from kvsched.integrations.vllm.disagg import parse_request
+
+    with pytest.raises(ValueError, match=message):
+        parse_request(line)
+
+
+def test_vllm_disaggregation_engine_reads_a_good_request_line():
+    from kvsched.integrations.vllm.disagg import parse_request
+
+    line = '{"id": "7", "prompt": [3, 4], "max_tokens": 2, "kv_transfer_params": {"k": 1}}'
+    assert parse_request(line) == {
+        "id": "7", "prompt": [3, 4], "max_tokens": 2, "kv_transfer_params": {"k": 1}
+    }

@@ -39,6 +39,7 @@ from vllm.v1.core.sched.output import KVConnectorBlockState
 from vllm.v1.metrics.stats import PrefixCacheStats
 from vllm.v1.request import Request, RequestStatus
 
+from kvsched.engine import LookupAnswer
 from kvsched.events import types as ev
 from kvsched.integrations.vllm.config import fails_loads, has_connector, is_kvsched_connector
 from kvsched.integrations.vllm.mamba import MambaLayout
@@ -106,11 +107,12 @@ class ConnectorBridge:
             out += self._answered(seq_id, req_of[seq_id])
         return out
 
-    def answer(self, e: ev.KVLookupStarted, req_of: dict[int, Request]) -> int | None:
+    def answer(self, e: ev.KVLookupStarted, req_of: dict[int, Request]) -> LookupAnswer | None:
         """The step's lookup port: the connector asked within the step's planning, as
         vLLM's scheduler asks it (None: it cannot answer yet; asked again next step)."""
         self._asked[e.seq_id] = e.first_block
-        return self._ask(e.seq_id, req_of[e.seq_id])
+        blocks = self._ask(e.seq_id, req_of[e.seq_id])
+        return None if blocks is None else LookupAnswer(blocks, self._is_sync(e.seq_id))
 
     def after_step(
         self, decisions: Iterable[ev.Event], req_of: dict[int, Request], blocks_of: BlocksOf
@@ -237,7 +239,14 @@ class ConnectorBridge:
 
     def _answered(self, seq_id: int, request: Request) -> list[ev.Event]:
         blocks = self._ask(seq_id, request)
-        return [] if blocks is None else [ev.KVLookupAnswered(seq_id, blocks)]
+        if blocks is None:
+            return []
+        return [ev.KVLookupAnswered(seq_id, blocks, sync_load=self._is_sync(seq_id))]
+
+    def _is_sync(self, seq_id: int) -> bool:
+        """Whether the hit just answered loads synchronously (in the forward of the step
+        that first runs the sequence: kvsched's ``KVLoadStarted.synchronous``)."""
+        return self._async.get(seq_id) is False
 
     def _forget(self, seq_id: int) -> None:
         """A sequence left, or went back to waiting: no load of it is owed to the worker."""
@@ -247,8 +256,9 @@ class ConnectorBridge:
     def _start(self, d: ev.KVLoadStarted, request: Request, blocks_of: BlocksOf) -> None:
         tokens = len(d.blocks) * self.bs
         if not self._async.pop(d.seq_id, False):
-            self._sync[d.seq_id] = tokens
-            self._reports.append(ev.KVLoadFinished(d.seq_id))
+            self._sync[d.seq_id] = tokens  # (the worker loads it when the sequence first runs)
+            if not d.synchronous:  # (ended when started, else it ends at the next step)
+                self._reports.append(ev.KVLoadFinished(d.seq_id))
             return
         self.connector.update_state_after_alloc(request, _blocks(blocks_of(d.seq_id)), tokens)
         request.status = RequestStatus.WAITING_FOR_REMOTE_KVS

@@ -7,13 +7,17 @@ small proxy between them.
 Each engine is one process (an ``LLMEngine`` stepping while it has requests) reading requests
 as JSON lines on stdin (``{"id", "prompt", "max_tokens", "kv_transfer_params"}``) and writing
 one JSON line per finished request on stdout (``{"id", "tokens", "num_cached_tokens",
-"kv_transfer_params"}``). The prefill engine (``kv_producer``) computes each prompt and its
-first token and saves every block it caches, with the states of its checkpoints for a hybrid
-model; the decode engine (``kv_consumer``) saves nothing. ``Proxy`` routes each request as
-vLLM's disaggregation proxies do: to the prefill engine with ``max_tokens=1``, then, with the
-``kv_transfer_params`` it returned, to the decode engine with the request's own ``max_tokens``.
-The decode engine's lookup waits until the store holds the prompt blocks the prefill engine
-computed (``StoreBridge``), so it loads them and computes only the rest of the prompt.
+"kv_transfer_params"}``); a line it cannot serve is answered ``{"id", "error"}`` and the
+engine goes on. The engine settings are the tested ones (``engine_args``: greedy, eager,
+small batches), a demonstration of the protocol rather than a tuned deployment.
+
+The prefill engine (``kv_producer``) computes each prompt and its first token and saves every
+block it caches, with the states of its checkpoints for a hybrid model; the decode engine
+(``kv_consumer``) saves nothing. ``Proxy`` routes each request as vLLM's disaggregation
+proxies do: to the prefill engine with ``max_tokens=1``, then, with the ``kv_transfer_params``
+it returned, to the decode engine with the request's own ``max_tokens``. The decode engine's
+lookup waits until the store holds the prompt blocks the prefill engine computed
+(``StoreBridge``), so it loads them and computes only the rest of the prompt.
 """
 
 from __future__ import annotations
@@ -83,20 +87,23 @@ def serve(args: dict[str, Any], stdin: TextIO, stdout: TextIO) -> None:
                 open_input = False
                 break
             block = False
-            r = json.loads(line)
-            extra = (
-                {"kv_transfer_params": r["kv_transfer_params"]}
-                if r.get("kv_transfer_params")
-                else None
-            )
-            params = SamplingParams(
-                max_tokens=r["max_tokens"],
-                temperature=0,
-                ignore_eos=True,
-                detokenize=False,
-                extra_args=extra,
-            )
-            engine.add_request(r["id"], TokensPrompt(prompt_token_ids=r["prompt"]), params)
+            try:
+                r = parse_request(line)
+                extra = (
+                    {"kv_transfer_params": r["kv_transfer_params"]}
+                    if r["kv_transfer_params"]
+                    else None
+                )
+                params = SamplingParams(
+                    max_tokens=r["max_tokens"],
+                    temperature=0,
+                    ignore_eos=True,
+                    detokenize=False,
+                    extra_args=extra,
+                )
+                engine.add_request(r["id"], TokensPrompt(prompt_token_ids=r["prompt"]), params)
+            except ValueError as exc:  # (a bad line is answered; the engine goes on)
+                print(json.dumps({"id": _id_of(line), "error": str(exc)}), file=stdout, flush=True)
         for out in engine.step() if _busy(engine) else ():
             if out.finished:
                 done = {
@@ -108,6 +115,42 @@ def serve(args: dict[str, Any], stdin: TextIO, stdout: TextIO) -> None:
                 print(json.dumps(done), file=stdout, flush=True)
     print(json.dumps({"left": _left(engine)}), file=stdout, flush=True)
     engine.engine_core.shutdown()  # (closes the scheduler: its event log is complete)
+
+
+def parse_request(line: str) -> dict[str, Any]:
+    """A request line, checked: ``ValueError`` naming what is wrong."""
+    try:
+        r = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"a request line must be a JSON object: {exc}") from None
+    if not isinstance(r, dict):
+        raise ValueError("a request line must be a JSON object")
+    unknown = set(r) - {"id", "prompt", "max_tokens", "kv_transfer_params"}
+    if unknown:
+        raise ValueError(f"unknown request keys {sorted(unknown)}")
+    prompt, max_tokens, params = r.get("prompt"), r.get("max_tokens"), r.get("kv_transfer_params")
+    if not isinstance(r.get("id"), str) or not r["id"]:
+        raise ValueError("'id' must be a non-empty string")
+    if not isinstance(prompt, list) or not prompt or not all(_is_token(t) for t in prompt):
+        raise ValueError("'prompt' must be a non-empty list of token ids (ints >= 0)")
+    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
+        raise ValueError("'max_tokens' must be an int >= 1")
+    if params is not None and not isinstance(params, dict):
+        raise ValueError("'kv_transfer_params' must be an object or null")
+    return {"id": r["id"], "prompt": prompt, "max_tokens": max_tokens, "kv_transfer_params": params}
+
+
+def _is_token(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _id_of(line: str) -> Any:
+    """The id of a request line, if it has one (for its error answer)."""
+    try:
+        r = json.loads(line)
+    except json.JSONDecodeError:
+        return None
+    return r.get("id") if isinstance(r, dict) else None
 
 
 def _left(engine: Any) -> dict[str, Any] | None:
@@ -161,6 +204,8 @@ class Engine:
         got = self.out.get(timeout=timeout_s)
         if got is None:
             raise RuntimeError(f"engine exited with {self.proc.wait()}")
+        if "error" in got:
+            raise RuntimeError(f"engine refused request {got.get('id')!r}: {got['error']}")
         return got
 
     def close(self, timeout_s: float = 60.0) -> dict[str, Any]:

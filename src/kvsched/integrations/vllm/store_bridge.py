@@ -39,6 +39,7 @@ from kvsched.connectors.protocol import (
     StepTransfers,
     report_events,
 )
+from kvsched.engine import LookupAnswer
 from kvsched.events import types as ev
 from kvsched.integrations.vllm.mamba import MambaLayout
 from kvsched.integrations.vllm.store_connector import KvschedConnector
@@ -84,12 +85,14 @@ class StoreBridge:
                 out.append(ev.KVLookupAnswered(seq_id, blocks))
         return out
 
-    def answer(self, e: ev.KVLookupStarted, req_of: dict[int, Request]) -> int | None:
+    def answer(self, e: ev.KVLookupStarted, req_of: dict[int, Request]) -> LookupAnswer | None:
         """The step's lookup port: the store probed within the step's planning (None: no
         answer yet, a Mooncake probe on its thread or a prefilled request still waiting;
-        polled again at each step's ``inputs``)."""
+        polled again at each step's ``inputs``). Its loads are asynchronous (the worker's
+        transfer engine reports them)."""
         self._asked[e.seq_id] = (LookupRequest.from_event(e), *self._wait_for(e, req_of))
-        return self._poll(e.seq_id, time.monotonic())
+        blocks = self._poll(e.seq_id, time.monotonic())
+        return None if blocks is None else LookupAnswer(blocks)
 
     def _poll(self, seq_id: int, now: float) -> int | None:
         """The answer to an outstanding lookup if it is known and final (then it is no

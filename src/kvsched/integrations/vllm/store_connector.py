@@ -257,7 +257,7 @@ def _page_bytes(t: torch.Tensor, dim: int) -> int:
 
 def _read(t: torch.Tensor, dim: int, block: int) -> bytes:
     page = t.select(dim, block).contiguous()
-    return bytes(page.view(torch.uint8).numpy().tobytes())
+    return page.view(torch.uint8).cpu().numpy().tobytes()  # (.cpu(): a no-op on CPU)
 
 
 def _write(views: list[tuple[torch.Tensor, int]], blocks: list[int], data: bytes) -> None:
