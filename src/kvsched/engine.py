@@ -66,6 +66,16 @@ class LookupAnswer:
     sync_load: bool = False
 
 
+@attrs.frozen
+class PrefixProbe:
+    """What a request would find cached if it arrived now: ``hit_tokens`` it would be
+    served (for a hybrid model, up to its deepest usable state checkpoint) and ``kv_tokens``
+    the attention KV alone holds (what a router that follows KV events sees)."""
+
+    hit_tokens: int
+    kv_tokens: int
+
+
 # A step's synchronous answer to a lookup, or None: not known yet (answered later, an input).
 LookupPort = Callable[[ev.KVLookupStarted], LookupAnswer | None]
 
@@ -176,6 +186,13 @@ class Engine:
     @property
     def has_work(self) -> bool:
         return self.state.has_work
+
+    def probe_prefix(self, request: ev.RequestArrived) -> PrefixProbe:
+        """The prefix ``request`` would hit here now (a query: nothing is folded)."""
+        state = self.state
+        match = self.policy.find_prefix(state, state.seqs.arrival(request).seq)
+        kv = match.kv_tokens if match.kv_tokens >= 0 else match.num_tokens
+        return PrefixProbe(match.num_tokens, kv)
 
     def transfers_in_flight(self) -> tuple[list[int], list[int]]:
         """(sequences whose load is in flight, save ids in flight)."""

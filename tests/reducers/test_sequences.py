@@ -21,7 +21,7 @@ def test_an_arrival_is_computed_by_a_query_that_changes_nothing() -> None:
     h = Harness()
     before = h.state.snapshot()
     arrival = h.state.seqs.arrival(request(5, 40))
-    assert len(arrival.tokens) == 40 and len(arrival.hashes) == 40 // 16
+    assert len(arrival.seq.tokens) == 40 and len(arrival.seq.hashes) == 40 // 16
     assert arrival.top is not None and arrival.top < 1000
     assert h.state.snapshot() == before
 
@@ -31,7 +31,7 @@ def test_the_fold_takes_the_arrival_its_check_computed() -> None:
     e = request(5, 40)
     arrival = h.state.seqs.arrival(e)
     h.state.apply(e, arrival)
-    assert h.state.seqs.seqs[5].hashes is arrival.hashes
+    assert h.state.seqs.seqs[5] is arrival.seq
     other = Harness()
     other.state.apply(e)  # the same fold, hashing itself
     assert other.state.snapshot() == h.state.snapshot()

@@ -16,6 +16,12 @@ from kvsched.cli.checks import (
     check_run_options,
     fail,
 )
+from kvsched.cli.cluster import (
+    add_cluster_options,
+    check_cluster_options,
+    cmd_cluster,
+    engine_counts,
+)
 from kvsched.cli.options import COUNT, DEFAULT, OVERWRITE, add_publish, int_in, positive_float
 from kvsched.cli.output import ReportError, finish, progress_bars, run_report, write_report_or_fail
 from kvsched.config import (
@@ -103,7 +109,10 @@ def _check_replay(args: argparse.Namespace) -> None:
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
+    counts = engine_counts(args)  # (a cluster's --sweep engines=... is taken out of --sweep)
     _check_replay(args)
+    if counts is not None:
+        check_cluster_options(args, counts)
     setup = load_trace_replay(
         args.trace,
         fmt=args.format,
@@ -152,6 +161,8 @@ def cmd_replay(args: argparse.Namespace) -> int:
     )
     check_config_options(args, config.hybrid, config.order, config.turns.policy)
     name = Path(args.trace).name
+    if counts is not None:
+        return cmd_cluster(args, setup, config, name, counts)
     if args.jobs > 1 and setup.sweep is None and not setup.policies:
         raise SetupError("--jobs runs sweep points in parallel: give --sweep or --policies")
     if setup.sweep is not None or setup.policies:
@@ -323,6 +334,7 @@ def add_replay(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         metavar="P1,P2|all",
         help="run every sweep point once per checkpoint policy, side by side",
     )
+    add_cluster_options(r)
     r.add_argument("--limit", type=COUNT, metavar="N", help="read only the first N requests")
     r.add_argument(
         "--speedup",

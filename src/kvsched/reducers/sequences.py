@@ -43,14 +43,12 @@ _NO_ROWS = np.zeros(0, dtype=np.int64)
 
 
 class Arrival(NamedTuple):
-    """What an arrival's fold takes: its tokens (a session's history first), its multimodal
-    spans in those tokens' positions, its namespace root and the digests of its full
-    blocks; computed by the pure query ``SequenceTable.arrival``."""
+    """What an arrival's fold takes: the sequence it becomes (its tokens with a session's
+    history first, its multimodal spans in those tokens' positions, its namespace root and
+    the digests of its full blocks), computed by the pure query ``SequenceTable.arrival``,
+    which also tells a router what the request would hit (``Engine.probe_prefix``)."""
 
-    tokens: np.ndarray
-    spans: tuple[ev.MultimodalSpan, ...]
-    root: bytes
-    hashes: HashChain
+    seq: Seq
     top: int | None  # the prompt's largest token id (unsigned) if the hashing read it all
 
 
@@ -125,8 +123,9 @@ class SequenceTable(PipelinedRows):
         self.step = e.step
 
     def arrival(self, e: ev.RequestArrived) -> Arrival:
-        """An arrival's tokens (a session's history first), its multimodal spans in those
-        tokens' positions, and the digests of its full blocks (a pure query: the engine
+        """The sequence an arrival becomes: its tokens (a session's history first), its
+        multimodal spans in those tokens' positions, and the digests of its full blocks
+        (a pure query, nothing is kept: the engine
         computes it once for the policy's check, ``Arrival.top``, and hands it to the fold).
         The digests known already are kept: the caller's (``e.block_hashes``), else the
         history's (its namespace unchanged; new spans lie past it, so they cannot change
@@ -165,12 +164,6 @@ class SequenceTable(PipelinedRows):
             self.identity, root, parent, tokens[keep * bs :] if keep else tokens, bs, keep, extras
         )
         hashes = known.extended(rest) if known is not None else HashChain(rest)
-        return Arrival(tokens, spans, root, hashes, top if keep * bs <= offset else None)
-
-    def arrival_fold(self, e: ev.RequestArrived, arrival: Arrival | None = None) -> None:
-        """The fold of ``RequestArrived``: with its ``arrival`` when the caller computed it
-        (``EngineState.apply(e, arrival)``), else computing it."""
-        tokens, spans, root, hashes, _ = self.arrival(e) if arrival is None else arrival
         seq = Seq(
             seq_id=e.seq_id,
             tokens=tokens,
@@ -191,6 +184,12 @@ class SequenceTable(PipelinedRows):
             root=root,
             hashes=hashes,
         )
+        return Arrival(seq, top if keep * bs <= offset else None)
+
+    def arrival_fold(self, e: ev.RequestArrived, arrival: Arrival | None = None) -> None:
+        """The fold of ``RequestArrived``: with its ``arrival`` when the caller computed it
+        (``EngineState.apply(e, arrival)``), else computing it."""
+        seq = (self.arrival(e) if arrival is None else arrival).seq
         self.seqs[seq.seq_id] = seq
         self.waiting[seq.seq_id] = seq
 

@@ -115,70 +115,137 @@ def run(
     (``speculation.pipelined``) each step's outcome is an input of the step after next.
     """
     wall = time.perf_counter()
-    followers: dict[int, list[Turn]] = {}
-    queue: list[tuple[float, int, Turn]] = []  # (arrival, seq id, turn): ties by id
-    arrived = resume.arrived if resume is not None else frozenset()
-    ended = resume.ended_at if resume is not None else {}
-    for turn in workload.turns:
-        seq_id = turn.request.seq_id
-        if seq_id in arrived:
-            continue
-        if turn.follows < 0:
-            heapq.heappush(queue, (turn.arrival_s, seq_id, turn))
-        elif turn.follows in ended:
-            heapq.heappush(queue, (ended[turn.follows] + turn.think_s, seq_id, turn))
-        else:
-            followers.setdefault(turn.follows, []).append(turn)
-    pending = sorted(controls, key=lambda c: c[0])  # (stable: same-time controls in order)
-    clock = resume.clock if resume is not None else 0.0
-    outcome: list[ev.Event] = []
-    if resume is not None and not resume.plan.is_empty:
-        clock = _execute(executor, resume.plan, outcome, clock)
-    if resume is not None and external is not None:
-        outcome.extend(ExternalKV.recovered_inputs(engine))
-    summary = RunSummary()
-    steps = 0
-    # Overlapped steps: each step's outcome is an input of the step after next (the executor
-    # runs a step while the next one is planned).
-    pipelined = engine.config.speculation.pipelined
-    late: list[ev.Event] = []
+    drive = Drive(
+        engine,
+        executor,
+        workload,
+        on_step=on_step,
+        on_executed=on_executed,
+        resume=resume,
+        external=external,
+        controls=controls,
+    )
     try:
         for _ in range(max_steps):
-            if pipelined:
-                outcome, late = late, outcome
-            transfers = external.inputs() if external is not None else []
-            outcome.extend(transfers)
-            busy = engine.has_work or bool(outcome) or bool(late)
-            if not queue and not pending and not busy:
+            if not drive.advance():
                 break
-            if not busy:  # idle: jump to the next arrival or control
-                clock = max(clock, min([q[0] for q in queue[:1]] + [c[0] for c in pending[:1]]))
-            inputs: list[ev.Event] = list(outcome)
-            while queue and queue[0][0] <= clock:
-                at, _, turn = heapq.heappop(queue)
-                inputs.append(_replace_arrival(turn, at))
-            while pending and pending[0][0] <= clock:
-                inputs.append(pending.pop(0)[1])
-            result = engine.step(inputs, clock)
-            steps += 1
-            if on_step is not None:
-                on_step(result)
-            for done in _ended(result.decisions):
-                for turn in followers.pop(done, ()):
-                    heapq.heappush(queue, (clock + turn.think_s, turn.request.seq_id, turn))
-            outcome = []
-            clock = execute_step(executor, result, outcome, clock)
-            if outcome and on_executed is not None and isinstance(outcome[0], ev.StepExecuted):
-                on_executed(result, outcome[0], clock)
-            if external is not None:
-                external.after_step(result.decisions)
-                if result.plan.is_empty and not outcome:
-                    external.wait()  # only transfers are outstanding: do not spin
     except KeyboardInterrupt as exc:
         logged = engine.log.records if engine.log is not None else None
-        raise RunInterrupted(steps, logged) from exc
-    _fill(summary, engine, clock, time.perf_counter() - wall)
-    return summary
+        raise RunInterrupted(drive.steps, logged) from exc
+    return drive.summary(time.perf_counter() - wall)
+
+
+class Drive:
+    """One engine's run, a step at a time (``advance``): the loop of ``run``, which a
+    cluster (``replay.cluster``) interleaves across engines. It owns the run's arrival queue,
+    closed-loop followers, timed controls, the simulated clock and the outcomes not yet given
+    to the engine. ``add`` queues a turn that arrives at a given time (a router's choice);
+    ``on_ended(seq_id, clock)``, when set, is told of each request that ends instead of this
+    run releasing its own followers."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        executor: Executor,
+        workload: Workload,
+        *,
+        on_step: Callable[[StepResult], None] | None = None,
+        on_executed: Callable[[StepResult, ev.StepExecuted, float], None] | None = None,
+        resume: Resume | None = None,
+        external: ExternalKV | None = None,
+        controls: Sequence[tuple[float, ev.Event]] = (),
+    ) -> None:
+        self.engine, self.executor, self.external = engine, executor, external
+        self.on_step, self.on_executed = on_step, on_executed
+        self.on_ended: Callable[[int, float], None] | None = None
+        self.followers: dict[int, list[Turn]] = {}
+        self.queue: list[tuple[float, int, Turn]] = []  # (arrival, seq id, turn): ties by id
+        arrived = resume.arrived if resume is not None else frozenset()
+        ended = resume.ended_at if resume is not None else {}
+        for turn in workload.turns:
+            seq_id = turn.request.seq_id
+            if seq_id in arrived:
+                continue
+            if turn.follows < 0:
+                heapq.heappush(self.queue, (turn.arrival_s, seq_id, turn))
+            elif turn.follows in ended:
+                heapq.heappush(self.queue, (ended[turn.follows] + turn.think_s, seq_id, turn))
+            else:
+                self.followers.setdefault(turn.follows, []).append(turn)
+        # (stable: same-time controls in order)
+        self.pending = sorted(controls, key=lambda c: c[0])
+        self.clock = resume.clock if resume is not None else 0.0
+        self.outcome: list[ev.Event] = []
+        if resume is not None and not resume.plan.is_empty:
+            self.clock = _execute(executor, resume.plan, self.outcome, self.clock)
+        if resume is not None and external is not None:
+            self.outcome.extend(ExternalKV.recovered_inputs(engine))
+        self.steps = 0
+        # Overlapped steps: each step's outcome is an input of the step after next (the
+        # executor runs a step while the next one is planned).
+        self.pipelined = engine.config.speculation.pipelined
+        self.late: list[ev.Event] = []
+
+    def add(self, turn: Turn, at: float) -> None:
+        """Queue ``turn``, arriving at ``at``."""
+        heapq.heappush(self.queue, (at, turn.request.seq_id, turn))
+
+    @property
+    def busy(self) -> bool:
+        """Whether the engine has work, or outcomes or arrivals are still to be given to it."""
+        return self.engine.has_work or bool(self.outcome or self.late or self.queue or self.pending)
+
+    def advance(self) -> bool:
+        """One engine step (or the end of the run: False, nothing done)."""
+        engine, external = self.engine, self.external
+        if self.pipelined:
+            self.outcome, self.late = self.late, self.outcome
+        outcome = self.outcome
+        if external is not None:
+            outcome.extend(external.inputs())
+        busy = engine.has_work or bool(outcome) or bool(self.late)
+        queue, pending = self.queue, self.pending
+        if not queue and not pending and not busy:
+            return False
+        if not busy:  # idle: jump to the next arrival or control
+            nxt = [q[0] for q in queue[:1]] + [c[0] for c in pending[:1]]
+            self.clock = max(self.clock, min(nxt))
+        clock = self.clock
+        inputs: list[ev.Event] = list(outcome)
+        while queue and queue[0][0] <= clock:
+            at, _, turn = heapq.heappop(queue)
+            inputs.append(_replace_arrival(turn, at))
+        while pending and pending[0][0] <= clock:
+            inputs.append(pending.pop(0)[1])
+        result = engine.step(inputs, clock)
+        self.steps += 1
+        if self.on_step is not None:
+            self.on_step(result)
+        for done in _ended(result.decisions):
+            self._release(done, clock)
+        self.outcome = outcome = []
+        self.clock = execute_step(self.executor, result, outcome, clock)
+        if outcome and self.on_executed is not None and isinstance(outcome[0], ev.StepExecuted):
+            self.on_executed(result, outcome[0], self.clock)
+        if external is not None:
+            external.after_step(result.decisions)
+            if result.plan.is_empty and not outcome:
+                external.wait()  # only transfers are outstanding: do not spin
+        return True
+
+    def _release(self, seq_id: int, clock: float) -> None:
+        """A request ended at ``clock``: its followers arrive after their think time."""
+        if self.on_ended is not None:
+            self.on_ended(seq_id, clock)
+            return
+        for turn in self.followers.pop(seq_id, ()):
+            heapq.heappush(self.queue, (clock + turn.think_s, turn.request.seq_id, turn))
+
+    def summary(self, wall: float) -> RunSummary:
+        """The run's totals so far (``wall``: the seconds it took)."""
+        summary = RunSummary()
+        _fill(summary, self.engine, self.clock, wall)
+        return summary
 
 
 def execute_step(

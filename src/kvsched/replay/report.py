@@ -131,7 +131,7 @@ def _value_label(key: str, m: dict[str, Any]) -> str:
 # ----------------------------------------------------------------------- files
 
 
-def _pyplot() -> Any:
+def pyplot() -> Any:
     try:
         import matplotlib
     except ImportError as exc:  # pragma: no cover - the plots extra is missing
@@ -174,7 +174,7 @@ def write_report(
     out.mkdir(parents=True, exist_ok=True)
     write_json(out / "metrics.json", metrics)
     write_json(out / "timeseries.json", _downsample(series))
-    plt = _pyplot()
+    plt = pyplot()
     figures = (
         ttft_figure(ttft, title),
         cache_figure(metrics, series, title),
@@ -228,7 +228,7 @@ def _log_ms_axis(ax: Any, lo: float, hi: float) -> None:
 
 def ttft_figure(ttft: np.ndarray, title: str) -> Any:
     """TTFT histogram (log-spaced bins) and CDF in ms, p50/p90/p99 marked."""
-    plt = _pyplot()
+    plt = pyplot()
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
     ms = 1000 * np.asarray(ttft, dtype=np.float64)
     if len(ms):
@@ -258,7 +258,7 @@ def ttft_figure(ttft: np.ndarray, title: str) -> Any:
 def cache_figure(metrics: dict[str, Any], series: dict[str, np.ndarray], title: str) -> Any:
     """Hit rate per window and cumulative (the whole-trace sequential ideal as a mark at the
     cumulative line's end, where the two compare); cache use over time."""
-    plt = _pyplot()
+    plt = pyplot()
     clock = np.asarray(series["clock"], dtype=np.float64)
     usable = max(int(metrics["cache_blocks"]) - 1, 1)
     fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(12, 6.5), sharex=True, layout="constrained")
@@ -347,7 +347,7 @@ def _buckets(
 def queue_figure(series: dict[str, np.ndarray], title: str, buckets: int = QUEUE_BUCKETS) -> Any:
     """Running and waiting requests over time: each step when there are at most ``buckets``
     steps, else per time bucket the mean (line) and min-max range (band)."""
-    plt = _pyplot()
+    plt = pyplot()
     clock = np.asarray(series["clock"], dtype=np.float64)
     fig, ax = plt.subplots(figsize=(12, 4), layout="constrained")
     what = "per step"
@@ -380,7 +380,7 @@ def write_sweep(
     out.mkdir(parents=True, exist_ok=True)
     write_json(out / "sweep.json", {"key": key, "values": list(values), "runs": list(runs)})
     (out / SWEEP_TABLE).write_text(sweep_markdown(title, key, values, runs))
-    plt = _pyplot()
+    plt = pyplot()
     fig = sweep_figure(key, values, runs, title)
     fig.savefig(out / SWEEP_PLOT, dpi=DPI)
     plt.close(fig)
@@ -433,7 +433,7 @@ def sweep_figure(
     rate, TTFT p50 and TTFT p99 (ms), each from 0 to its data's peak; one line per checkpoint
     policy, each with its own colour, marker and dash, nudged sideways so that equal lines
     stay visible; one legend below the panels."""
-    plt = _pyplot()
+    plt = pyplot()
     policies = list(dict.fromkeys(m.get("checkpoint_policy", "") for m in runs))
     points = sweep_points(key, values, runs) if key else [("", 0)]
     # 13 inches holds 4 ticks a panel; each tick past 4 adds 0.9 inch a panel (3 panels)
@@ -489,7 +489,8 @@ def sweep_figure(
     handles, names = axes[0].get_legend_handles_labels()
     fig.legend(handles, names, loc="lower center", ncol=min(len(names), 5), frameon=False)
     swept = f": sweep of {key}" if key else ""
-    side = ", checkpoint policies side by side" if policies != [""] else ""
+    lines = "routes" if runs and "route" in runs[0] else "checkpoint policies"  # (a cluster's)
+    side = f", {lines} side by side" if policies != [""] else ""
     fig.suptitle(f"{title}{swept}{side}")
     rows = -(-len(names) // 5)
     fig.tight_layout(rect=(0, 0.04 + 0.05 * rows, 1, 1))

@@ -215,6 +215,17 @@ def test_vllm_adapter_options_come_from_additional_config_before_the_environment
         cfg.options(vc)
 
 
+def test_vllm_each_data_parallel_rank_past_the_first_writes_its_own_log(monkeypatch):
+    monkeypatch.setenv(cfg.LOG_ENV, "/tmp/run.kvlog")
+    vc = _vllm_config()
+    vc.parallel_config = NS(data_parallel_size=1, data_parallel_index=0)
+    assert cfg.options(vc)["log"] == "/tmp/run.kvlog"
+    vc.parallel_config = NS(data_parallel_size=1, data_parallel_index=1)  # (a dense model's)
+    assert cfg.options(vc)["log"] == "/tmp/run.dp1.kvlog"
+    monkeypatch.setenv(cfg.LOG_ENV, "/tmp/v1.0/run")
+    assert cfg.options(vc)["log"] == "/tmp/v1.0/run.dp1"
+
+
 def test_vllm_an_existing_log_path_is_refused_unless_overwrite_is_asked_for(tmp_path, monkeypatch):
     monkeypatch.delenv(cfg.OVERWRITE_ENV, raising=False)
     log = tmp_path / "run.kvlog"

@@ -55,6 +55,8 @@ def options(vllm_config: Any) -> dict[str, Any]:
     out = dict(mine)
     if "log" not in out and os.environ.get(LOG_ENV):
         out["log"] = os.environ[LOG_ENV]
+    if out.get("log"):
+        out["log"] = rank_log(str(out["log"]), vllm_config)
     if "overwrite_log" not in out:
         out["overwrite_log"] = os.environ.get(OVERWRITE_ENV, "") == "1"
     if "allow_untested_vllm" not in out:
@@ -65,6 +67,21 @@ def options(vllm_config: Any) -> dict[str, Any]:
                 f"kvsched option {flag} must be true or false, got {out[flag]!r}"
             )
     return out
+
+
+def rank_log(path: str, vllm_config: Any) -> str:
+    """The event log of this engine core: ``path`` for rank 0 (and without data
+    parallelism); under vLLM's data parallelism (a scheduler per rank, each with its own log)
+    rank ``r`` > 0 writes ``run.kvlog`` -> ``run.dpR.kvlog``, the rank being
+    ``parallel_config.data_parallel_index`` (the one vLLM's KV events carry; vLLM resets
+    ``data_parallel_size`` to 1 in each core of a dense model, never that index)."""
+    rank = int(getattr(getattr(vllm_config, "parallel_config", None), "data_parallel_index", 0))
+    if rank <= 0:
+        return path
+    root, dot, suffix = path.rpartition(".")
+    if not dot or "/" in suffix:
+        return f"{path}.dp{rank}"
+    return f"{root}.dp{rank}.{suffix}"
 
 
 def check_vllm_version(found: str, allow_untested: bool) -> str | None:
