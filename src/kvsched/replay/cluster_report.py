@@ -9,11 +9,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from kvsched.replay.report import DPI, pyplot
+from kvsched.replay.report import DPI, POLICY_COLOURS, pyplot
 
 ENGINES_TABLE = "engines.md"
 BALANCE_PLOT = "balance.png"
-_COLOURS = ("#228833", "#4477aa", "#cc3311", "#aa3377")
 
 
 def write_cluster(out_dir: str | Path, runs: Sequence[dict[str, Any]], title: str) -> list[Path]:
@@ -58,8 +57,9 @@ def balance_figure(runs: Sequence[dict[str, Any]], title: str) -> Any:
     most = max((m["engines"] for m in runs), default=1)
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.4))
     mine = [m for m in runs if m["engines"] == most]
-    for i, m in enumerate(mine):
-        colour = _COLOURS[i % len(_COLOURS)]
+    routes = list(dict.fromkeys(m["route"] for m in runs))  # (sweep.png's colours)
+    for m in mine:
+        colour = POLICY_COLOURS[routes.index(m["route"]) % len(POLICY_COLOURS)]
         for ax, key in zip(axes, ("requests", "prefill_tokens"), strict=True):
             values = sorted((e[key] for e in m["per_engine"]), reverse=True)
             ax.plot(range(len(values)), values, marker="o", color=colour, label=m["route"])

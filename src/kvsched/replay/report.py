@@ -387,7 +387,7 @@ def write_sweep(
     return [out / "sweep.json", out / SWEEP_TABLE, out / SWEEP_PLOT]
 
 
-_POLICY_COLOURS = ("#228833", "#4477aa", "#cc3311", "#aa3377", "#ccbb44", "#66ccee")
+POLICY_COLOURS = ("#228833", "#4477aa", "#cc3311", "#aa3377", "#ccbb44", "#66ccee")
 _MARKERS = ("o", "s", "^", "D", "v", "P")
 _LINES = ("-", "--", "-.", ":")
 
@@ -454,7 +454,7 @@ def sweep_figure(
             for m in mine
         ]
         style = {
-            "color": _POLICY_COLOURS[i % len(_POLICY_COLOURS)],
+            "color": POLICY_COLOURS[i % len(POLICY_COLOURS)],
             "marker": _MARKERS[i % len(_MARKERS)],
             "linestyle": _LINES[i % len(_LINES)],
             "label": policy or "replay",
