@@ -7,7 +7,7 @@ with ``kv_events_config`` publishing over loopback ZeroMQ, decodes every batch w
 ``KVEventBatch`` and prints, per scheduler: each group's kind, event counts by kind, the
 (token_ids, block_hashes, block_size) lengths of the mamba stores, the requests' cached
 tokens; then which state and attention names both streams stored (docs/vllm.md, "KV events
-for hybrid models").
+for hybrid models"; kvsched's group 0 carries its checkpoints as chains).
 """
 
 from __future__ import annotations
@@ -74,10 +74,16 @@ def main(argv: list[str]) -> int:
         print(scheduler, "counts", counts)
         print(scheduler, "cached tokens", {n: r["cached"] for n, r in requests.items()})
         attention = set().union(*(stored[g] for g, k in kinds.items() if k == "full_attention"))
-        states = [stored[g] for g, k in kinds.items() if k == "mamba"]
+        # group 0, which vllm-router scores, holds kvsched's checkpoints as chains (every
+        # block from the first): the state names are those of the other mamba groups
+        mamba = sorted(g for g, k in kinds.items() if k == "mamba")
+        states = [stored[g] for g in mamba if g != 0 or len(mamba) == 1]
         same = all(s == states[0] for s in states)
-        print(scheduler, f"{len(states[0])} state names; the same in every mamba group: {same};")
+        print(scheduler, f"{len(states[0])} state names; the same in mamba groups 1+: {same};")
         print(scheduler, f"every state name an attention name: {states[0] <= attention}")
+        if 0 in mamba and len(mamba) > 1:
+            covers = states[0] <= stored[0]
+            print(scheduler, f"group 0: {len(stored[0])} names, all states among them: {covers}")
         names[scheduler] = (attention, states[0])
     for i, what in enumerate(("attention", "state")):
         v, k = names["vllm"][i], names["kvsched"][i]

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from tests.replay.test_replay_cli import run_cli
 
-import kvsched.cli
 from kvsched.config import ModelSpec, SchedulerConfig
 from kvsched.engine import Engine, PrefixProbe, create_log
 from kvsched.events import types as ev
@@ -192,29 +192,12 @@ def _trace(tmp_path: Path) -> Path:
     return path
 
 
-def _cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
-    code = kvsched.cli.main(list(argv))
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
 def test_cli_cluster_replay_writes_one_log_per_engine_and_each_verifies(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ):
     trace, log = _trace(tmp_path), tmp_path / "run.kvlog"
-    code, out, _ = _cli(
-        capsys,
-        "replay",
-        str(trace),
-        "--engines",
-        "3",
-        "--route",
-        "kv_aware",
-        "--log",
-        str(log),
-        "--json",
-        "--quiet",
-    )
+    argv = f"--engines 3 --route kv_aware --log {log} --json --quiet".split()
+    code, out, _ = run_cli(capsys, "replay", str(trace), *argv)
     assert code == 0
     metrics = json.loads(out)["runs"][0]
     assert sum(metrics["requests_per_engine"]) == 10
@@ -222,7 +205,7 @@ def test_cli_cluster_replay_writes_one_log_per_engine_and_each_verifies(
     for k in range(3):
         path = tmp_path / f"run.e{k}.kvlog"
         steps += len(read_log(str(path)).records)
-        code, out, _ = _cli(capsys, "verify", str(path))
+        code, out, _ = run_cli(capsys, "verify", str(path))
         assert code == 0, out
     assert steps > 0
 
@@ -231,18 +214,8 @@ def test_cli_cluster_sweep_compares_routes_per_engine_count_in_a_table_and_a_plo
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ):
     trace, report = _trace(tmp_path), tmp_path / "report"
-    code, out, _ = _cli(
-        capsys,
-        "replay",
-        str(trace),
-        "--sweep",
-        "engines=1,3",
-        "--route",
-        "round_robin,kv_aware",
-        "--report",
-        str(report),
-        "--quiet",
-    )
+    argv = f"--sweep engines=1,3 --route round_robin,kv_aware --report {report} --quiet".split()
+    code, out, _ = run_cli(capsys, "replay", str(trace), *argv)
     assert code == 0
     lines = [line.split() for line in out.splitlines()[2:]]
     assert [(r[0], r[1]) for r in lines[:4]] == [
@@ -284,6 +257,6 @@ def test_cli_cluster_sweep_compares_routes_per_engine_count_in_a_table_and_a_plo
 def test_cli_cluster_options_that_cannot_work_exit_2_naming_the_option(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], argv: list[str], message: str
 ):
-    code, _, err = _cli(capsys, "replay", str(_trace(tmp_path)), *argv)
+    code, _, err = run_cli(capsys, "replay", str(_trace(tmp_path)), *argv)
     assert code == 2
     assert message in err

@@ -10,13 +10,26 @@ Hybrid models: vLLM 0.32 tags every event with the KV cache group it is about (`
 and a store with the group's kind (``kv_cache_spec_kind``: "full_attention", "mamba"). The
 attention blocks go out under the full-attention group. A kvsched checkpoint (the recurrent
 state after ``n`` tokens, block-aligned under vLLM's align mode) is what vLLM keeps as a
-mamba block: it is published when kvsched publishes it, once per mamba group, as a
-one-block ``BlockStored`` named by the request's block hash at the checkpoint's depth
-(``block_hashes[n // block_size - 1]``, the same name as the attention block ending there),
-and withdrawn (``BlockRemoved`` per mamba group) when it is evicted or released. vLLM's own
-mamba stores carry the tokens since the request's previous chunk end; kvsched's carry the
-checkpoint's own block (``token_ids`` = that block's tokens, ``parent_block_hash`` the block
-before it): a router keys on the hash and the group.
+mamba block: it is published when kvsched publishes it, once per mamba group, and withdrawn
+when it is evicted or released, in one of two forms:
+
+* **one block** (every mamba group but the routed one): a one-block ``BlockStored`` named by
+  the request's block hash at the checkpoint's depth (``block_hashes[n // block_size - 1]``,
+  the same name as the attention block ending there; ``token_ids`` that block's,
+  ``parent_block_hash`` the block before it), and ``BlockRemoved([name])`` when it goes. A
+  subscriber reading one such group has kvsched's checkpoint set exactly.
+* **the chain** (the routed group, ``ROUTED_GROUP``, when it is a mamba group: group 0, the
+  one vllm-router's kv_aware scores, and a mamba group in vLLM 0.32's hybrid layout): one
+  ``BlockStored`` carrying every block from the first to the checkpoint's (their names,
+  their ``token_ids``, ``parent_block_hash`` None), so a router that walks a prompt's blocks
+  from the first one credits exactly the prefixes a state lies at the end of, on the server
+  holding it. Blocks are counted per live checkpoint covering them; a ``BlockRemoved``
+  names the blocks (deepest first) that no live checkpoint covers any more. For a model
+  with a single mamba group (group 0) the chain form is the only one: the stream then says
+  which prefixes end in a state, or precede one, not exactly which checkpoints live.
+
+vLLM's own mamba stores carry the tokens since the request's previous chunk end; a router
+keys on the group and the tokens (vllm-router) or the hash (docs/several-engines.md).
 """
 
 from __future__ import annotations
@@ -40,6 +53,10 @@ def no_extra_keys(request: Any, first: int, count: int, block_size: int) -> None
 
 MEDIUM = "GPU"  # vLLM's BlockPool default (MEDIUM_GPU), which its KVCacheManager keeps
 FULL_ATTENTION, MAMBA = "full_attention", "mamba"  # vLLM's KVCacheSpecKind values
+# The KV cache group a KV-aware router scores: vllm-router 0.1.17's kv_aware indexes group 0
+# only (docs/several-engines.md, measured); checkpoints go there as chains when it is a
+# mamba group.
+ROUTED_GROUP = 0
 
 
 @dataclass(frozen=True)
@@ -50,16 +67,23 @@ class EventGroups:
     attention: int = 0
     mamba: tuple[int, ...] = ()
 
+    @property
+    def chain(self) -> int | None:
+        """The mamba group checkpoints are published to as chains (``ROUTED_GROUP`` when it
+        is a mamba group), None if none is."""
+        return ROUTED_GROUP if ROUTED_GROUP in self.mamba else None
+
 
 @dataclass(frozen=True)
 class _State:
-    """A reserved checkpoint's vLLM block: its name, its parent's, its tokens, its extra
-    keys, its session."""
+    """A reserved checkpoint's vLLM blocks: the names of the blocks from the first to its
+    own (``names[-1]``, its name), their tokens, the extra keys of its own block and of the
+    chain (None unless a chain group is published), its session."""
 
-    name: Any
-    parent: Any
+    names: list[Any]
     token_ids: list[int]
     extra_keys: Any
+    chain_extra_keys: Any
     session_id: str | None
 
 
@@ -87,6 +111,8 @@ class KVEventTranslator:
         )
         self.names: dict[bytes, Any] = {}  # kvsched block hash -> vLLM event hash
         self.states: dict[int, Any] = {}  # published checkpoint id -> vLLM event hash
+        self.chains: dict[int, list[Any]] = {}  # published checkpoint id -> its chain's names
+        self.covered: dict[Any, int] = {}  # chain-group name -> live checkpoints covering it
         self._reserved: dict[int, _State] = {}  # reserved, not yet published
 
     def translate(
@@ -104,6 +130,8 @@ class KVEventTranslator:
             elif isinstance(d, ev.CacheCleared):
                 self.names.clear()
                 self.states.clear()  # (vLLM's AllBlocksCleared clears every group)
+                self.chains.clear()
+                self.covered.clear()
                 out.append(self.cleared())
             elif self.groups.mamba:
                 out += self._checkpoint(d, request_of)
@@ -131,49 +159,113 @@ class KVEventTranslator:
         elif isinstance(d, ev.CheckpointAbandoned):
             self._reserved.pop(d.ckpt_id, None)
         elif isinstance(d, ev.CheckpointPublished):
-            s = self._reserved.pop(d.ckpt_id)
-            self.states[d.ckpt_id] = s.name
-            return [self._state_stored(s, g) for g in self.groups.mamba]
-        elif isinstance(d, (ev.CheckpointEvicted, ev.CheckpointReleased)):
-            name = self.states.pop(d.ckpt_id, None)
-            if name is not None:  # (None: withdrawn already by an AllBlocksCleared)
-                return [
-                    self.removed(block_hashes=[name], medium=MEDIUM, group_idx=g)
-                    for g in self.groups.mamba
-                ]
+            return self._published(d.ckpt_id, self._reserved.pop(d.ckpt_id))
+        elif (
+            isinstance(d, (ev.CheckpointEvicted, ev.CheckpointReleased))
+            and d.ckpt_id in self.states  # (else withdrawn already by an AllBlocksCleared)
+        ):
+            return self._withdrawn(d.ckpt_id)
         return []
 
+    def _published(self, ckpt_id: int, s: _State) -> list[Any]:
+        self.states[ckpt_id] = s.names[-1]
+        chain = self.groups.chain
+        if chain is not None:
+            self.chains[ckpt_id] = s.names
+            for name in s.names:
+                self.covered[name] = self.covered.get(name, 0) + 1
+        return [
+            self._chain_stored(s, g) if g == chain else self._state_stored(s, g)
+            for g in self.groups.mamba
+        ]
+
+    def _withdrawn(self, ckpt_id: int) -> list[Any]:
+        """The removals of a published checkpoint: its block in each one-block group; in the
+        chain group, the blocks of its chain no other live checkpoint covers (none: nothing)."""
+        name, chain = self.states.pop(ckpt_id), self.groups.chain
+        out = [
+            self.removed(block_hashes=[name], medium=MEDIUM, group_idx=g)
+            for g in self.groups.mamba
+            if g != chain
+        ]
+        if chain is not None:
+            uncovered = self._uncover(self.chains.pop(ckpt_id))
+            if uncovered:
+                out.insert(
+                    self.groups.mamba.index(chain),
+                    self.removed(block_hashes=uncovered, medium=MEDIUM, group_idx=chain),
+                )
+        return out
+
+    def _uncover(self, names: list[Any]) -> list[Any]:
+        """Drop one live checkpoint's cover of ``names``; the names left uncovered, deepest
+        first."""
+        gone = []
+        for name in reversed(names):
+            left = self.covered[name] - 1
+            if left:
+                self.covered[name] = left
+            else:
+                del self.covered[name]
+                gone.append(name)
+        return gone
+
     def _state(self, d: ev.CheckpointReserved, request: Any) -> _State:
-        """The vLLM block holding the state after ``d.num_tokens`` tokens of ``request``."""
+        """The vLLM blocks up to the state after ``d.num_tokens`` tokens of ``request``."""
         bs = self.block_size
         if d.num_tokens % bs or d.num_tokens <= 0:
             raise ValueError(
                 f"checkpoint {d.ckpt_id} after {d.num_tokens} tokens is not block-aligned "
                 f"(block {bs}): vLLM names a state by its whole block (align mode)"
             )
-        depth = d.num_tokens // bs - 1
-        hashes = request.block_hashes
+        blocks = d.num_tokens // bs
+        chained = self.groups.chain is not None
         return _State(
-            name=self.convert(hashes[depth]),
-            parent=self.convert(hashes[depth - 1]) if depth else None,
-            token_ids=list(request.all_token_ids[depth * bs : d.num_tokens]),
-            extra_keys=self.extra_keys(request, depth, 1, bs),
+            names=[self.convert(h) for h in request.block_hashes[:blocks]],
+            token_ids=list(request.all_token_ids[: d.num_tokens]),
+            extra_keys=self.extra_keys(request, blocks - 1, 1, bs),
+            chain_extra_keys=self.extra_keys(request, 0, blocks, bs) if chained else None,
             session_id=getattr(request, "session_id", None),
         )
 
     def _state_stored(self, s: _State, group: int) -> Any:
+        """The checkpoint's own block (the one-block form)."""
+        return self._mamba_stored(
+            s.names[-1:],
+            s.names[-2] if len(s.names) > 1 else None,
+            s.token_ids[-self.block_size :],
+            s.extra_keys,
+            s.session_id,
+            group,
+        )
+
+    def _chain_stored(self, s: _State, group: int) -> Any:
+        """Every block from the first to the checkpoint's (the chain form)."""
+        return self._mamba_stored(
+            s.names, None, s.token_ids, s.chain_extra_keys, s.session_id, group
+        )
+
+    def _mamba_stored(
+        self,
+        names: list[Any],
+        parent: Any,
+        token_ids: list[int],
+        extra_keys: Any,
+        session_id: str | None,
+        group: int,
+    ) -> Any:
         return self.stored(
-            block_hashes=[s.name],
-            parent_block_hash=s.parent,
-            token_ids=s.token_ids,
+            block_hashes=list(names),
+            parent_block_hash=parent,
+            token_ids=list(token_ids),
             block_size=self.block_size,
             lora_id=None,
             medium=MEDIUM,
             lora_name=None,
-            extra_keys=s.extra_keys,
+            extra_keys=extra_keys,
             group_idx=group,
             kv_cache_spec_kind=MAMBA,
-            session_id=s.session_id,
+            session_id=session_id,
         )
 
     # ------------------------------------------------------------------ attention blocks

@@ -5,6 +5,9 @@
         run(..., "--kv-events", listener.endpoint)
     listener.messages  # [(sequence number, msgpack payload), ...] in arrival order
 
+``Listener(connect=ENDPOINT)`` instead connects to a publisher that binds (a server whose
+endpoint makes vLLM bind, as ``cluster.kv_events_config`` does), beside any other subscriber.
+
 Needs ``pyzmq`` (vLLM's dependency).
 """
 
@@ -27,12 +30,13 @@ def free_port() -> int:
 
 
 class Listener:
-    """Binds a SUB socket on a free loopback port and collects every (sequence number,
-    payload) vLLM's ZMQ publisher sends, in a thread, from ``__enter__`` until ``__exit__``
-    (which drains what has arrived)."""
+    """Binds a SUB socket on a free loopback port (or connects it to ``connect``) and
+    collects every (sequence number, payload) vLLM's ZMQ publisher sends, in a thread, from
+    ``__enter__`` until ``__exit__`` (which drains what has arrived)."""
 
-    def __init__(self) -> None:
-        self.endpoint = f"tcp://127.0.0.1:{free_port()}"
+    def __init__(self, connect: str | None = None) -> None:
+        self.bind = connect is None
+        self.endpoint = connect or f"tcp://127.0.0.1:{free_port()}"
         self.messages: list[tuple[int, bytes]] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -55,7 +59,10 @@ class Listener:
 
         sub: Any = zmq.Context.instance().socket(zmq.SUB)
         sub.setsockopt(zmq.SUBSCRIBE, b"")
-        sub.bind(self.endpoint)
+        if self.bind:
+            sub.bind(self.endpoint)
+        else:
+            sub.connect(self.endpoint)
         poller = zmq.Poller()
         poller.register(sub, zmq.POLLIN)
         while not self._stop.is_set() or poller.poll(2 * POLL_MS):
