@@ -503,31 +503,48 @@ def _state_on(listener: Any, prefix: list[int], timeout: float = 120) -> tuple[i
 
 
 @pytest.fixture(scope="module")
-def hybrid_routed(hybrid_cluster: cl.Cluster) -> list[dict[str, Any]]:
-    """For each server in turn (the holder): the other server computes the prefix's first
-    block (plus a short tail), the holder the whole 3-block prefix, directly; once both
-    announced their states, ``FOLLOWERS`` requests extending the prefix (each its own
-    64-token tail) go through a kv_aware router, one at a time. The state after 3 blocks
-    then lives on the holder only; the other server's shallower state makes reaching the
-    holder a matter of credit, not of how the router breaks ties."""
+def hybrid_routed(hybrid_cluster: cl.Cluster) -> dict[str, list[dict[str, Any]]]:
+    """Per policy (kv_aware, then round_robin, each with prompts of its own), for each server
+    in turn (the holder): the other server computes the prefix's first block (plus a short
+    tail), the holder the whole 3-block prefix, directly; once both announced their states,
+    ``FOLLOWERS`` requests extending the prefix (each its own 64-token tail) go through the
+    router, one at a time. The state after 3 blocks then lives on the holder only; the other
+    server's shallower state makes reaching the holder a matter of credit, not of how the
+    router breaks ties."""
     from kvsched.integrations.vllm.listen import Listener
 
-    c, bs = hybrid_cluster, hybrid_cluster.block_size
+    c = hybrid_cluster
     listeners = [Listener(connect=e.events) for e in c.engines]
     for listener in listeners:
         listener.__enter__()
-    router = c.router("kv_aware")
-    out = []
+    try:
+        out = {
+            policy: _hybrid_followers(c, listeners, policy, 7000 + 1000 * k)
+            for k, policy in enumerate(("kv_aware", "round_robin"))
+        }
+    finally:
+        for listener in listeners:
+            listener.__exit__(None, None, None)
+    print("hybrid routed", out)
+    return out
+
+
+def _hybrid_followers(
+    c: cl.Cluster, listeners: list[Any], policy: str, seed: int
+) -> list[dict[str, Any]]:
+    bs, router, out = c.block_size, c.router(policy), []
     try:
         for holder, engine in enumerate(c.engines):
-            prefix, other = cw.tokens(3 * bs, 7000 + holder), 1 - holder
-            cl.complete(c.engines[other].url, c.model, prefix[:bs] + cw.tokens(8, 7050 + holder))
-            cl.complete(engine.url, c.model, prefix + cw.tokens(8, 7100 + holder))
+            prefix, other = cw.tokens(3 * bs, seed + holder), 1 - holder
+            cl.complete(
+                c.engines[other].url, c.model, prefix[:bs] + cw.tokens(8, seed + 50 + holder)
+            )
+            cl.complete(engine.url, c.model, prefix + cw.tokens(8, seed + 100 + holder))
             shallow, _ = _state_on(listeners[other], prefix)
             state, store = _state_on(listeners[holder], prefix)
             for f in range(FOLLOWERS):
                 before = c.counters()
-                prompt = prefix + cw.tokens(64, 7200 + 10 * holder + f)
+                prompt = prefix + cw.tokens(64, seed + 200 + 10 * holder + f)
                 reached, _ = c.send(router.url, prompt)
                 hits = _hits(c, reached, before[reached])
                 out.append(
@@ -537,9 +554,6 @@ def hybrid_routed(hybrid_cluster: cl.Cluster) -> list[dict[str, Any]]:
             out[-1]["store"] = (len(store.block_hashes), store.block_size, store.parent_block_hash)
     finally:
         router.stop()
-        for listener in listeners:
-            listener.__exit__(None, None, None)
-    print("hybrid routed", out)
     return out
 
 
@@ -550,16 +564,26 @@ def _hits(c: cl.Cluster, i: int, before: dict[str, float]) -> float:
 def test_vllm_router_sends_requests_sharing_a_hybrid_prefix_to_the_one_server_with_its_state(
     hybrid_routed,
 ):
-    assert {r["holder"] for r in hybrid_routed} == set(range(HYBRID_SERVERS))
-    assert [r["reached"] for r in hybrid_routed] == [r["holder"] for r in hybrid_routed]
-    assert all(r["hits"] == r["state"] > r["other"] > 0 for r in hybrid_routed)  # resumed there
+    routed = hybrid_routed["kv_aware"]
+    assert {r["holder"] for r in routed} == set(range(HYBRID_SERVERS))
+    assert [r["reached"] for r in routed] == [r["holder"] for r in routed]
+    assert all(r["hits"] == r["state"] > r["other"] > 0 for r in routed)  # resumed there
+
+
+def test_vllm_router_kv_aware_resumes_more_hybrid_tokens_than_round_robin_on_the_same_servers(
+    hybrid_routed,
+):
+    kv, rr = hybrid_routed["kv_aware"], hybrid_routed["round_robin"]
+    assert len(kv) == len(rr) == HYBRID_SERVERS * FOLLOWERS
+    assert sum(r["reached"] != r["holder"] for r in rr) > 0  # round robin misses the state
+    assert sum(r["hits"] for r in kv) > sum(r["hits"] for r in rr)
 
 
 def test_vllm_router_sees_a_hybrid_servers_state_as_its_chain_from_the_first_block(
     hybrid_routed,
 ):
     bs = cl.HYBRID_BLOCK_SIZE
-    for r in hybrid_routed[FOLLOWERS - 1 :: FOLLOWERS]:
+    for r in hybrid_routed["kv_aware"][FOLLOWERS - 1 :: FOLLOWERS]:
         assert r["store"] == (r["state"] // bs, bs, None)  # every block to the state's, no parent
 
 
