@@ -7,6 +7,7 @@ publishes its KV events on its own port, tagged with its rank."""
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -103,7 +104,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         ),
     ]
     env = {
-        **__import__("os").environ,
+        **os.environ,
         "KVSCHED_VLLM_LOG": str(log),
         "VLLM_CPU_KVCACHE_SPACE": "1",
         "VLLM_CPU_OMP_THREADS_BIND": "nobind",
@@ -160,7 +161,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         try:
             proc.wait(timeout=120)
         except subprocess.TimeoutExpired:
-            __import__("os").killpg(proc.pid, 9)
+            os.killpg(proc.pid, 9)
             proc.wait()
     return {"answers": answers, "seen": seen, "log": log, "events": events}
 
