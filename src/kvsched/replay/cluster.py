@@ -34,7 +34,6 @@ is folded from what engines report back: a first token ends a request's prefill,
 
 from __future__ import annotations
 
-import hashlib
 import heapq
 import time
 from collections.abc import Callable, Sequence
@@ -45,6 +44,7 @@ import numpy as np
 
 from kvsched.engine import Engine, StepResult
 from kvsched.events import types as ev
+from kvsched.identity import DIGEST_SIZE, HashChain, chain_packed
 from kvsched.replay.driver import Drive, Executor
 from kvsched.replay.metrics import Recorder, ReplayResult, percentile
 from kvsched.replay.workload import Turn, Workload
@@ -54,6 +54,9 @@ OVERLAP_WEIGHT = 1.0  # Dynamo's kv_overlap_score_weight default
 # cache_aware's defaults (SGLang's router, SMG and vllm-router: --cache-threshold,
 # --balance-abs-threshold, --balance-rel-threshold)
 CACHE_THRESHOLD, BALANCE_ABS, BALANCE_REL = 0.3, 64, 1.5
+# cache_aware names the prompt blocks it sent by their token chain alone (one namespace: the
+# router sees tokens, not adapters or salts), with kvsched's block identity kernel
+IDENTITY, ROOT = "kvs128", bytes(DIGEST_SIZE)
 
 
 class Router:
@@ -121,12 +124,12 @@ class Router:
         requests differ by more than 64 and by more than 1.5 times); else the engine matching
         the longest prefix if it matches more than 30 % of the prompt; else the engine whose
         record is smallest (the most room)."""
-        keys = block_keys(request.prompt, self.bs)
+        keys = HashChain(chain_packed(IDENTITY, ROOT, ROOT, request.prompt, self.bs))
         loads, n = self.outstanding, len(self.engines)
         if max(loads) - min(loads) > BALANCE_ABS and max(loads) > BALANCE_REL * min(loads):
             k = self._least_loaded()
         else:
-            matched = [_matched(tree, keys) for tree in self.trees]
+            matched = [keys.longest_prefix_in(tree, len(keys)) for tree in self.trees]
             k = min(range(n), key=lambda k: (-matched[k], loads[k], self.sent[k], k))
             if matched[k] * self.bs <= CACHE_THRESHOLD * len(request.prompt):
                 sizes = [len(tree) for tree in self.trees]
@@ -148,25 +151,6 @@ class Router:
         if k >= 0:
             self.outstanding[k] -= 1
             self.blocks[k] -= blocks
-
-
-def block_keys(prompt: np.ndarray, block_size: int) -> list[bytes]:
-    """A name per full block of ``prompt`` that names its whole prefix (a hash chain)."""
-    tokens = np.asarray(prompt, dtype=np.int32)
-    keys, prev = [], b""
-    for i in range(len(tokens) // block_size):
-        block = tokens[i * block_size : (i + 1) * block_size].tobytes()
-        prev = hashlib.blake2b(prev + block, digest_size=16).digest()
-        keys.append(prev)
-    return keys
-
-
-def _matched(tree: set[bytes], keys: list[bytes]) -> int:
-    """How many leading blocks of ``keys`` ``tree`` holds."""
-    for i, key in enumerate(keys):
-        if key not in tree:
-            return i
-    return len(keys)
 
 
 @attrs.frozen
