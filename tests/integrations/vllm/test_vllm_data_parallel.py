@@ -13,7 +13,6 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -25,8 +24,9 @@ pytest.importorskip(
 )
 
 import msgspec
-import zmq
 
+from kvsched.integrations.vllm import cluster as cl
+from kvsched.integrations.vllm.listen import Listener
 from kvsched.integrations.vllm.models import build
 
 HOST = "127.0.0.1"
@@ -54,35 +54,6 @@ def _free(port: int) -> bool:
     return True
 
 
-def _post(url: str, body: dict[str, Any]) -> dict[str, Any]:
-    data = json.dumps(body).encode()
-    req = urllib.request.Request(url, data, {"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=300) as resp:
-        out: dict[str, Any] = json.loads(resp.read())
-    return out
-
-
-def _listen(ports: list[int], seen: dict[int, set[int]], stop: threading.Event) -> None:
-    """Collect the ``data_parallel_rank`` of every KV event batch, per events port."""
-    ctx = zmq.Context.instance()
-    subs = {}
-    for port in ports:
-        sub = ctx.socket(zmq.SUB)
-        sub.setsockopt(zmq.SUBSCRIBE, b"")
-        sub.connect(f"tcp://{HOST}:{port}")
-        subs[sub] = port
-    poller = zmq.Poller()
-    for sub in subs:
-        poller.register(sub, zmq.POLLIN)
-    while not stop.is_set():
-        for sub, _ in poller.poll(100):
-            _topic, _seq, payload = sub.recv_multipart()
-            batch = msgspec.msgpack.decode(payload)
-            seen.setdefault(subs[sub], set()).add(batch[-1])
-    for sub in subs:
-        sub.close(0)
-
-
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """A DP=2 server under kvsched: every request's answer, the rank tags seen on each
@@ -91,17 +62,13 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     model = build("qwen3", out / "model")
     port, events = _free_port(), _free_port(RANKS)
     log = out / "run.kvlog"
-    endpoint = f"tcp://[::ffff:{HOST}]:{events}"  # (vLLM binds it: docs/several-engines.md)
     cmd = [
         *(sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model)),
         *("--scheduler-cls", "kvsched.integrations.vllm.Scheduler"),
         *("--host", HOST, "--port", str(port), "--block-size", "32", "--enforce-eager"),
         *("--data-parallel-size", str(RANKS), "--data-parallel-address", HOST),
         *("--max-model-len", "1024", "--max-num-seqs", "4", "--dtype", "float32"),
-        "--kv-events-config",
-        json.dumps(
-            {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": endpoint, "topic": ""}
-        ),
+        *("--kv-events-config", cl.kv_events_config(events)),  # (bound: several-engines.md)
     ]
     env = {
         **os.environ,
@@ -118,23 +85,18 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         text=True,
         start_new_session=True,
     )
-    seen: dict[int, set[int]] = {}
-    stop = threading.Event()
+    listeners = [Listener(connect=f"tcp://{HOST}:{events + r}") for r in range(RANKS)]
     try:
         base = f"http://{HOST}:{port}"
         deadline = time.monotonic() + 900
         while True:
-            try:
-                urllib.request.urlopen(base + "/health", timeout=2)
+            if cl.healthy(base):
                 break
-            except OSError:
-                assert proc.poll() is None, proc.stderr.read()[-4000:]  # type: ignore[union-attr]
-                assert time.monotonic() < deadline, "the DP server did not start in 15 min"
-                time.sleep(1)
-        listener = threading.Thread(
-            target=_listen, args=([events + r for r in range(RANKS)], seen, stop), daemon=True
-        )
-        listener.start()
+            assert proc.poll() is None, proc.stderr.read()[-4000:]  # type: ignore[union-attr]
+            assert time.monotonic() < deadline, "the DP server did not start in 15 min"
+            time.sleep(1)
+        for listener in listeners:
+            listener.__enter__()
         time.sleep(1)  # (the subscriptions take effect)
         answers: dict[int, dict[str, Any]] = {}
 
@@ -147,7 +109,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
                 "temperature": 0,
                 "ignore_eos": True,
             }
-            answers[i] = _post(base + "/v1/completions", body)
+            answers[i] = cl.post(base + "/v1/completions", body)
 
         threads = [threading.Thread(target=ask, args=(i,)) for i in range(REQUESTS)]
         for t in threads:
@@ -156,13 +118,19 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
             t.join(timeout=600)
         time.sleep(1)
     finally:
-        stop.set()
+        for listener in listeners:
+            listener.__exit__(None, None, None)
         proc.terminate()
         try:
             proc.wait(timeout=120)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, 9)
             proc.wait()
+    seen = {  # the data_parallel_rank of every KV event batch, per events port
+        events + r: {msgspec.msgpack.decode(payload)[-1] for _, payload in listener.messages}
+        for r, listener in enumerate(listeners)
+        if listener.messages
+    }
     return {"answers": answers, "seen": seen, "log": log, "events": events}
 
 

@@ -546,7 +546,7 @@ def _hybrid_followers(
                 before = c.counters()
                 prompt = prefix + cw.tokens(64, seed + 200 + 10 * holder + f)
                 reached, _ = c.send(router.url, prompt)
-                hits = _hits(c, reached, before[reached])
+                hits = c.hits_since(reached, before)
                 out.append(
                     {"holder": holder, "state": state, "other": shallow, "reached": reached}
                     | {"hits": hits}
@@ -555,10 +555,6 @@ def _hybrid_followers(
     finally:
         router.stop()
     return out
-
-
-def _hits(c: cl.Cluster, i: int, before: dict[str, float]) -> float:
-    return cl.counters(c.engines[i].url)["hits"] - before["hits"]
 
 
 def test_vllm_router_sends_requests_sharing_a_hybrid_prefix_to_the_one_server_with_its_state(

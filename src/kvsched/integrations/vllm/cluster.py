@@ -385,6 +385,10 @@ class Cluster:
     def counters(self) -> list[dict[str, float]]:
         return [counters(e.url) if e.alive() else {} for e in self.engines]
 
+    def hits_since(self, i: int, before: list[dict[str, float]]) -> float:
+        """Server ``i``'s prefix-hit tokens since ``before`` (a ``counters()`` snapshot)."""
+        return counters(self.engines[i].url)["hits"] - before[i]["hits"]
+
     def send(self, url: str, prompt: list[int], max_tokens: int = 4) -> tuple[int, dict[str, Any]]:
         """Send one request to ``url`` with nothing else in flight; returns the index of the
         server that finished it (its finished-request counter moved) and the response."""

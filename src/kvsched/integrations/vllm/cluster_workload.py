@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvsched.integrations.vllm.cluster import Cluster, answer_ids, complete, counters, vocabulary
+from kvsched.integrations.vllm.cluster import Cluster, answer_ids, complete, vocabulary
 
 
 @dataclass(frozen=True)
@@ -31,10 +31,6 @@ def tokens(n: int, seed: int, vocab: int = 500) -> list[int]:
         x = (x * 6364136223846793005 + 1442695040888963407) % 2**64
         out.append(3 + (x >> 33) % (vocab - 3))
     return out
-
-
-def _hits(cluster: Cluster, i: int, before: dict[str, float]) -> float:
-    return counters(cluster.engines[i].url)["hits"] - before["hits"]
 
 
 def shared_prefix_prompts(
@@ -67,7 +63,7 @@ def shared_prefixes(
             continue
         before = cluster.counters()
         reached, _ = cluster.send(router_url, prompt)
-        hits = _hits(cluster, reached, before[reached])
+        hits = cluster.hits_since(reached, before)
         out.append(Routed(name, p % n, prefix_len, reached, hits))
     return out
 
@@ -84,7 +80,7 @@ def sessions(
         for t in range(turns):
             before = cluster.counters()
             reached, response = cluster.send(router_url, prompt, max_tokens=8)
-            hits = _hits(cluster, reached, before[reached])
+            hits = cluster.hits_since(reached, before)
             out.append(Routed(f"session{s}-turn{t}", holder, held, reached, hits))
             holder, held = reached, len(prompt) // bs * bs
             prompt = prompt + answer_ids(response, vocab) + tokens(bs, seed * 1000 + 800 + t)

@@ -77,7 +77,8 @@ class EventGroups:
 @dataclass(frozen=True)
 class _State:
     """A reserved checkpoint's vLLM blocks: the names of the blocks from the first to its
-    own (``names[-1]``, its name), their tokens, the extra keys of its own block and of the
+    own (``names[-1]``, its name; without a chain group only its parent's and its own), their
+    tokens (without a chain group its own block's), the extra keys of its own block and of the
     chain (None unless a chain group is published), its session."""
 
     names: list[Any]
@@ -220,9 +221,11 @@ class KVEventTranslator:
             )
         blocks = d.num_tokens // bs
         chained = self.groups.chain is not None
+        # (without a chain group only the state's block and its parent are published)
+        first, tokens_from = (0, 0) if chained else (max(0, blocks - 2), d.num_tokens - bs)
         return _State(
-            names=[self.convert(h) for h in request.block_hashes[:blocks]],
-            token_ids=list(request.all_token_ids[: d.num_tokens]),
+            names=[self.convert(h) for h in request.block_hashes[first:blocks]],
+            token_ids=list(request.all_token_ids[tokens_from : d.num_tokens]),
             extra_keys=self.extra_keys(request, blocks - 1, 1, bs),
             chain_extra_keys=self.extra_keys(request, 0, blocks, bs) if chained else None,
             session_id=getattr(request, "session_id", None),
