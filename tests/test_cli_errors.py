@@ -49,15 +49,6 @@ def test_logging_to_a_full_device_is_one_error_line(capsys: pytest.CaptureFixtur
     assert err == "kvsched: error: cannot write event log /dev/full: No space left on device\n"
 
 
-def test_a_pipelined_demo_with_a_kv_store_is_one_error_line_naming_both(
-    capsys: pytest.CaptureFixture[str],
-) -> None:
-    code, out, err = run_cli(capsys, "demo", "--pipelined", "--external", "--quiet")
-    assert (code, out) == (2, "")
-    assert err.startswith("kvsched: error: --pipelined") and "--external" in err
-    assert err.count("\n") == 1
-
-
 def _limit_file_size(limit: int) -> None:
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG
     resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))

@@ -42,6 +42,7 @@ from kvsched.events.codec import SCHEMA_VERSION
 from kvsched.gpu.sim import SimulatedExecutor
 from kvsched.policy.scheduler import Policy
 from kvsched.policy.transfers import Transfers
+from kvsched.reducers.rows import RowTable
 from kvsched.reducers.transfers import TransferTable
 from kvsched.statemachines import CkptState, LoadState, SeqState
 
@@ -745,6 +746,73 @@ ExternalKVMachineUnderVllmStore.TestCase.settings = ExternalKVMachine.TestCase.s
 TestExternalKVStateMachineUnderVllmStore = ExternalKVMachineUnderVllmStore.TestCase
 
 
+# ---------------------------------------------------------------------- overlapped steps
+
+
+class _Overlapped:
+    """Overlapped steps (``speculation.pipelined``, vLLM's async scheduling) for a machine
+    above: each step's outcome is an input of the step after next, so every step is planned
+    while the one before runs, with the store's reports, faults, aborts and drains between."""
+
+    config: SchedulerConfig
+    engine: Engine
+    outcome: list[ev.Event]
+
+    def _overlap(self) -> None:
+        speculation = attrs.evolve(self.config.speculation, pipelined=True)
+        self.config = attrs.evolve(self.config, speculation=speculation)
+        self.engine = Engine(self.config, check_invariants=True)
+        self.older: list[ev.Event] = []  # the outcome of the step before the latest
+
+    def _step(self, reports: Reports = (), **kw: Any) -> tuple[ev.Event, ...]:
+        newer, self.outcome = self.outcome, self.older
+        decisions: tuple[ev.Event, ...] = super()._step(reports, **kw)  # type: ignore[misc]
+        self.older, self.outcome = newer, self.outcome
+        return decisions
+
+
+class ExternalKVMachinePipelined(_Overlapped, ExternalKVMachine):
+    """kvsched's own engine with external KV and overlapped steps: loads, lookups and saves
+    (hybrid states too) while a step is out."""
+
+    @initialize(**EXTERNAL_CONFIGS)
+    def start(self, **kw) -> None:  # type: ignore[no-untyped-def]
+        super().start(**kw)
+        self._overlap()
+
+
+class ExternalKVMachineUnderVllmAsync(_Overlapped, ExternalKVMachineUnderVllm):
+    """The vLLM adapter's configuration with a KV connector under vLLM's async scheduling."""
+
+    @initialize(**EXTERNAL_CONFIGS)
+    def start(self, **kw) -> None:  # type: ignore[no-untyped-def]
+        super().start(**kw)
+        self._overlap()
+
+
+class ExternalKVMachineUnderVllmStorePipelined(_Overlapped, ExternalKVMachineUnderVllmStore):
+    """Blocks cached at planning, kvsched deciding its saves, overlapped steps: a save reads
+    only blocks an outcome that landed wrote (not those a step still out writes)."""
+
+    @initialize(**EXTERNAL_CONFIGS)
+    def start(self, **kw) -> None:  # type: ignore[no-untyped-def]
+        super().start(**kw)
+        self._overlap()
+
+
+for _machine in (
+    ExternalKVMachinePipelined,
+    ExternalKVMachineUnderVllmAsync,
+    ExternalKVMachineUnderVllmStorePipelined,
+):
+    _machine.TestCase.settings = ExternalKVMachine.TestCase.settings
+TestExternalKVStateMachinePipelined = ExternalKVMachinePipelined.TestCase
+TestExternalKVStateMachineUnderVllmAsync = ExternalKVMachineUnderVllmAsync.TestCase
+TestExternalKVStateMachineUnderVllmStorePipelined = (
+    ExternalKVMachineUnderVllmStorePipelined.TestCase
+)
+
+
 # ------------------------------------------------------------------------ planted bugs
 
 
@@ -1010,3 +1078,21 @@ def test_a_prefill_turn_that_admits_under_blocks_cached_when_planned_does_not_de
     machine.load_burst(depth=1, n=2, ok=False, prefix=0, synchronous=False, sync_loads=False)
     machine.run_steps(n=1, store="silent")
     machine.teardown()
+
+
+def test_a_save_of_blocks_a_step_still_out_writes_is_caught(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Overlapped steps with blocks cached at planning: a save that reads every indexed
+    block (not only those a landed outcome wrote) reads KV a step still out writes."""
+
+    def every_indexed_block(self: RowTable, rows: np.ndarray) -> np.ndarray:
+        return self.registered[rows]  # type: ignore[no-any-return]
+
+    assert_machine_catches(
+        monkeypatch,
+        ExternalKVMachineUnderVllmStorePipelined,
+        RowTable,
+        "written_blocks",
+        every_indexed_block,
+    )

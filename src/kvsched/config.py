@@ -376,7 +376,6 @@ class SchedulerConfig:
         if self.speculation.pipelined:  # (not in the first cut of overlapped steps)
             for name, on in (
                 ("speculation.tokens", self.speculation.tokens),
-                ("external.enabled", self.external.enabled),
                 ("model.routed_experts_per_token", self.model.routed_experts_per_token),
             ):
                 if on:

@@ -199,6 +199,11 @@ class Engine:
         transfers = self.state.transfers
         return transfers.in_flight_loads(), sorted(transfers.leases)
 
+    def connector_holds(self) -> list[int]:
+        """Sequences whose blocks a connector still sends after their end (``KVHoldRequested``
+        until ``KVHoldReleased``)."""
+        return sorted(self.state.transfers.holds)
+
     def step(
         self, inputs: Sequence[ev.Event], clock: float, lookups: LookupPort | None = None
     ) -> StepResult:

@@ -58,11 +58,6 @@ from kvsched.replay.traces import FORMATS, detect_format
 def _check_demo(args: argparse.Namespace) -> None:
     """Everything ``demo`` checks before its first step."""
     check_run_options(args)
-    if args.pipelined and args.external:
-        raise SetupError(
-            "--pipelined (overlapped steps) runs without a KV store: drop --external or "
-            "--pipelined"
-        )
     check_output("--log", args.log, args.overwrite)
     check_report(args.report, args.overwrite)
 

@@ -153,8 +153,10 @@ class Transfers:
                 self._save(state, seq, step // self.bs, c.ckpt_id, c.slot, emit)
             return
         rows = t.schedulable_rows()
-        for row in t.rows_to_save(rows).tolist():
-            self._save(state, t.seq_at(row), t.registered_at(row), -1, -1, emit)
+        saving = t.rows_to_save(rows)
+        ends = t.written_blocks(saving).tolist()
+        for row, end in zip(saving.tolist(), ends, strict=True):
+            self._save(state, t.seq_at(row), end, -1, -1, emit)
 
     def _save(
         self, state: EngineState, seq: Seq, end: int, ckpt: int, slot: int, emit: Emit

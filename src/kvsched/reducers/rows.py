@@ -286,9 +286,22 @@ class RowTable:
         return np.concatenate([table[row, first:last] for row, first, last in spans])
 
     def rows_to_save(self, rows: np.ndarray) -> np.ndarray:
-        """Those of ``rows`` with indexed blocks not yet in the store nor being saved."""
-        out: np.ndarray = rows[self.registered[rows] > self.saved[rows]]
+        """Those of ``rows`` with written indexed blocks not yet in the store nor being
+        saved."""
+        out: np.ndarray = rows[self.written_blocks(rows) > self.saved[rows]]
         return out
+
+    def written_blocks(self, rows: np.ndarray) -> np.ndarray:
+        """Each row's leading indexed blocks whose KV is written: all of them; with
+        overlapped steps (blocks indexed at planning under ``cache_when_planned``) not those
+        a step in flight writes."""
+        if not self.pipelined:
+            indexed: np.ndarray = self.registered[rows]
+            return indexed
+        written: np.ndarray = np.minimum(
+            self.registered[rows], self.cacheable()[rows] // self.block_size
+        )
+        return written
 
     def peek_free_row(self) -> int:
         return self.free_rows[-1] if self.free_rows else FREE_ROW

@@ -179,18 +179,25 @@ def test_vllm_kvsched_connector_refuses_malformed_options_with_the_reason(extra,
     "change, message",
     [
         ({"kv": (FullAttentionSpec, MambaSpec)}, "ExampleConnector .* hybrid model"),
-        ({"async": True}, "ExampleConnector .* async scheduling"),
         ({"lookahead": 3, "eagle": True}, "ExampleConnector .* drafter that writes KV"),
+        ({"async": True, "name": "KvschedConnector"}, "KvschedConnector .* async scheduling"),
     ],
 )
 def test_vllm_a_kv_connector_is_refused_where_kvsched_cannot_serve_it_with_the_reason(
     change: dict, message: str
 ):
     vc = _with_connector(_vllm_config(async_scheduling=change.get("async", False)))
+    vc.kv_transfer_config.kv_connector = change.get("name", "ExampleConnector")
     if change.get("eagle"):
         vc.speculative_config, vc.num_lookahead_tokens = _spec(eagle=True), change["lookahead"]
     with pytest.raises(cfg.UnsupportedConfig, match=message):
         cfg.scheduler_config(vc, _kv_cache(*change.get("kv", (FullAttentionSpec,))), 32)
+
+
+def test_vllm_a_kv_connector_under_async_scheduling_runs_on_overlapped_steps():
+    vc = _with_connector(_vllm_config(async_scheduling=True))
+    config = cfg.scheduler_config(vc, _kv_cache(FullAttentionSpec), 32)
+    assert config.speculation.pipelined and config.external_load and not config.external_save
 
 
 def test_vllm_ngram_speculative_decoding_sets_the_drafts_and_the_prefill_budget():

@@ -48,10 +48,13 @@ class Queries:
 
     def has_finished_requests(self) -> bool:
         # Folds still owed to kvsched (an outcome, aborts) count: the engine keeps stepping
-        # until kvsched has retired what vLLM already finished, and while kvsched's loads
-        # or saves are in flight (the last request's saves land; their leases are freed).
+        # until kvsched has retired what vLLM already finished, while kvsched's loads or
+        # saves are in flight (the last request's saves land; their leases are freed), and
+        # while a connector still sends a finished request's blocks (as vLLM's scheduler
+        # keeps such a request: the worker reports the send in a later step's output).
         owed = self._finished_ids or self._inputs or self._errors or self._expected
-        return bool(owed) or (self.kv is not None and any(self.engine.transfers_in_flight()))
+        saving = self.kv is not None and any(self.engine.transfers_in_flight())
+        return bool(owed) or saving or bool(self.engine.connector_holds())
 
     def get_request_counts(self) -> tuple[int, int]:
         t = self.engine.state.seqs  # (waiting: also those whose grammar compiles, as vLLM's)
