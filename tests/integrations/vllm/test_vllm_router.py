@@ -9,7 +9,8 @@ requests run on every server. The survivors are stopped and their kvsched logs v
 Hybrid models (at the end, once those servers are stopped): what vllm-router's kv_aware
 credits of a hybrid model's KV events, with fake workers fed the adapter's translator; then
 two tiny Qwen3-Next servers under kvsched, where a prefix whose state lives on one server
-only is followed there.
+only is followed there; then one of them is killed while requests run on both, and the
+survivor's log is verified.
 """
 
 from __future__ import annotations
@@ -148,15 +149,15 @@ def _wait_unhealthy(router_url: str, url: str, timeout: float = 60) -> float:
     return time.monotonic() - start
 
 
-@pytest.fixture(scope="module")
-def killed(cluster: cl.Cluster, runs: Any) -> dict[str, Any]:
-    """Two long requests per server (each sharing a prefix held there) through a kv_aware
-    router checking health every second; once all run, the last server is SIGKILLed."""
+def _kill_one(cluster: cl.Cluster, prefix_blocks: int, seed: int) -> dict[str, Any]:
+    """Two long requests per server (each sharing a prefix of ``prefix_blocks`` blocks held
+    there) through a kv_aware router checking health every second; once all run, the last
+    server is SIGKILLed; then two more requests per prefix go through the router."""
     router = cluster.router("kv_aware", health_interval=1, failures=2)
-    victim, bs = cluster.engines[-1], cluster.block_size
-    prefixes = [cw.tokens(4 * bs, 9000 + i) for i in range(SERVERS)]
+    victim, bs, servers = cluster.engines[-1], cluster.block_size, len(cluster.engines)
+    prefixes = [cw.tokens(prefix_blocks * bs, seed + i) for i in range(servers)]
     for engine, prefix in zip(cluster.engines, prefixes, strict=True):
-        cl.complete(engine.url, cluster.model, prefix + cw.tokens(8, 9100))
+        cl.complete(engine.url, cluster.model, prefix + cw.tokens(8, seed + 100))
     outcomes: dict[int, Any] = {}
     threads = [
         threading.Thread(
@@ -164,12 +165,12 @@ def killed(cluster: cl.Cluster, runs: Any) -> dict[str, Any]:
             args=(
                 router.url,
                 cluster.model,
-                prefixes[k % SERVERS] + cw.tokens(bs, 9200 + k),
+                prefixes[k % servers] + cw.tokens(64, seed + 200 + k),
                 outcomes,
                 k,
             ),
         )
-        for k in range(2 * SERVERS)
+        for k in range(2 * servers)
     ]
     for t in threads:
         t.start()
@@ -179,11 +180,12 @@ def killed(cluster: cl.Cluster, runs: Any) -> dict[str, Any]:
         t.join(timeout=300)
     unhealthy_after = _wait_unhealthy(router.url, victim.url)
     after = [
-        cluster.send(router.url, prefixes[k % SERVERS] + cw.tokens(bs, 9300 + k))[0]
-        for k in range(2 * SERVERS)
+        cluster.send(router.url, prefixes[k % servers] + cw.tokens(64, seed + 300 + k))[0]
+        for k in range(2 * servers)
     ]
     router.stop()
     return {
+        "servers": servers,
         "in_flight": counts,
         "failed": sum(isinstance(o, Exception) for o in outcomes.values()),
         "served": sum(isinstance(o, dict) for o in outcomes.values()),
@@ -192,15 +194,24 @@ def killed(cluster: cl.Cluster, runs: Any) -> dict[str, Any]:
     }
 
 
-def test_vllm_router_loses_only_the_killed_servers_in_flight_requests_then_drops_it(killed):
+def _assert_only_the_victims_requests_lost(killed: dict[str, Any]) -> None:
     print("kill", killed)
-    on_victim = killed["in_flight"][-1]
+    servers, on_victim = killed["servers"], killed["in_flight"][-1]
     assert on_victim >= 1  # the kill did hit running requests
     assert killed["failed"] <= on_victim
-    assert killed["served"] >= 2 * SERVERS - on_victim
+    assert killed["served"] >= 2 * servers - on_victim
     assert killed["unhealthy_after"] < 30
-    assert SERVERS - 1 not in killed["after"]  # nothing reaches the dead server any more
-    assert len(killed["after"]) == 2 * SERVERS  # and every request sent since was served
+    assert servers - 1 not in killed["after"]  # nothing reaches the dead server any more
+    assert len(killed["after"]) == 2 * servers  # and every request sent since was served
+
+
+@pytest.fixture(scope="module")
+def killed(cluster: cl.Cluster, runs: Any) -> dict[str, Any]:
+    return _kill_one(cluster, 4, 9000)
+
+
+def test_vllm_router_loses_only_the_killed_servers_in_flight_requests_then_drops_it(killed):
+    _assert_only_the_victims_requests_lost(killed)
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
@@ -584,10 +595,22 @@ def test_vllm_router_sees_a_hybrid_servers_state_as_its_chain_from_the_first_blo
 
 
 @pytest.fixture(scope="module")
-def hybrid_logs(hybrid_cluster: cl.Cluster, hybrid_routed: Any) -> list[tuple[Path, float]]:
-    """Each hybrid server's log (complete once it stopped) and its /metrics prefix hits."""
+def hybrid_killed(hybrid_cluster: cl.Cluster, hybrid_routed: Any) -> dict[str, Any]:
+    return _kill_one(hybrid_cluster, 2, 9500)
+
+
+def test_vllm_router_loses_only_the_killed_hybrid_servers_in_flight_requests_then_drops_it(
+    hybrid_killed,
+):
+    _assert_only_the_victims_requests_lost(hybrid_killed)
+
+
+@pytest.fixture(scope="module")
+def hybrid_logs(hybrid_cluster: cl.Cluster, hybrid_killed: Any) -> list[tuple[Path, float]]:
+    """The surviving hybrid server's log (complete once it stopped) and its /metrics prefix
+    hits."""
     out = []
-    for engine in hybrid_cluster.engines:
+    for engine in hybrid_cluster.engines[:-1]:
         hits = cl.counters(engine.url)["hits"]
         engine.stop()
         assert engine.log is not None

@@ -182,8 +182,10 @@ def _refuse_connector(vllm_config: Any, hybrid: bool) -> None:
     overlap = bool(getattr(vllm_config.scheduler_config, "async_scheduling", False))
     if hybrid and not is_kvsched_connector(vllm_config):
         why = (
-            f"a hybrid model (vLLM's connectors move no mamba state; {KVSCHED_CONNECTOR}, "
-            "kvsched's own store path, saves and restores the states)"
+            "a hybrid model (kvsched hands a connector the attention group's blocks only; "
+            "vLLM's HMA connectors move every group's, mamba states included, and run on "
+            f"CUDA only; {KVSCHED_CONNECTOR}, kvsched's own store path, saves and restores "
+            "the states)"
         )
     elif overlap and is_kvsched_connector(vllm_config):
         why = (

@@ -9,7 +9,8 @@ It runs under kvsched's scheduler only (``--scheduler-cls kvsched.integrations.v
 kvsched's policy decides every lookup, load and save (``KVLookupStarted``, ``KVLoadStarted``,
 ``KVSaveStarted``: the event log records them and ``kvsched verify`` replays them), with
 kvsched's key scheme (``connectors/keys.py``), so a hybrid model's save carries the state of
-its checkpoint and a hit restores it. vLLM's own connectors move no mamba state.
+its checkpoint and a hit restores it. (Under kvsched, vLLM's own connectors serve attention
+models only: kvsched hands them the attention group's blocks.)
 
 The two halves, as vLLM splits a connector:
 
