@@ -16,6 +16,7 @@ from kvsched.config import (
     Checkpoints,
     ConfigError,
     Legacy,
+    Preemption,
     PrefillTurns,
     SchedulerConfig,
 )
@@ -198,15 +199,17 @@ def test_the_vllm_kvsched_policy_caches_blocks_at_planning_as_the_adapter_does()
     assert config.checkpoints.eviction == "value" and config.checkpoints.aligned_only
     fields = checkpoint_fields(policy="vllm-kvsched")
     assert fields["cache_when_planned"] is True and fields["dedup_cached_blocks"] is False
-    assert fields["admit_after_preemption"] is False and not config.admit_after_preemption
+    assert fields["admit_after_preemption"] is False and not config.preemption.admit_after
+    assert fields["preempt_latest_entered"] is True and config.preemption.latest_entered
 
 
 def test_vllms_no_admission_after_a_preemption_is_refused_with_the_ttft_orders_turns() -> None:
     with pytest.raises(ConfigError, match=r"admit_after_preemption false.*order 'ttft'"):
-        SchedulerConfig(order="ttft", admit_after_preemption=False)
-    assert not SchedulerConfig(admit_after_preemption=False).admit_after_preemption
+        SchedulerConfig(order="ttft", preemption=Preemption(admit_after=False))
+    flat = SchedulerConfig.from_dict({"admit_after_preemption": False})
+    assert not flat.preemption.admit_after
     with pytest.raises(ConfigError, match="admit_after_preemption"):
-        SchedulerConfig(admit_after_preemption="no")  # type: ignore[arg-type]
+        Preemption(admit_after="no")  # type: ignore[arg-type]
 
 
 def test_blocks_cached_when_planned_serve_a_connectors_loads_and_kvscheds_own_saves():

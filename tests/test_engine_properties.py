@@ -20,7 +20,13 @@ from tests.mtp_images import IMAGES, SpansWhole, with_image
 from tests.planted import assert_machine_catches
 from tests.policy.helpers import preset
 
-from kvsched.config import CHECKPOINT_POLICIES, PLACEMENTS, ModelSpec, SchedulerConfig
+from kvsched.config import (
+    CHECKPOINT_POLICIES,
+    PLACEMENTS,
+    ModelSpec,
+    Preemption,
+    SchedulerConfig,
+)
 from kvsched.engine import Engine
 from kvsched.events import types as ev
 from kvsched.events.codec import SCHEMA_VERSION
@@ -511,7 +517,9 @@ class EngineMachineUnderVllm(EngineMachine):
     def start(self, **kw) -> None:  # type: ignore[no-untyped-def]
         super().start(**kw)
         self.config = attrs.evolve(
-            self.config, cache_when_planned=True, admit_after_preemption=False
+            self.config,
+            cache_when_planned=True,
+            preemption=Preemption(admit_after=False, latest_entered=True),
         )
         self.engine = Engine(self.config, check_invariants=True)
 

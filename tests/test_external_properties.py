@@ -35,7 +35,7 @@ from tests.mtp_images import IMAGES, SpansWhole, with_image
 from tests.planted import assert_machine_catches
 from tests.policy.helpers import Harness
 
-from kvsched.config import ModelSpec, SchedulerConfig, Speculation
+from kvsched.config import ModelSpec, Preemption, SchedulerConfig, Speculation
 from kvsched.engine import Engine, LookupAnswer
 from kvsched.events import types as ev
 from kvsched.events.codec import SCHEMA_VERSION
@@ -639,7 +639,7 @@ class ExternalKVMachineUnderVllm(ExternalKVMachine):
             self.config,
             cache_when_planned=True,
             dedup_cached_blocks=False,
-            admit_after_preemption=False,
+            preemption=Preemption(admit_after=False, latest_entered=True),
             external=attrs.evolve(self.config.external, saver="connector"),
         )
         self.engine = Engine(self.config, check_invariants=True)
@@ -692,7 +692,7 @@ class ExternalKVMachineUnderVllmStore(ExternalKVMachine):
         super().start(**{**kw, "role": role, "order": order})
         self.config = attrs.evolve(
             self.config, cache_when_planned=True, dedup_cached_blocks=False,
-            admit_after_preemption=False,
+            preemption=Preemption(admit_after=False, latest_entered=True),
         )
         self.engine = Engine(self.config, check_invariants=True)
         self.written: set[int] = set()  # blocks whose KV an executed step or a load wrote
@@ -726,19 +726,25 @@ class ExternalKVMachineUnderVllmStore(ExternalKVMachine):
 
 
 class _RecordsWrites:
-    """An executor that records the blocks each executed plan fills (its last position's)."""
+    """An executor that records the blocks each executed plan fills (its last position's):
+    into ``written``, or (a dict) into ``written[step]``, for its outcome to land."""
 
-    def __init__(self, inner: Any, written: set[int]) -> None:
-        self.inner, self.written = inner, written
+    def __init__(
+        self, inner: Any, written: set[int] | dict[int, set[int]], landed: set[int] | None = None
+    ) -> None:
+        self.inner, self.written, self.landed = inner, written, landed
 
     def execute(self, plan: Any) -> ev.Event:
         out = self.inner.execute(plan)
+        into = self.written
+        if isinstance(into, dict):
+            into = into.setdefault(plan.step, set())
         for src, dst in plan.copy_blocks.tolist():
-            if src in self.written:
-                self.written.add(dst)
+            if src in into or (self.landed is not None and src in self.landed):
+                into.add(dst)
         bs = plan.block_size
         full = plan.positions % bs == bs - 1
-        self.written.update((plan.slot_mapping[full] // bs).tolist())
+        into.update((plan.slot_mapping[full] // bs).tolist())
         return out
 
 
@@ -792,12 +798,30 @@ class ExternalKVMachineUnderVllmAsync(_Overlapped, ExternalKVMachineUnderVllm):
 
 class ExternalKVMachineUnderVllmStorePipelined(_Overlapped, ExternalKVMachineUnderVllmStore):
     """Blocks cached at planning, kvsched deciding its saves, overlapped steps: a save reads
-    only blocks an outcome that landed wrote (not those a step still out writes)."""
+    only blocks an outcome that landed wrote, not those a step still out writes (whose
+    failure would leave them unwritten: a save then stores garbage under a good name). The
+    executor's writes count once its outcome lands."""
 
     @initialize(**EXTERNAL_CONFIGS)
     def start(self, **kw) -> None:  # type: ignore[no-untyped-def]
         super().start(**kw)
         self._overlap()
+        self.by_step: dict[int, set[int]] = {}  # blocks each executed step wrote, unlanded
+        self.executor = _RecordsWrites(self.executor.inner, self.by_step, self.written)
+
+    def _step(self, reports: Reports = (), **kw: Any) -> tuple[ev.Event, ...]:
+        for o in self.older:  # (the outcome this step folds: _Overlapped feeds it)
+            written = self.by_step.pop(o.step, set())
+            if isinstance(o, ev.StepExecuted):
+                self.written.update(written)
+        return super()._step(reports, **kw)
+
+    def _check_decisions(self, reports: Reports, decisions: tuple[ev.Event, ...]) -> None:
+        for d in decisions:
+            if isinstance(d, ev.BlocksAllocated):  # (a new owner: an older write is void)
+                for pending in self.by_step.values():
+                    pending.difference_update(d.blocks.tolist())
+        super()._check_decisions(reports, decisions)
 
 
 for _machine in (

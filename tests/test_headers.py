@@ -11,12 +11,19 @@ from kvsched.headers import FLAT_NAMES, ConfigError, Legacy, header_settings
 
 def test_every_flat_name_reads_into_its_sub_config() -> None:
     config = SchedulerConfig.from_log_header(
-        {"checkpoint_budget": 7, "turn_mode": "alternate", "num_speculative_tokens": 2}, 4
+        {
+            "checkpoint_budget": 7,
+            "turn_mode": "alternate",
+            "num_speculative_tokens": 2,
+            "admit_after_preemption": False,  # (a top-level field of headers before 2026-12-07)
+        },
+        4,
     )
     assert config.checkpoints.budget == 7 and config.turns.mode == "alternate"
     assert config.speculation.tokens == 2
+    assert not config.preemption.admit_after and not config.preemption.latest_entered
     assert all(
-        sub in ("checkpoints", "turns", "external", "speculation", "legacy")
+        sub in ("checkpoints", "turns", "external", "speculation", "preemption", "legacy")
         for sub, _ in FLAT_NAMES.values()
     )
 

@@ -281,11 +281,30 @@ class Speculation:
 
 # The sub-configs by field name, and the flat names of their fields in log headers before
 # sub-configs (schema 4 and older): flat name -> (sub-config, field).
+@attrs.frozen(kw_only=True)
+class Preemption:
+    """What a step that preempts does: kvsched's rules by default, vLLM's under the adapter."""
+
+    # Whether waiting sequences are admitted in a step that preempted (kvsched: yes, all but
+    # the sequence preempted; vLLM admits nothing in such a step, keeping the room it made for
+    # the running ones). Flat name: admit_after_preemption.
+    admit_after: bool = True
+    # Order "fcfs": the victim is the running sequence that took its batch row last (vLLM's
+    # running.pop(): a request whose load kept it waiting enters after later arrivals), not
+    # the latest arrival (kvsched's). Flat name: preempt_latest_entered.
+    latest_entered: bool = False
+
+    def __attrs_post_init__(self) -> None:
+        is_bool("admit_after_preemption", self.admit_after)
+        is_bool("preempt_latest_entered", self.latest_entered)
+
+
 SUBCONFIGS: dict[str, type] = {
     "checkpoints": Checkpoints,
     "turns": PrefillTurns,
     "external": ExternalStore,
     "speculation": Speculation,
+    "preemption": Preemption,
     "legacy": Legacy,
 }
 
@@ -309,10 +328,6 @@ class SchedulerConfig:
     # Full blocks enter the prefix index in the step whose plan computes them (vLLM's
     # allocate_slots), not after its outcome: a later request of the step may hit them.
     cache_when_planned: bool = False
-    # Whether waiting sequences are admitted in a step that preempted (kvsched: yes, all but
-    # the sequence preempted; vLLM admits nothing in such a step, keeping the room it made for
-    # the running ones).
-    admit_after_preemption: bool = True
     max_step_retries: int = 2  # a sequence in more failed steps than this is aborted
     # A decode that needs a new block takes blocks for this many more tokens too (lmdeploy:
     # 16), only from free blocks (never evicting cached ones); these spare blocks are given
@@ -326,6 +341,7 @@ class SchedulerConfig:
     turns: PrefillTurns = attrs.field(factory=PrefillTurns)
     external: ExternalStore = attrs.field(factory=ExternalStore)
     speculation: Speculation = attrs.field(factory=Speculation)
+    preemption: Preemption = attrs.field(factory=Preemption)
     legacy: Legacy = attrs.field(factory=Legacy)
 
     def __attrs_post_init__(self) -> None:
@@ -336,7 +352,6 @@ class SchedulerConfig:
         in_range("max_step_retries", self.max_step_retries, 0, 1 << 20)
         in_range("decode_prealloc_tokens", self.decode_prealloc_tokens, 0, 1 << 20)
         is_bool("cache_when_planned", self.cache_when_planned)
-        is_bool("admit_after_preemption", self.admit_after_preemption)
         one_of("identity scheme", self.identity, IDENTITY_SCHEMES)
         one_of("order policy", self.order, ("fcfs", "priority", "ttft"))
         if not self.aging_s > 0:
@@ -386,7 +401,7 @@ class SchedulerConfig:
             raise refuse(
                 "checkpoints.budget", "checkpoints.memory (which sets the count)", "is ignored with"
             )
-        if not self.admit_after_preemption and self.turn_policy != "standard":
+        if not self.preemption.admit_after and self.turn_policy != "standard":
             raise refuse("admit_after_preemption false", "order 'ttft'", "is not supported with")
 
     @property
@@ -494,6 +509,10 @@ class SchedulerConfig:
         if name not in CHECKPOINT_POLICIES:
             known = ", ".join(CHECKPOINT_POLICIES)
             raise ConfigError(f"unknown checkpoint policy {name!r}; known: {known}")
-        return attrs.evolve(
-            self, checkpoints=attrs.evolve(self.checkpoints, **CHECKPOINT_POLICIES[name]),
-            **POLICY_ENGINE_SETTINGS.get(name, {}))
+        settings = dict(POLICY_ENGINE_SETTINGS.get(name, {}))
+        subs: dict[str, dict[str, Any]] = {"checkpoints": dict(CHECKPOINT_POLICIES[name])}
+        for flat in [k for k in settings if k in FLAT_NAMES]:  # (a sub-config's, flat)
+            sub, field = FLAT_NAMES[flat]
+            subs.setdefault(sub, {})[field] = settings.pop(flat)
+        evolved = {sub: attrs.evolve(getattr(self, sub), **v) for sub, v in subs.items()}
+        return attrs.evolve(self, **settings, **evolved)

@@ -131,6 +131,8 @@ FLAT_NAMES: dict[str, tuple[str, str]] = {
     "external_kv": ("external", "enabled"),
     "role": ("external", "role"),
     "num_speculative_tokens": ("speculation", "tokens"),
+    "admit_after_preemption": ("preemption", "admit_after"),
+    "preempt_latest_entered": ("preemption", "latest_entered"),
     **{f.name: ("legacy", f.name) for f in attrs.fields(Legacy)[1:]},
 }
 FLAT_OF: dict[tuple[str, str], str] = {where: flat for flat, where in FLAT_NAMES.items()}

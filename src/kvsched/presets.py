@@ -94,5 +94,6 @@ POLICY_ENGINE_SETTINGS: dict[str, dict[str, Any]] = {
         "cache_when_planned": True,
         "dedup_cached_blocks": False,
         "admit_after_preemption": False,
+        "preempt_latest_entered": True,
     },
 }

@@ -360,8 +360,11 @@ class Growth:
 
     def victims(self, state: EngineState) -> list[int]:
         """Running rows in preemption order: lowest priority, then latest arrival (a row
-        whose KV is loading is never a victim: a transfer is writing its blocks)."""
+        whose KV is loading is never a victim: a transfer is writing its blocks); under
+        ``preemption.latest_entered`` with order "fcfs", the latest to take its row first."""
         t = state.seqs
+        if self.config.preemption.latest_entered and self.config.order == "fcfs":
+            return t.latest_entered_first(t.schedulable_rows()).tolist()  # type: ignore[no-any-return]
 
         def key(row: int) -> tuple[int, float, int]:
             seq = t.seq_at(row)

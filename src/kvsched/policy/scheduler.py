@@ -319,7 +319,7 @@ class Policy:
             else:  # continue running chunked prefills, then admit in the configured order
                 if len(chunk_rows):
                     self.admission.schedule_chunks(state, chunk_rows, budget, emit)
-                if self.config.admit_after_preemption or state.stats.preemptions == preempted:
+                if self.config.preemption.admit_after or state.stats.preemptions == preempted:
                     ordered = self.order.order(state, TurnState.STANDARD)
                     self.admission.admit_waiting(state, budget, emit, ordered)
         if budget.seq_ids and not self.config.cache_when_planned:  # (else: each emitted)

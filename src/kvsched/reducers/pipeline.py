@@ -371,6 +371,24 @@ class PipelinedRows(DraftRows):
             later = self._roll_back(voided)
         return self._roll_back(failed), later
 
+    def cached_after_launch(self, rows: np.ndarray, starts: np.ndarray) -> None:
+        """Under ``cache_when_planned`` a block a launched step writes is cached once its
+        tokens are known, maybe after the launch (the token that fills it landed since):
+        each step in flight that works on the row records the blocks from its work's start
+        on, so its failure takes them back like those cached at its planning."""
+        if not self.cache_when_planned or not self.in_flight:
+            return
+        bs = self.block_size
+        for flight in self.in_flight:
+            if flight.void:
+                continue
+            live, work_starts = self._live(flight)
+            for row, first in zip(rows.tolist(), starts.tolist(), strict=True):
+                at = np.flatnonzero(live == row)
+                if len(at):
+                    lo = max(first, int(work_starts[at[0]]) // bs)
+                    flight.cached.setdefault(row, []).extend(self.indexed_from(row, lo))
+
     def unwritten_of_departed(self) -> list[tuple[int, int, bytes]]:
         """(depth, block, hash) of the blocks the latest failed step (and the step voided
         with it) cached at planning for sequences that had left their rows (a copy)."""

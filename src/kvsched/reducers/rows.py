@@ -63,6 +63,10 @@ class RowTable:
         # add its own).
         self.freed_columns = [self.computed, self.registered, self.loading, self.saved]
         self.objs: list[Seq | None] = [None] * max_batch
+        # When each row's sequence took it: the count of activations so far (vLLM's running
+        # list is in this order: a request is appended when it is scheduled from waiting).
+        self.entered = np.zeros(max_batch, dtype=np.int64)
+        self._entries = 0
         self.temperature = np.zeros(max_batch, dtype=np.float32)
         self.table = np.zeros((max_batch, max_blocks_per_seq), dtype=np.int32)
         self.free_rows: list[int] = list(range(max_batch - 1, -1, -1))
@@ -262,7 +266,11 @@ class RowTable:
             full = self.planned_of(rows) // bs
             grown = full > self.registered[rows]
             return rows[grown], self.registered[rows[grown]], full[grown]
-        computed = self.cacheable() if self.pipelined else self.computed
+        computed = self.computed
+        if self.pipelined and not self.cache_when_planned:
+            computed = self.cacheable()
+        elif self.pipelined:  # (launched work counts, as at planning: its tokens known)
+            computed = np.minimum(self.computed, self.ntokens)
         if rows is None:
             grown = np.nonzero(computed // bs > self.registered)[0]
         else:
@@ -271,6 +279,10 @@ class RowTable:
 
     def departed(self, row: int) -> None:
         """A row's sequence left it (overlapped steps: ``PipelinedRows`` records it)."""
+
+    def cached_after_launch(self, rows: np.ndarray, starts: np.ndarray) -> None:
+        """Blocks [starts, registered) of ``rows`` just entered the prefix index
+        (overlapped steps: ``PipelinedRows`` records those a step in flight writes)."""
 
     def cacheable(self) -> np.ndarray:
         """Each row's computed tokens whose KV may be cached (all of them; ``PipelinedRows``:
@@ -284,6 +296,11 @@ class RowTable:
             return np.zeros(0, dtype=table.dtype)
         spans = zip(rows.tolist(), firsts.tolist(), lasts.tolist(), strict=True)
         return np.concatenate([table[row, first:last] for row, first, last in spans])
+
+    def latest_entered_first(self, rows: np.ndarray) -> np.ndarray:
+        """``rows`` by when their sequences took them, the latest first (a copy)."""
+        out: np.ndarray = rows[np.argsort(-self.entered[rows], kind="stable")]
+        return out
 
     def rows_to_save(self, rows: np.ndarray) -> np.ndarray:
         """Those of ``rows`` with written indexed blocks not yet in the store nor being
@@ -370,6 +387,8 @@ class RowTable:
         )
         self.objs[row] = seq
         self.temperature[row] = seq.temperature
+        self._entries += 1
+        self.entered[row] = self._entries
 
     def flush(self, row: int) -> Seq:
         """Copy the row's unflushed sampled tokens into its sequence, growing its token array

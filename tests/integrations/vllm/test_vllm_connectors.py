@@ -308,16 +308,18 @@ def test_vllm_adapter_drives_a_connector_under_memory_pressure_as_vllms_schedule
     qwen3: Path, tmp_path: Path, order: str
 ):
     """The store workload on 9 usable blocks, so a request is preempted while another's
-    load is out: the same outputs as vLLM's scheduler (``AsyncScheduler`` in the async
-    order), the same cached tokens where the load is good; the log verifies. (The victim
-    differs: vLLM preempts the request that entered its running list last, here bad-e,
-    whose load made it enter after f; kvsched the latest arrival, f: docs/vllm.md.)"""
+    load is out: the same steps, outputs and victim as vLLM's scheduler (``AsyncScheduler``
+    in the async order), the same cached tokens where the load is good; the log verifies.
+    The victim is bad-e, which arrived before f but entered the running list after it (its
+    load kept it waiting): vLLM preempts the request that entered last, and so does the
+    adapter (``preemption.latest_entered``; the latest arrival would be f)."""
     script = _store_workload(1, settle=24)
     log = tmp_path / "tight.kvlog"
     ref = _drive_store(str(qwen3), "vllm", script, None, blocks=10, order=order)
     mine = _drive_store(str(qwen3), "kvsched", script, log, blocks=10, order=order)
     assert_same_outputs(ref, mine, script, 512)
-    assert (ref.preempted, mine.preempted) == ({"bad-e"}, {"f"})
+    assert ref.preempted == mine.preempted == {"bad-e"}
+    assert mine.steps == ref.steps
     assert {n: c for n, c in mine.cached.items() if n != "bad-e"} == {
         n: c for n, c in ref.cached.items() if n != "bad-e"
     }

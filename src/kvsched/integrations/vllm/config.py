@@ -15,6 +15,7 @@ from kvsched.config import (
     Checkpoints,
     ExternalStore,
     ModelSpec,
+    Preemption,
     SchedulerConfig,
     Speculation,
 )
@@ -285,7 +286,9 @@ def scheduler_config(
         # named policy PRESET, so `kvsched replay --checkpoint-policy vllm-kvsched` predicts
         # this run (docs/vllm.md, "kvsched's hybrid caching under vLLM").
         cache_when_planned=True,
-        admit_after_preemption=False,  # as vLLM: nothing is admitted in a step that preempts
+        # as vLLM: nothing is admitted in a step that preempts, the victim (order fcfs) is the
+        # request that entered the running list last (running.pop())
+        preemption=Preemption(admit_after=False, latest_entered=True),
         speculation=Speculation(
             max_drafts=drafts,
             pipelined=overlap,
