@@ -42,7 +42,7 @@ from kvsched.events.codec import SCHEMA_VERSION
 from kvsched.gpu.sim import SimulatedExecutor
 from kvsched.policy.scheduler import Policy
 from kvsched.policy.transfers import Transfers
-from kvsched.reducers.rows import RowTable
+from kvsched.reducers.pipeline import PipelinedRows
 from kvsched.reducers.transfers import TransferTable
 from kvsched.statemachines import CkptState, LoadState, SeqState
 
@@ -1110,13 +1110,13 @@ def test_a_save_of_blocks_a_step_still_out_writes_is_caught(
     """Overlapped steps with blocks cached at planning: a save that reads every indexed
     block (not only those a landed outcome wrote) reads KV a step still out writes."""
 
-    def every_indexed_block(self: RowTable, rows: np.ndarray) -> np.ndarray:
+    def every_indexed_block(self: PipelinedRows, rows: np.ndarray) -> np.ndarray:
         return self.registered[rows]  # type: ignore[no-any-return]
 
     assert_machine_catches(
         monkeypatch,
         ExternalKVMachineUnderVllmStorePipelined,
-        RowTable,
+        PipelinedRows,
         "written_blocks",
         every_indexed_block,
     )

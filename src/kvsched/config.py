@@ -1,10 +1,11 @@
 """Engine configuration: one frozen record, stored in every event log's header.
 
 ``SchedulerConfig`` holds the settings every engine has; the settings of one concern sit in a
-sub-config of their own (``Checkpoints``, ``PrefillTurns``, ``ExternalStore``, ``Speculation``),
-and the behaviours of kvsched before schema 4 in ``Legacy``, which only an old log's header
-fills (``SchedulerConfig.from_log_header``). A setting that another one makes ignored, or
-that contradicts another, is refused at construction with a message naming both.
+sub-config of their own (``Checkpoints``, ``PrefillTurns``; ``ExternalStore``, ``Speculation``
+and ``Preemption`` in ``subconfigs.py``), and the behaviours of kvsched before schema 4 in
+``Legacy``, which only an old log's header fills (``SchedulerConfig.from_log_header``). A
+setting that another one makes ignored, or that contradicts another, is refused at
+construction with a message naming both.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import Any, Literal
 
 import attrs
 
-from kvsched import headers, presets
+from kvsched import headers, presets, subconfigs
 from kvsched.headers import FLAT_NAMES, header_settings, in_range, is_bool, one_of, refuse
 
 # Defined beside the header reading (headers.py), found here with the rest of the config.
@@ -42,7 +43,11 @@ DEMO_MAX_BATCH = 64
 
 OrderPolicy = Literal["fcfs", "priority", "ttft"]
 TurnMode = Literal["mixed", "alternate"]
-Role = Literal["both", "prefill", "decode"]
+Role = subconfigs.Role
+# The sub-configs of what an engine does around its steps (subconfigs.py), found here too.
+ExternalStore = subconfigs.ExternalStore
+Speculation = subconfigs.Speculation
+Preemption = subconfigs.Preemption
 
 # The TTFT order's prefill-turn policies (lmdeploy's _PrefillTurnPolicy, policy/turns.py): one
 # kind of turn for every step, or lmdeploy's engine interleaving ("interleave": short-only turns
@@ -228,77 +233,8 @@ class PrefillTurns:
             raise refuse("turns.short_per_long", "turns.policy 'interleave'", "is used only by")
 
 
-@attrs.frozen(kw_only=True)
-class ExternalStore:
-    """An external KV store: look up prefixes beyond the local cache and load them; save
-    computed blocks (and aligned state checkpoints) to it (roles both and prefill)."""
-
-    enabled: bool = False
-    # Disaggregation: a prefill-role engine ends each request after its first token (reason
-    # "migrated") once its prompt is saved; a decode-role engine loads prompts, saves nothing.
-    role: Role = "both"
-    # Who saves: "kvsched" (its policy: KVSaveStarted, leases) or "connector" (a serving
-    # engine's KV connector saves on its own, as vLLM's do; kvsched looks up and loads).
-    saver: str = "kvsched"
-
-    def __attrs_post_init__(self) -> None:
-        is_bool("external.enabled", self.enabled)
-        one_of("external.role", self.role, ("both", "prefill", "decode"))
-        one_of("external.saver", self.saver, ("kvsched", "connector"))
-        if self.saver != "kvsched" and not self.enabled:
-            raise refuse(f"external.saver {self.saver!r}", "external.enabled", "needs")
-        if self.role != "both" and not self.enabled:
-            raise refuse(f"external.role {self.role!r}", "external.enabled", "needs")
-
-
-@attrs.frozen(kw_only=True)
-class Speculation:
-    """MTP: a hit's last cached block(s) are recomputed for the draft model (Legacy.mtp_overlap)."""
-
-    tokens: int = 0  # speculative tokens per step (0: no MTP)
-    # Speculative decoding: at most this many of the drafts an executor proposes for a
-    # sequence (StepExecuted.drafts) are verified in its next decode, in positions that take
-    # KV blocks (0: drafts ignored; attention models: no state per draft position).
-    max_drafts: int = 0
-    # Overlapped steps (vLLM's async scheduling): step N+1 is planned while N's outcome is
-    # out (an input of N+1 or N+2); a row sampling in a step in flight counts a placeholder.
-    pipelined: bool = False
-    # A drafter writing KV of its own (vLLM's EAGLE family): a row's blocks hold ``lookahead``
-    # positions past its work (``num_lookahead_tokens``, capped at the context); with
-    # ``eagle_block_drop`` a hit gives up its last block, recomputed for the drafter.
-    lookahead: int = 0
-    eagle_block_drop: bool = False
-
-    def __attrs_post_init__(self) -> None:
-        in_range("speculation.tokens", self.tokens, 0, 64)
-        in_range("speculation.max_drafts", self.max_drafts, 0, 64)
-        in_range("speculation.lookahead", self.lookahead, 0, 64)
-        if self.eagle_block_drop and self.tokens:
-            raise refuse(
-                "speculation.eagle_block_drop", "speculation.tokens (MTP)", "is not supported with"
-            )
-
-
-# The sub-configs by field name, and the flat names of their fields in log headers before
-# sub-configs (schema 4 and older): flat name -> (sub-config, field).
-@attrs.frozen(kw_only=True)
-class Preemption:
-    """What a step that preempts does: kvsched's rules by default, vLLM's under the adapter."""
-
-    # Whether waiting sequences are admitted in a step that preempted (kvsched: yes, all but
-    # the sequence preempted; vLLM admits nothing in such a step, keeping the room it made for
-    # the running ones). Flat name: admit_after_preemption.
-    admit_after: bool = True
-    # Order "fcfs": the victim is the running sequence that took its batch row last (vLLM's
-    # running.pop(): a request whose load kept it waiting enters after later arrivals), not
-    # the latest arrival (kvsched's). Flat name: preempt_latest_entered.
-    latest_entered: bool = False
-
-    def __attrs_post_init__(self) -> None:
-        is_bool("admit_after_preemption", self.admit_after)
-        is_bool("preempt_latest_entered", self.latest_entered)
-
-
+# The sub-configs by field name (the flat names of their fields in log headers before
+# sub-configs, schema 4 and older, are headers.FLAT_NAMES).
 SUBCONFIGS: dict[str, type] = {
     "checkpoints": Checkpoints,
     "turns": PrefillTurns,

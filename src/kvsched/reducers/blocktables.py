@@ -244,7 +244,8 @@ class BlockTables(RowTable):
         if not np.array_equal(self.table[entry_rows, entry_index], own):
             raise ReplayMismatch("blocks cached that their sequences do not hold")
         self.registered[rows] = ends
-        self.cached_after_launch(rows, starts)
+        if self.pipelined:
+            self.cached_after_launch(rows, starts)
         if not len(swapped):
             return RefChange()
         self.table[entry_rows, entry_index] = e.blocks

@@ -189,6 +189,17 @@ class PipelinedRows(DraftRows):
                 out[rows] = np.minimum(out[rows], starts)
         return out
 
+    def written_blocks(self, rows: np.ndarray) -> np.ndarray:
+        """Each row's leading indexed blocks whose KV is written: with overlapped steps
+        (blocks indexed at planning under ``cache_when_planned``) not those a step in flight
+        writes."""
+        if not self.pipelined:
+            return super().written_blocks(rows)
+        written: np.ndarray = np.minimum(
+            self.registered[rows], self.cacheable()[rows] // self.block_size
+        )
+        return written
+
     @property
     def awaiting_outcomes(self) -> list[tuple[int, np.ndarray, np.ndarray]]:
         """(step, expected sampler ids, the drafts each verifies) of each step whose outcome

@@ -309,16 +309,9 @@ class RowTable:
         return out
 
     def written_blocks(self, rows: np.ndarray) -> np.ndarray:
-        """Each row's leading indexed blocks whose KV is written: all of them; with
-        overlapped steps (blocks indexed at planning under ``cache_when_planned``) not those
-        a step in flight writes."""
-        if not self.pipelined:
-            indexed: np.ndarray = self.registered[rows]
-            return indexed
-        written: np.ndarray = np.minimum(
-            self.registered[rows], self.cacheable()[rows] // self.block_size
-        )
-        return written
+        """Each row's leading indexed blocks whose KV is written (``PipelinedRows``: not all)."""
+        indexed: np.ndarray = self.registered[rows]
+        return indexed
 
     def peek_free_row(self) -> int:
         return self.free_rows[-1] if self.free_rows else FREE_ROW
