@@ -24,7 +24,7 @@ from typing import Any
 
 import attrs
 
-from kvsched.config import CHECKPOINT_POLICIES, POLICY_ENGINE_SETTINGS, SchedulerConfig
+from kvsched.config import CHECKPOINT_POLICIES, SchedulerConfig
 from kvsched.engine import Engine
 from kvsched.events import types as ev
 from kvsched.events.bus import EventBus
@@ -110,7 +110,7 @@ def policy_config(config: SchedulerConfig, policy: str) -> SchedulerConfig:
     if policy not in CHECKPOINT_POLICIES:
         known = ", ".join(CHECKPOINT_POLICIES)
         raise ConfigError(f"unknown checkpoint policy {policy!r}; known: {known}")
-    return attrs.evolve(config, **POLICY_ENGINE_SETTINGS.get(policy, {}))
+    return config.with_engine_settings(policy)
 
 
 def replay_log(path: str, policy: str = PRESET, **checkpoints: Any) -> list[int]:
