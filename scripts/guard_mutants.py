@@ -380,8 +380,8 @@ ROUND_2 = [
       PIPELINED),
     m("reducers/pipeline.py", "            later = self._roll_back(voided)",
       "            later = _NO_ROWS", PIPELINED),
-    m("reducers/rows.py", "computed = self.cacheable() if self.pipelined else self.computed",
-      "computed = self.computed", PIPELINED),
+    m("reducers/rows.py", "            computed = self.cacheable()\n",
+      "            computed = self.computed\n", PIPELINED),
     m("policy/scheduler.py", "            if seq.tokens[seq.n_tokens - 1] == seq.eos_token_id:",
       "            if False:", PIPELINED),
     # overlapped steps with drafts: rejected drafts (and those past the end) uncomputed
