@@ -92,6 +92,9 @@ def _check_rows(state: Owners) -> None:
         raise InvariantError(f"more than model.max_adapters ({most}) adapters run at once")
     if used & set(t.free_rows) or len(used) + len(t.free_rows) != t.max_batch:
         raise InvariantError("batch rows are not partitioned into used and free")
+    entered = t.entered[sorted(used)]
+    if np.any(entered <= 0) or len(set(entered.tolist())) != len(used):
+        raise InvariantError("used rows do not each have their own time of entry")
     for row in used:
         seq = t.seqs.get(int(t.row_seq[row]))
         if seq is None or seq.row != row or seq.state not in _LIVE:
