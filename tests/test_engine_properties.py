@@ -17,6 +17,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 from tests.mtp_images import IMAGES, SpansWhole, with_image
+from tests.overlapped import overlap, step_after_next
 from tests.planted import assert_machine_catches
 from tests.policy.helpers import preset
 
@@ -348,19 +349,14 @@ class EngineMachinePipelined(EngineMachine):
 
 def _overlap(machine: EngineMachine) -> None:
     """The machine's engine again, with overlapped steps."""
-    speculation = attrs.evolve(machine.config.speculation, pipelined=True)
-    machine.config = attrs.evolve(machine.config, speculation=speculation)
-    machine.engine = Engine(machine.config, check_invariants=True)
-    machine.older = []  # type: ignore[attr-defined]  # (the outcome of the step before the latest)
+    overlap(machine)
     machine.failed_steps = set()  # type: ignore[attr-defined]
 
 
 def _overlapped_step(machine: Any, step: Any, fail: bool) -> None:
     """One step whose outcome is an input of the step after next; the step after a failed
     one is voided (planned on it), so only its reads of unwritten KV are forgiven."""
-    newer, machine.outcome = machine.outcome, machine.older
-    step(fail)
-    machine.older, machine.outcome = newer, machine.outcome
+    step_after_next(machine, lambda: step(fail))
     machine.failed_steps |= {o.step for o in machine.outcome if isinstance(o, ev.StepFailed)}
     machine.executor.mismatches = [
         m for m in machine.executor.mismatches

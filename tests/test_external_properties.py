@@ -32,6 +32,7 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 from tests.mtp_images import IMAGES, SpansWhole, with_image
+from tests.overlapped import overlap, step_after_next
 from tests.planted import assert_machine_catches
 from tests.policy.helpers import Harness
 
@@ -760,20 +761,14 @@ class _Overlapped:
     above: each step's outcome is an input of the step after next, so every step is planned
     while the one before runs, with the store's reports, faults, aborts and drains between."""
 
-    config: SchedulerConfig
-    engine: Engine
-    outcome: list[ev.Event]
+    older: list[ev.Event]  # (tests.overlapped: the outcome of the step before the latest)
 
     def _overlap(self) -> None:
-        speculation = attrs.evolve(self.config.speculation, pipelined=True)
-        self.config = attrs.evolve(self.config, speculation=speculation)
-        self.engine = Engine(self.config, check_invariants=True)
-        self.older: list[ev.Event] = []  # the outcome of the step before the latest
+        overlap(self)
 
     def _step(self, reports: Reports = (), **kw: Any) -> tuple[ev.Event, ...]:
-        newer, self.outcome = self.outcome, self.older
-        decisions: tuple[ev.Event, ...] = super()._step(reports, **kw)  # type: ignore[misc]
-        self.older, self.outcome = newer, self.outcome
+        step = super()._step  # type: ignore[misc]
+        decisions: tuple[ev.Event, ...] = step_after_next(self, lambda: step(reports, **kw))
         return decisions
 
 

@@ -9,10 +9,9 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from tests.replay.log_helpers import sampled
 
-from kvsched.events import types as ev
-from kvsched.events.codec import decode_record
-from kvsched.events.log import LogOpenError, read_log
+from kvsched.events.log import LogOpenError
 from kvsched.replay.demo import demo_model, run_demo
 from kvsched.replay.setup import SetupError
 from kvsched.replay.verify import verify_log
@@ -52,17 +51,6 @@ def test_the_external_demo_second_engine_loads_what_the_first_one_saved(tmp_path
     assert verify_log(log).ok  # the logged run is engine B's
 
 
-def _tokens_by_sequence(log: Path) -> dict[int, list[int]]:
-    """Each sequence's sampled tokens, in the order their outcomes were folded."""
-    out: dict[int, list[int]] = {}
-    for record in read_log(log).records:
-        for e in decode_record(record).inputs:
-            if isinstance(e, ev.StepExecuted):
-                for seq, token in zip(e.seq_ids.tolist(), e.tokens.tolist(), strict=True):
-                    out.setdefault(seq, []).append(token)
-    return out
-
-
 def test_a_pipelined_external_demo_serves_the_synchronous_tokens_from_the_store(tmp_path: Path):
     """Overlapped steps with loads from the store (the tiny hybrid torch model: a load or a
     state read before it is written changes the tokens): engine B gives the synchronous
@@ -74,8 +62,8 @@ def test_a_pipelined_external_demo_serves_the_synchronous_tokens_from_the_store(
 
     assert pipe.metrics["external_hit_tokens"] > 0
     assert pipe.metrics["generated_tokens"] == sync.metrics["generated_tokens"]
-    want = _tokens_by_sequence(tmp_path / "sync.kvlog")
-    got = _tokens_by_sequence(tmp_path / "pipe.kvlog")
+    want = sampled(str(tmp_path / "sync.kvlog"))
+    got = sampled(str(tmp_path / "pipe.kvlog"))
     assert want.keys() == got.keys()
     for seq, tokens in want.items():
         assert got[seq][: len(tokens)] == tokens and len(got[seq]) <= len(tokens) + 1, seq

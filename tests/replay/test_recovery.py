@@ -12,10 +12,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from tests.policy.helpers import state_snapshot
+from tests.replay.log_helpers import sampled
 
 from kvsched.config import SchedulerConfig
 from kvsched.engine import Engine, StepResult, create_log
-from kvsched.events import types as ev
 from kvsched.events.codec import decode_record
 from kvsched.events.log import read_log
 from kvsched.gpu.sim import SimulatedExecutor
@@ -116,17 +116,6 @@ def test_a_killed_engine_restarts_from_its_torn_log_and_finishes_like_an_uninter
         assert resumed.records == reference  # every decision and outcome as uninterrupted
 
 
-def _sampled(path: str) -> dict[int, list[int]]:
-    """Every request's sampled tokens, from the outcomes recorded in a log."""
-    out: dict[int, list[int]] = {}
-    for payload in read_log(path).records:
-        for e in decode_record(payload).inputs:
-            if isinstance(e, ev.StepExecuted):
-                for seq_id, token in zip(e.seq_ids.tolist(), e.tokens.tolist(), strict=True):
-                    out.setdefault(seq_id, []).append(token)
-    return out
-
-
 def test_a_recovered_run_produces_the_same_outputs_as_an_uninterrupted_one() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         ref = os.path.join(tmp, "ref.kvlog")
@@ -142,9 +131,9 @@ def test_a_recovered_run_produces_the_same_outputs_as_an_uninterrupted_one() -> 
             resume=recovered.resume,
         )
         recovered.engine.log.close()  # type: ignore[union-attr]
-        expected = _sampled(ref)
+        expected = sampled(ref)
         assert len(expected) == len(WORKLOAD.turns)
-        assert _sampled(path) == expected
+        assert sampled(path) == expected
 
 
 def test_recovery_refuses_a_log_whose_decisions_do_not_replay() -> None:
