@@ -24,6 +24,7 @@ pytest.importorskip(
     "oracle tests'): scripts/test_vllm.sh builds .venv-vllm and runs `pytest -k vllm` there",
 )
 
+from kvsched.integrations.vllm.cluster import SERVE_ARGS
 from kvsched.integrations.vllm.models import build
 
 TIMEOUT = 300
@@ -334,15 +335,9 @@ def server(qwen3: Path, tmp_path_factory: pytest.TempPathFactory) -> Any:
         "127.0.0.1",
         "--port",
         str(port),
-        "--enforce-eager",
         "--block-size",
         "32",
-        "--max-model-len",
-        "2048",
-        "--max-num-batched-tokens",
-        "256",
-        "--max-num-seqs",
-        "8",
+        *SERVE_ARGS,  # (the cluster's servers' settings: eager, small batches)
         "--dtype",
         "float32",
     ]
