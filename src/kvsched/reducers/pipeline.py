@@ -107,7 +107,6 @@ class PipelinedRows(DraftRows):
 
     # ------------------------------------------------------------------------- queries
 
-
     def landed_ids(self) -> np.ndarray:
         """The sequences whose rows the latest outcome's tokens reached (overlapped steps:
         those still running)."""
@@ -149,6 +148,11 @@ class PipelinedRows(DraftRows):
             return np.zeros(len(seq_ids), np.int64)
         return self.ahead[self.rows_of(seq_ids)]  # type: ignore[no-any-return]
 
+    def entries_of(self, seq_ids: np.ndarray) -> np.ndarray:
+        """When each running sequence took its row (a stamp: larger is later; vLLM's order
+        of its running list, where a request is appended when it is scheduled)."""
+        return self.entered[self.rows_of(seq_ids)]  # type: ignore[no-any-return]
+
     def late_states(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(overlapped steps) Of decoding ``rows`` whose newest position is a placeholder,
         those whose step in flight decodes to a state that known tokens name (every token it
@@ -164,9 +168,7 @@ class PipelinedRows(DraftRows):
         tokens land, even if every draft in flight is rejected (``max_tokens``, the context):
         those at their end are not scheduled again (vLLM's rule)."""
         known = self.ntokens[rows] + self.ahead[rows] - self.ahead_drafts[rows]
-        done = (known - self.n_prompt[rows] >= self.max_tokens[rows]) | (
-            known >= self.max_context
-        )
+        done = (known - self.n_prompt[rows] >= self.max_tokens[rows]) | (known >= self.max_context)
         return rows[~(done & (self.ahead[rows] > 0))]  # type: ignore[no-any-return]
 
     def sampling_seq_ids(self) -> np.ndarray:

@@ -24,6 +24,7 @@ pytest.importorskip(
     "oracle tests'): scripts/test_vllm.sh builds .venv-vllm and runs `pytest -k vllm` there",
 )
 
+from kvsched.events.log import read_log
 from kvsched.integrations.vllm.cluster import SERVE_ARGS
 from kvsched.integrations.vllm.models import build
 
@@ -158,6 +159,10 @@ def test_vllm_request_with_n3_is_served_as_three_samples_identical_to_vllms_own_
     got = [mine["requests"][n]["tokens"] for n in names]
     assert got == [ref["requests"][n]["tokens"] for n in names]
     assert all(len(t) == 8 for t in got) and len({tuple(t) for t in got}) > 1  # three samples
+    # vLLM's front end reports the num_cached_tokens of the sample whose output came last
+    # (the samples after the first hit its block): outputs go back in vLLM's order
+    assert [mine["requests"][n]["cached"] for n in names] == [32] * 3
+    assert [ref["requests"][n]["cached"] for n in names] == [32] * 3
 
 
 def test_vllm_run_under_kvsched_writes_a_log_that_verifies_and_replays(mixed, tmp_path: Path):
@@ -199,6 +204,43 @@ def test_vllm_preemption_workload_is_token_identical_under_kvsched(preempt):
     assert_token_identical(ref, mine)
     assert mine["kvsched"]["preemptions"] > 0
     _verifies(log)
+
+
+# vLLM's async scheduling, its default on GPUs (``--async-scheduling``: ``cpu_async`` keeps it
+# on for the CPU build): the workloads above under vLLM's asynchronous engine loop, against
+# vLLM's own ``AsyncScheduler``.
+ASYNC_RUNS = {
+    "attention-mixed": ("qwen3", "--workload", "mixed"),
+    "attention-preempt": ("qwen3", "--workload", "preempt", "--blocks", "40",
+                          "--max-model-len", "1024"),
+    "hybrid-mixed": ("qwen3_next", "--workload", "mixed", *HYBRID),
+    "hybrid-preempt": ("qwen3_next", "--workload", "preempt", "--blocks", "45", *HYBRID),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", sorted(ASYNC_RUNS))
+def test_vllm_under_async_scheduling_kvsched_serves_the_tokens_and_hits_of_vllms_async_scheduler(
+    name: str, request: pytest.FixtureRequest, tmp_path: Path
+):
+    """Step N+1 scheduled before step N's output is processed (vLLM's engine core with a
+    batch queue of two): every request's tokens and ``num_cached_tokens`` equal those under
+    vLLM's ``AsyncScheduler`` (an ``n = 3`` request's too: its three samples' outputs go
+    back in vLLM's order), kvsched plans overlapped steps (``speculation.pipelined``, in the
+    log's config), preemption happens where the workload forces it, and the log verifies."""
+    model, *args = ASYNC_RUNS[name]
+    ref, mine, log = both(request.getfixturevalue(model), tmp_path, "--async-scheduling", *args)
+    assert ref["engine"] == {"async_scheduling": True, "batch_queue_size": 2,
+                             "scheduler": "AsyncScheduler"}  # fmt: skip
+    assert mine["engine"] == {**ref["engine"], "scheduler": "Scheduler"}
+    assert read_log(log).header["config"]["speculation"]["pipelined"]
+    assert_token_identical(ref, mine)
+    for key, want in ref["requests"].items():
+        assert mine["requests"][key]["cached"] == want["cached"], key
+    if "mixed" in name:
+        assert mine["kvsched"]["hit_tokens"] > 0
+    else:
+        assert mine["kvsched"]["preemptions"] > 0
+    _verifies(log, mine["kvsched"]["steps"])
 
 
 def _subscribe(endpoint: str, stop: threading.Event, sink: list) -> None:

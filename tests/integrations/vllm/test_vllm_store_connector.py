@@ -39,6 +39,10 @@ from kvsched.integrations.vllm.run import kvsched_scheduler
 o = json.loads(sys.argv[1])  # model, scheduler, store, phase, kind, connector options
 hybrid = o["kind"] == "hybrid"
 kw = engine_args(o["model"], "both", str(o["store"]), hybrid)
+if o["overlap"]:  # (vLLM's asynchronous engine loop, kept on for its CPU build)
+    from kvsched.integrations.vllm.cpu_async import keep_async_scheduling_on_cpu
+    keep_async_scheduling_on_cpu()
+    kw["async_scheduling"] = True
 if o["scheduler"] == "vllm":
     del kw["scheduler_cls"]
 else:
@@ -50,7 +54,7 @@ else:
     kw["kv_transfer_config"]["kv_load_failure_policy"] = o.get("policy", "recompute")
 llm = LLM(disable_log_stats=False, **kw)
 rng = np.random.default_rng(0)
-prefix = rng.integers(10, 400, 900 if hybrid else 300).tolist()
+prefix = rng.integers(10, 400, 1300 if hybrid else 300).tolist()
 prompts = [prefix + rng.integers(10, 400, 20 + 7 * i).tolist() for i in range(3)]
 prompts.append(rng.integers(10, 400, 150).tolist())
 # the first engine computes and saves prompts 0 and 1; the fresh one serves all four
@@ -74,7 +78,10 @@ if sched is not None:  # (kvsched's folds and transfers still owed: stepped to t
     loads, saves = sched.engine.transfers_in_flight()
     usage = sched.get_kv_cache_usage() if not hybrid else 0.0  # (hybrid: checkpoints pin KV)
     left = {"usage": usage, "loads": loads, "saves": saves}
-print("RESULT" + json.dumps({"requests": out, "by_source": by_source, "left": left}))
+core = llm.llm_engine.engine_core.engine_core
+engine = {"async": bool(kw.get("async_scheduling")), "queue": core.batch_queue_size}
+print("RESULT" + json.dumps({"requests": out, "by_source": by_source, "left": left,
+                             "engine": engine}))
 """
 
 
@@ -96,10 +103,12 @@ def _run(
     kind: str,
     log: Path | None = None,
     policy: str = "recompute",
+    overlap: bool = False,
     **options: Any,
 ) -> Any:
-    """One engine's run of the script: its requests, vLLM's prompt-token counts by source,
-    and (kvsched) what it holds once stepped to the end (cache usage, loads and saves)."""
+    """One engine's run of the script (``overlap``: under vLLM's async scheduling): its
+    requests, vLLM's prompt-token counts by source, how the engine ran, and (kvsched) what
+    it holds once stepped to the end (cache usage, loads and saves)."""
     import json
 
     env = {"KVSCHED_VLLM_LOG": str(log)} if log is not None else None
@@ -107,7 +116,7 @@ def _run(
         options.setdefault("synchronous", True)
     where = None if store is None else f"dir:{store}"
     run = {"model": str(model), "scheduler": scheduler, "store": where, "phase": phase}
-    run.update(kind=kind, options=options, policy=policy)
+    run.update(kind=kind, options=options, policy=policy, overlap=overlap)
     got = _script_result(SCRIPT, json.dumps(run), env=env)
     if got["left"] is not None:  # (no block, load or save left behind)
         assert got["left"] == {"usage": 0.0, "loads": [], "saves": []}
@@ -190,15 +199,15 @@ def test_vllm_kvsched_connector_loads_a_fresh_engine_token_identical_to_vllm(
 def test_vllm_kvsched_connector_restores_a_hybrid_prefix_with_its_state_from_the_store(
     qwen3_next: Path, hybrid_saved: tuple, tmp_path: Path
 ):
-    """Tiny Qwen3-Next (384-token blocks): the first engine saves prompt 0's two blocks with
+    """Tiny Qwen3-Next (640-token blocks): the first engine saves prompt 0's two blocks with
     the state at their end; the fresh engine's first request loads both blocks and the
-    state (768 tokens, where vLLM alone has no hit) and its outputs equal a run that
+    state (1,280 tokens, where vLLM alone has no hit) and its outputs equal a run that
     computed everything."""
     ref, _, save_log = hybrid_saved
     load, log = _load(qwen3_next, hybrid_saved, tmp_path)
-    assert [r[1] for r in ref["requests"]] == [0, 768, 768, 0]
-    assert [r[1] for r in load["requests"]] == [768, 768, 768, 0]
-    assert load["by_source"]["external_kv_transfer"] >= 768
+    assert [r[1] for r in ref["requests"]] == [0, 1280, 1280, 0]
+    assert [r[1] for r in load["requests"]] == [1280, 1280, 1280, 0]
+    assert load["by_source"]["external_kv_transfer"] >= 1280
     saves = [d for d in _decisions(save_log) if isinstance(d, ev.KVSaveStarted)]
     assert saves and all(d.ckpt_id >= 0 and d.state_slot > 0 for d in saves)
     loads = [d for d in _decisions(log) if isinstance(d, ev.KVLoadStarted)]
@@ -206,6 +215,38 @@ def test_vllm_kvsched_connector_restores_a_hybrid_prefix_with_its_state_from_the
     assert len(first.blocks) == 2 and first.state_slot > 0 and first.state_hash
     settled = [d for d in _decisions(log) if isinstance(d, ev.KVLoadSettled)]
     assert settled[0].num_blocks == 2 and settled[0].state_slot == first.state_slot
+
+
+def _stored(store: Path) -> list[str]:
+    return sorted(str(f.relative_to(store)) for f in store.rglob("*") if f.is_file())
+
+
+@pytest.mark.parametrize("loads", ["synchronous", "asynchronous"])
+@pytest.mark.parametrize("kind", ["attention", "hybrid"])
+def test_vllm_kvsched_connector_under_async_scheduling_saves_and_loads_as_in_the_synchronous_order(
+    kind: str, loads: str, request: pytest.FixtureRequest, tmp_path: Path
+):
+    """vLLM's asynchronous engine loop (step N+1 scheduled before step N's output is
+    processed; ``cpu_async`` keeps it on for vLLM's CPU build): an engine saves the same
+    keys as the synchronous engine did, and a fresh one, with synchronous or asynchronous
+    loads, serves the reference's tokens with the synchronous load's hits (a hybrid
+    model's state restored from the store); no block, load or save is left behind; both
+    logs verify."""
+    model = request.getfixturevalue("qwen3" if kind == "attention" else "qwen3_next")
+    ref, sync_store, _ = request.getfixturevalue(f"{kind}_saved")
+    store, logs = tmp_path / "store", [tmp_path / "save.kvlog", tmp_path / "load.kvlog"]
+    save = _run(model, "kvsched", store, "save", kind, logs[0], overlap=True)
+    assert save["engine"] == {"async": True, "queue": 2}  # (vLLM's asynchronous loop)
+    assert [r[0] for r in save["requests"]] == [r[0] for r in ref["requests"][:2]]
+    assert _stored(store) == _stored(sync_store)
+    sync = loads == "synchronous"
+    load = _run(model, "kvsched", store, "load", kind, logs[1], overlap=True, synchronous=sync)
+    assert [r[0] for r in load["requests"]] == [r[0] for r in ref["requests"]]
+    hits = [288, 320, 288, 0] if kind == "attention" else [1280, 1280, 1280, 0]
+    assert [r[1] for r in load["requests"]] == hits
+    assert load["by_source"]["external_kv_transfer"] >= hits[0]
+    for log in logs:
+        _verifies(log)
 
 
 # --------------------------------------------------------------------------- faults
@@ -437,7 +478,7 @@ def test_vllm_disaggregated_prefill_and_decode_equal_one_engine_and_decode_loads
     for g, prompt in zip(got, prompts, strict=True):
         assert g["prefill"]["tokens"] == g["tokens"][:1]
         blocks = g["prefill"]["kv_transfer_params"]["kvsched"]["prompt_blocks"]
-        bs = 384 if hybrid else 32
+        bs = 640 if hybrid else 32  # (models.STATE_DTYPE pinned: the same on every CPU)
         assert blocks == len(prompt) // bs
         assert g["num_cached_tokens"] == min(blocks, (len(prompt) - 1) // bs) * bs, g["id"]
     for log in logs:

@@ -180,7 +180,6 @@ def test_vllm_kvsched_connector_refuses_malformed_options_with_the_reason(extra,
     [
         ({"kv": (FullAttentionSpec, MambaSpec)}, "ExampleConnector .* hybrid model"),
         ({"lookahead": 3, "eagle": True}, "ExampleConnector .* drafter that writes KV"),
-        ({"async": True, "name": "KvschedConnector"}, "KvschedConnector .* async scheduling"),
     ],
 )
 def test_vllm_a_kv_connector_is_refused_where_kvsched_cannot_serve_it_with_the_reason(
@@ -194,10 +193,20 @@ def test_vllm_a_kv_connector_is_refused_where_kvsched_cannot_serve_it_with_the_r
         cfg.scheduler_config(vc, _kv_cache(*change.get("kv", (FullAttentionSpec,))), 32)
 
 
-def test_vllm_a_kv_connector_under_async_scheduling_runs_on_overlapped_steps():
-    vc = _with_connector(_vllm_config(async_scheduling=True))
-    config = cfg.scheduler_config(vc, _kv_cache(FullAttentionSpec), 32)
-    assert config.speculation.pipelined and config.external_load and not config.external_save
+@pytest.mark.parametrize(
+    "name, kinds",
+    [
+        ("ExampleConnector", (FullAttentionSpec,)),
+        ("KvschedConnector", (FullAttentionSpec, MambaSpec)),
+    ],
+)
+def test_vllm_a_kv_connector_under_async_scheduling_runs_on_overlapped_steps(name, kinds):
+    vc = _with_connector(_vllm_config(async_scheduling=True), "recompute")
+    vc.kv_transfer_config.kv_connector, vc.kv_transfer_config.kv_role = name, "kv_both"
+    vc.cache_config.mamba_cache_mode = "align"
+    config = cfg.scheduler_config(vc, _kv_cache(*kinds), 32)
+    assert config.speculation.pipelined and config.external_load
+    assert config.external_save == (name == "KvschedConnector")
 
 
 def test_vllm_ngram_speculative_decoding_sets_the_drafts_and_the_prefill_budget():
@@ -507,5 +516,8 @@ def test_vllm_disaggregation_engine_reads_a_good_request_line():
 
     line = '{"id": "7", "prompt": [3, 4], "max_tokens": 2, "kv_transfer_params": {"k": 1}}'
     assert parse_request(line) == {
-        "id": "7", "prompt": [3, 4], "max_tokens": 2, "kv_transfer_params": {"k": 1}
+        "id": "7",
+        "prompt": [3, 4],
+        "max_tokens": 2,
+        "kv_transfer_params": {"k": 1},
     }

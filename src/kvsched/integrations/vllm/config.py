@@ -176,23 +176,16 @@ def fails_loads(vllm_config: Any) -> bool:
 
 
 def _refuse_connector(vllm_config: Any, hybrid: bool) -> None:
-    """vLLM's KV connectors are served for attention models, in vLLM's synchronous order
-    and under its async scheduling (overlapped steps), without a drafter that writes KV;
-    kvsched's own in the synchronous order (docs/vllm.md, "KV connectors")."""
+    """vLLM's KV connectors are served for attention models, kvsched's own for hybrid ones
+    too, in vLLM's synchronous order and under its async scheduling (overlapped steps),
+    without a drafter that writes KV (docs/vllm.md, "KV connectors")."""
     why = None
-    overlap = bool(getattr(vllm_config.scheduler_config, "async_scheduling", False))
     if hybrid and not is_kvsched_connector(vllm_config):
         why = (
             "a hybrid model (kvsched hands a connector the attention group's blocks only; "
             "vLLM's HMA connectors move every group's, mamba states included, and run on "
             f"CUDA only; {KVSCHED_CONNECTOR}, kvsched's own store path, saves and restores "
             "the states)"
-        )
-    elif overlap and is_kvsched_connector(vllm_config):
-        why = (
-            "async scheduling (its worker side has run in vLLM's synchronous order only: "
-            "vLLM's CPU build has no async scheduling); start vLLM with "
-            "--no-async-scheduling (LLM(async_scheduling=False))"
         )
     elif int(vllm_config.num_lookahead_tokens):
         why = "a drafter that writes KV (EAGLE-family: lookahead slots beside loads)"

@@ -36,8 +36,13 @@ SCHEDULER = "kvsched.integrations.vllm.Scheduler"
 
 
 def engine_args(model: str, role: str, store: str, hybrid: bool) -> dict[str, Any]:
-    """The ``LLM`` / ``EngineArgs`` keywords of one engine of the pair."""
-    return {
+    """The ``LLM`` / ``EngineArgs`` keywords of one engine of the pair (a hybrid model's
+    state dtype pinned, ``models.STATE_DTYPE``: vLLM derives the block size from it, so it
+    is the same on every CPU)."""
+    from kvsched.integrations.vllm.models import STATE_DTYPE
+
+    states = {"mamba_ssm_cache_dtype": STATE_DTYPE} if hybrid else {}
+    return states | {
         "model": model,
         "enforce_eager": True,
         "max_model_len": 4096 if hybrid else 2048,

@@ -2,6 +2,7 @@
 
     python -m kvsched.integrations.vllm.run --model DIR --scheduler kvsched --out out.json \\
         [--workload mixed|preempt|decode] [--log run.kvlog] [--kv-events tcp://127.0.0.1:PORT]
+        [--async-scheduling]
 
 Workloads (token ids, greedy, ``ignore_eos``):
 * ``mixed``: prompts sharing a long prefix (one first, the rest after it is cached), a
@@ -31,6 +32,7 @@ from typing import Any
 
 import numpy as np
 
+from kvsched.integrations.vllm.cpu_async import keep_async_scheduling_on_cpu
 from kvsched.integrations.vllm.models import STATE_DTYPE
 from kvsched.integrations.vllm.workloads import CHAT_SIZES, POPULAR_SIZES, chat, popular
 
@@ -81,6 +83,9 @@ def make_llm(args: argparse.Namespace) -> Any:
         kw["mamba_ssm_cache_dtype"] = STATE_DTYPE
     if args.blocks:
         kw["num_gpu_blocks_override"] = args.blocks
+    if args.async_scheduling:  # (vLLM's CPU build turns it off: cpu_async.py)
+        keep_async_scheduling_on_cpu()
+        kw["async_scheduling"] = True
     if args.scheduler == "kvsched":
         kw["scheduler_cls"] = SCHEDULER
         kw["logits_processors"] = [REQUEST_CHECK]
@@ -207,6 +212,17 @@ def kvsched_scheduler(llm: Any) -> Any | None:
     return sched if type(sched).__module__.startswith("kvsched.") else None
 
 
+def _engine_info(llm: Any) -> dict[str, Any]:
+    """How vLLM's engine ran: async scheduling on, the engine core's batch queue (2: its
+    asynchronous loop, ``step_with_batch_queue``), the scheduler class."""
+    core = getattr(llm.llm_engine.engine_core, "engine_core", None)
+    return {
+        "async_scheduling": bool(llm.llm_engine.vllm_config.scheduler_config.async_scheduling),
+        "batch_queue_size": getattr(core, "batch_queue_size", None),
+        "scheduler": type(getattr(core, "scheduler", None)).__name__,
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--model", required=True)
@@ -232,6 +248,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--vllm-block-hashes", action="store_true", help="kvsched keeps vLLM's prompt digests"
     )
+    p.add_argument(
+        "--async-scheduling",
+        action="store_true",
+        help="vLLM's async scheduling (its GPU default; kept on for vLLM's CPU build by "
+        "cpu_async.py)",
+    )
     args = p.parse_args(argv)
     _env()
     llm = make_llm(args)
@@ -249,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
         decode(llm, out, args.running)
     wall = time.perf_counter() - t0
     sched = kvsched_scheduler(llm)
-    info: dict[str, Any] = {"wall_s": wall, "requests": out}
+    info: dict[str, Any] = {"wall_s": wall, "requests": out, "engine": _engine_info(llm)}
     if sched is not None:
         stats = sched.engine.state.stats
         info["kvsched"] = {

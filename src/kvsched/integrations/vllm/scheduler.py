@@ -22,6 +22,7 @@ import time
 from collections import defaultdict, deque
 from collections.abc import Iterable
 from functools import partial
+from operator import itemgetter
 from typing import Any
 
 import msgspec
@@ -113,7 +114,9 @@ class Scheduler(Queries, SchedulerInterface):  # type: ignore[misc]  # (vLLM is 
         # step, scheduled while an earlier one was out), each with the sequences retired
         # since, by name (their tokens in it are dropped; a preempted sequence's are
         # delivered, as vLLM's async scheduler does, and kvsched appends them too).
-        self._awaiting: deque[tuple[StepResult, dict[int, str]] | None] = deque()
+        # Each step out: its result, the requests that left meanwhile (by sequence id), and
+        # when each row that samples took its row (its outputs go back in that order).
+        self._awaiting: deque[tuple[StepResult, dict[int, str], np.ndarray] | None] = deque()
         self.num_drafts = cfg.num_drafts(vllm_config)  # speculative decoding (0: off)
         self._prefix_stats = PrefixCacheStats()
         self._events: list[Any] = []
@@ -183,7 +186,8 @@ class Scheduler(Queries, SchedulerInterface):  # type: ignore[misc]  # (vLLM is 
             inputs += self.kv.inputs(self.reg.req_of)
         port = partial(self.kv.answer, req_of=self.reg.req_of) if self.kv else None
         result = self.engine.step(inputs, time.monotonic() - self.clock0, port)
-        self._awaiting.append((result, {}))
+        entries = self.engine.state.seqs.entries_of(result.plan.seq_ids[result.plan.sample])
+        self._awaiting.append((result, {}, entries))
         preempted = self._fold_decisions(result)
         plan = result.plan
         check_plan(plan)
@@ -330,7 +334,7 @@ class Scheduler(Queries, SchedulerInterface):  # type: ignore[misc]  # (vLLM is 
         step = self._awaiting.popleft()
         self.encoders.landed()
         if step is not None:
-            self._record_outcome(step[0].plan, model_runner_output, outputs, step[1])
+            self._record_outcome(step[0].plan, model_runner_output, outputs, step[1:])
         elif model_runner_output.sampled_token_ids:
             raise AdapterMismatch("tokens sampled in a step kvsched scheduled empty")
         for request, reason in self._errors:
@@ -348,13 +352,22 @@ class Scheduler(Queries, SchedulerInterface):  # type: ignore[misc]  # (vLLM is 
         return result
 
     def _record_outcome(
-        self, plan: StepPlan, mro: Any, outputs: dict[int, list[Any]], left: dict[int, str]
+        self,
+        plan: StepPlan,
+        mro: Any,
+        outputs: dict[int, list[Any]],
+        out: tuple[dict[int, str], np.ndarray],
     ) -> None:
         """Each sampled token: into the next step's ``StepExecuted`` and, unless its request
-        was aborted or retired (``left``) meanwhile, onto the vLLM request with an output
-        (and vLLM's stop rule)."""
+        was aborted or retired (``out[0]``) meanwhile, onto the vLLM request with an output
+        (and vLLM's stop rule). The outputs go back in the order the rows were taken
+        (``out[1]``), as vLLM's come in its running list's order: the last of a step's
+        outputs that finishes an ``n > 1`` request gives that request's
+        ``num_cached_tokens`` (vLLM's front end)."""
         if plan.is_empty:
             return
+        left = out[0]
+        ordered: list[tuple[int, int, Any]] = []  # (row taken, client, output)
         sampled, index = mro.sampled_token_ids, mro.req_id_to_index
         req_of, requests = self.reg.req_of, self.requests
         with_logprobs = mro.logprobs is not None
@@ -365,7 +378,8 @@ class Scheduler(Queries, SchedulerInterface):  # type: ignore[misc]  # (vLLM is 
         stops, structured = self.reg.stops, self.reg.structured
         tokens: list[int] = []
         counts: list[int] = []  # (in the event only when drafts were verified)
-        for seq_id, most in zip(seq_ids.tolist(), drafts.most_tokens(plan), strict=False):
+        todo = zip(seq_ids.tolist(), drafts.most_tokens(plan), out[1].tolist(), strict=False)
+        for seq_id, most, entry in todo:
             name = left.get(seq_id) or req_of[seq_id].request_id
             got: Any = sampled[index[name]] if sampled else ()
             if not 0 < len(got) <= most:
@@ -395,11 +409,13 @@ class Scheduler(Queries, SchedulerInterface):  # type: ignore[misc]  # (vLLM is 
             prompt = NO_PROMPT
             if with_prompt:
                 prompt = (prompt_tensors.get(name), prompt_ids.get(name))
-            out = token_output(request, got, finish, logprobs, prompt)
+            output = token_output(request, got, finish, logprobs, prompt)
             if finish is not None and self.kv:
                 blocks = self._computed(request)
-                out.kv_transfer_params = self.kv.finished(request, seq_id, blocks)
-            outputs[request.client_index].append(out)
+                output.kv_transfer_params = self.kv.finished(request, seq_id, blocks)
+            ordered.append((entry, request.client_index, output))
+        for _, client, output in sorted(ordered, key=itemgetter(0)):
+            outputs[client].append(output)
         executed = ev.StepExecuted(plan.step, seq_ids.copy(), np.asarray(tokens, dtype=np.int32))
         if len(plan.num_drafts):
             executed = msgspec.structs.replace(executed, counts=np.asarray(counts, np.int32))
