@@ -43,7 +43,7 @@ model, scheduler, store, phase = sys.argv[1:5]
 kw = {} if scheduler == "vllm" else {"scheduler_cls": "kvsched.integrations.vllm.Scheduler"}
 llm = LLM(model, enforce_eager=True, block_size=32, max_model_len=2048, dtype="float32",
           max_num_batched_tokens=2048, max_num_seqs=8, seed=0, skip_tokenizer_init=True,
-          enable_prefix_caching=True,
+          enable_prefix_caching=True, async_scheduling=OVERLAP,
           kv_transfer_config={"kv_connector": "ExampleConnector", "kv_role": "kv_both",
                               "kv_connector_extra_config": {"shared_storage_path": store}},
           **kw)
@@ -93,20 +93,26 @@ def qwen3(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build("qwen3", tmp_path_factory.mktemp("qwen3") / "model")
 
 
-def _run(model: Path, scheduler: str, store: Path, phase: str, log: Path | None) -> Any:
+def _run(
+    model: Path, scheduler: str, store: Path, phase: str, log: Path | None, overlap: bool = False
+) -> Any:
     env = {"KVSCHED_VLLM_LOG": str(log)} if log is not None else None
-    return _script_result(EXAMPLE, str(model), scheduler, str(store), phase, env=env)
+    args = (str(model), scheduler, str(store), phase)
+    return _script_result(EXAMPLE, *args, env=env, overlap=overlap)
 
 
+@pytest.mark.parametrize("order", ["sync", "async"])
 def test_vllm_example_connector_loads_a_fresh_engine_as_vllms_own_scheduler_does(
-    qwen3: Path, tmp_path: Path
+    qwen3: Path, tmp_path: Path, order: str
 ):
     """Saved by one engine, loaded by a fresh one: the same tokens and cached tokens as
     vLLM's scheduler, request by request; the fresh engine's external hits are kvsched
-    loads (lookup, load, settle) in its log, and both logs verify."""
-    ref = [_run(qwen3, "vllm", tmp_path / "ref", p, None) for p in ("save", "load")]
+    loads (lookup, load, settle) in its log, and both logs verify. Under vLLM's synchronous
+    engine loop and under its async scheduling (against ``AsyncScheduler``)."""
+    overlap = order == "async"
+    ref = [_run(qwen3, "vllm", tmp_path / "ref", p, None, overlap) for p in ("save", "load")]
     logs = [tmp_path / "save.kvlog", tmp_path / "load.kvlog"]
-    mine = [_run(qwen3, "kvsched", tmp_path / "mine", p, log) for p, log in zip(
+    mine = [_run(qwen3, "kvsched", tmp_path / "mine", p, log, overlap) for p, log in zip(
         ("save", "load"), logs, strict=True)]
     assert [[t for t, _ in r] for r in mine] == [[t for t, _ in r] for r in ref]
     # 320-, 327-, 334- and 150-token prompts in 32-token blocks: the stored prompts load

@@ -161,7 +161,8 @@ import json, sys
 from vllm import LLM, SamplingParams, TokensPrompt
 from vllm.sampling_params import StructuredOutputsParams
 kw = {"scheduler_cls": "kvsched.integrations.vllm.Scheduler"} if sys.argv[2] == "kvsched" else {}
-if len(sys.argv) > 3:  # ngram speculative decoding with this many drafts
+kw["async_scheduling"] = OVERLAP
+if len(sys.argv) > 3:  # ngram speculative decoding with this many drafts (vLLM: synchronous)
     kw |= {"async_scheduling": False,
            "speculative_config": {"method": "ngram", "num_speculative_tokens": int(sys.argv[3]),
                                   "prompt_lookup_max": 4, "prompt_lookup_min": 1}}
@@ -200,15 +201,19 @@ def _texts(tokens: list[int]) -> str:
     return "".join(texts[t] for t in tokens if t != 1)
 
 
+@pytest.mark.parametrize("order", ["sync", "async"])
 def test_vllm_structured_outputs_are_token_identical_to_vllms_own_scheduler(
-    tmp_path_factory: pytest.TempPathFactory,
+    tmp_path_factory: pytest.TempPathFactory, order: str
 ):
     """JSON schema, regex and choice, four prompts each (tiny Qwen3 whose tokenizer can write
-    JSON): the same tokens and finish reasons; the kvsched run's log verifies."""
+    JSON): the same tokens and finish reasons; the kvsched run's log verifies. Under vLLM's
+    synchronous engine loop and under its async scheduling (against ``AsyncScheduler``: a
+    bitmask waits for the tokens still out)."""
     model = build("qwen3", tmp_path_factory.mktemp("qwen3-json") / "model", json_chars=True)
-    log = tmp_path_factory.mktemp("log") / "structured.kvlog"
-    ref = _script_result(STRUCTURED, str(model), "vllm")
-    mine = _script_result(STRUCTURED, str(model), "kvsched", env={"KVSCHED_VLLM_LOG": str(log)})
+    log, overlap = tmp_path_factory.mktemp("log") / "structured.kvlog", order == "async"
+    ref = _script_result(STRUCTURED, str(model), "vllm", overlap=overlap)
+    env = {"KVSCHED_VLLM_LOG": str(log)}
+    mine = _script_result(STRUCTURED, str(model), "kvsched", env=env, overlap=overlap)
     assert mine == ref
     for tokens, reason in ref["json"]:
         if reason == "stop":

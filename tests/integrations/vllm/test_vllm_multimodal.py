@@ -34,7 +34,7 @@ model, scheduler = sys.argv[1], sys.argv[2]
 kw = {} if scheduler == "vllm" else {"scheduler_cls": "kvsched.integrations.vllm.Scheduler"}
 llm = LLM(model, enforce_eager=True, block_size=32, max_model_len=1024,
           max_num_batched_tokens=68, max_num_seqs=4, dtype="float32", seed=0,
-          limit_mm_per_prompt={"audio": 2}, **kw)
+          limit_mm_per_prompt={"audio": 2}, async_scheduling=OVERLAP, **kw)
 rng = np.random.default_rng(0)
 clips = [(rng.standard_normal(16000 * (1 + i % 2)).astype(np.float32) * 0.1, 16000)
          for i in range(3)]
@@ -63,16 +63,19 @@ def audio(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_audio(tmp_path_factory.mktemp("audio") / "model")
 
 
+@pytest.mark.parametrize("order", ["sync", "async"])
 def test_vllm_audio_inputs_are_token_identical_to_vllms_own_scheduler(
-    audio: Path, tmp_path: Path
+    audio: Path, tmp_path: Path, order: str
 ):
     """Six requests with one or two audio clips (two rounds): the same tokens and the same
     cached tokens as vLLM's own scheduler, request by request (a repeat hits its first
     round's blocks, even where its hit ends inside a clip; a request whose first clip
-    differs hits only the text before it); the log verifies."""
-    log = tmp_path / "audio.kvlog"
-    ref = _script_result(AUDIO, str(audio), "vllm")
-    mine = _script_result(AUDIO, str(audio), "kvsched", env={"KVSCHED_VLLM_LOG": str(log)})
+    differs hits only the text before it); the log verifies. Under vLLM's synchronous
+    engine loop and its async scheduling (against ``AsyncScheduler``)."""
+    log, overlap = tmp_path / "audio.kvlog", order == "async"
+    ref = _script_result(AUDIO, str(audio), "vllm", overlap=overlap)
+    env = {"KVSCHED_VLLM_LOG": str(log)}
+    mine = _script_result(AUDIO, str(audio), "kvsched", env=env, overlap=overlap)
     assert [t for t, _, _ in mine] == [t for t, _, _ in ref]
     assert len({tuple(t) for t, _, _ in mine}) > 2  # (the clips change the tokens)
     # 117- and 172-token prompts, clips at [41, 76) and [118, 169): a repeat hits its

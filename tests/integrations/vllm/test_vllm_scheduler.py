@@ -463,9 +463,32 @@ print("RESULT" + json.dumps(got))
 """
 
 
-def _script_result(script: str, *args: str, env: dict[str, str] | None = None) -> Any:
+# Run before every script: ``OVERLAP`` is whether it runs under vLLM's async scheduling (its
+# GPU default), which ``cpu_async`` keeps on for vLLM's CPU build; a script passes
+# ``async_scheduling=OVERLAP`` to its ``LLM``, and every ``LLM`` built then is checked to
+# run vLLM's asynchronous engine loop (a batch queue of two).
+PRELUDE = """
+import os as _os
+OVERLAP = _os.environ.get("KVSCHED_TEST_OVERLAP") == "1"
+if OVERLAP:
+    import vllm as _vllm
+    from kvsched.integrations.vllm.cpu_async import keep_async_scheduling_on_cpu
+    keep_async_scheduling_on_cpu()
+    _init = _vllm.LLM.__init__
+    def _checked_init(self, *args, **kwargs):
+        _init(self, *args, **kwargs)
+        core = self.llm_engine.engine_core.engine_core
+        assert core.batch_queue_size == 2, "vLLM's asynchronous engine loop is not on"
+    _vllm.LLM.__init__ = _checked_init
+"""
+
+
+def _script_result(
+    script: str, *args: str, env: dict[str, str] | None = None, overlap: bool = False
+) -> Any:
     """Run a vLLM script in its own process (in-process engine core; ``env``: more
-    environment variables) and return the JSON it prints after ``RESULT``."""
+    environment variables; ``overlap``: ``OVERLAP``, see ``PRELUDE``) and return the JSON
+    it prints after ``RESULT``."""
     import os
 
     env = {
@@ -473,10 +496,11 @@ def _script_result(script: str, *args: str, env: dict[str, str] | None = None) -
         "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
         "VLLM_CPU_KVCACHE_SPACE": "1",
         "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+        "KVSCHED_TEST_OVERLAP": "1" if overlap else "0",
         **(env or {}),
     }
     proc = subprocess.run(
-        [sys.executable, "-c", script, *args],
+        [sys.executable, "-c", PRELUDE + script, *args],
         capture_output=True,
         text=True,
         timeout=TIMEOUT,

@@ -115,7 +115,7 @@ model, head, scheduler, blocks = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.
 kw = {} if scheduler == "vllm" else {"scheduler_cls": "kvsched.integrations.vllm.Scheduler"}
 llm = LLM(model, enforce_eager=True, block_size=32, max_model_len=256, max_num_batched_tokens=512,
           max_num_seqs=4, dtype="float32", skip_tokenizer_init=True, seed=0,
-          num_gpu_blocks_override=blocks, async_scheduling=False,
+          num_gpu_blocks_override=blocks, async_scheduling=OVERLAP,
           speculative_config={"method": "eagle3", "model": head, "num_speculative_tokens": 3},
           **kw)
 shared = [5 + (7 * j) % 400 for j in range(70)]  # (two blocks and a bit)
@@ -129,21 +129,24 @@ print("RESULT" + json.dumps([[list(o.outputs[0].token_ids), o.num_cached_tokens]
 """
 
 
+@pytest.mark.parametrize("order", ["sync", "async"])
 @pytest.mark.parametrize("blocks", [100, 12], ids=["roomy", "tight"])
 def test_vllm_eagle3_speculative_decoding_is_token_identical_to_vllms_own_scheduler(
-    qwen3: Path, tmp_path: Path, blocks: int
+    qwen3: Path, tmp_path: Path, blocks: int, order: str
 ):
     """An EAGLE3 head (``models.build_eagle3``) drafting three tokens: the drafter writes KV
     in three lookahead slots past each row's work and a prefix hit gives up its last block
     (vLLM's rule). Tokens equal vLLM's own scheduler's request by request and the log
     verifies. (This head's drafts were never accepted here: acceptance and rollback are
-    covered by the ngram tests and the harness.)"""
+    covered by the ngram tests and the harness.) Under vLLM's synchronous engine loop and
+    under its async scheduling, where each decode verifies placeholder drafts (-1) that
+    the runner fills in, against ``AsyncScheduler``."""
     head = build_eagle3(tmp_path / "eagle3", qwen3)
-    log = tmp_path / "eagle3.kvlog"
-    ref = _script_result(EAGLE, str(qwen3), str(head), "vllm", str(blocks))
-    mine = _script_result(
-        EAGLE, str(qwen3), str(head), "kvsched", str(blocks), env={"KVSCHED_VLLM_LOG": str(log)}
-    )
+    log, overlap = tmp_path / "eagle3.kvlog", order == "async"
+    args = (str(qwen3), str(head))
+    ref = _script_result(EAGLE, *args, "vllm", str(blocks), overlap=overlap)
+    env = {"KVSCHED_VLLM_LOG": str(log)}
+    mine = _script_result(EAGLE, *args, "kvsched", str(blocks), env=env, overlap=overlap)
     assert [tokens for tokens, _ in mine] == [tokens for tokens, _ in ref]
     # Cached tokens: equal but for a prefix continuing past a hit's recomputed last block,
     # which vLLM indexes and kvsched does not (docs/vllm.md, "speculative decoding"): the

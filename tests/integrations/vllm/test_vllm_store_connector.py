@@ -27,7 +27,7 @@ from kvsched.events.codec import decode_record
 from kvsched.events.reader import read_log
 from kvsched.integrations.vllm.models import build
 
-from .test_vllm_scheduler import _script_result, _verifies
+from .test_vllm_scheduler import PRELUDE, _script_result, _verifies
 
 SCRIPT = """
 import json, sys
@@ -39,10 +39,7 @@ from kvsched.integrations.vllm.run import kvsched_scheduler
 o = json.loads(sys.argv[1])  # model, scheduler, store, phase, kind, connector options
 hybrid = o["kind"] == "hybrid"
 kw = engine_args(o["model"], "both", str(o["store"]), hybrid)
-if o["overlap"]:  # (vLLM's asynchronous engine loop, kept on for its CPU build)
-    from kvsched.integrations.vllm.cpu_async import keep_async_scheduling_on_cpu
-    keep_async_scheduling_on_cpu()
-    kw["async_scheduling"] = True
+kw["async_scheduling"] = OVERLAP  # (test_vllm_scheduler.PRELUDE)
 if o["scheduler"] == "vllm":
     del kw["scheduler_cls"]
 else:
@@ -79,7 +76,7 @@ if sched is not None:  # (kvsched's folds and transfers still owed: stepped to t
     usage = sched.get_kv_cache_usage() if not hybrid else 0.0  # (hybrid: checkpoints pin KV)
     left = {"usage": usage, "loads": loads, "saves": saves}
 core = llm.llm_engine.engine_core.engine_core
-engine = {"async": bool(kw.get("async_scheduling")), "queue": core.batch_queue_size}
+engine = {"async": OVERLAP, "queue": core.batch_queue_size}
 print("RESULT" + json.dumps({"requests": out, "by_source": by_source, "left": left,
                              "engine": engine}))
 """
@@ -116,8 +113,8 @@ def _run(
         options.setdefault("synchronous", True)
     where = None if store is None else f"dir:{store}"
     run = {"model": str(model), "scheduler": scheduler, "store": where, "phase": phase}
-    run.update(kind=kind, options=options, policy=policy, overlap=overlap)
-    got = _script_result(SCRIPT, json.dumps(run), env=env)
+    run.update(kind=kind, options=options, policy=policy)
+    got = _script_result(SCRIPT, json.dumps(run), env=env, overlap=overlap)
     if got["left"] is not None:  # (no block, load or save left behind)
         assert got["left"] == {"usage": 0.0, "loads": [], "saves": []}
     return got
@@ -153,7 +150,12 @@ def _saved(model: Path, kind: str, where: Path) -> tuple[Any, Path, Path]:
 
 
 def _load(
-    model: Path, saved: tuple, tmp_path: Path, failed: tuple[int, ...] = (), **options: Any
+    model: Path,
+    saved: tuple,
+    tmp_path: Path,
+    failed: tuple[int, ...] = (),
+    overlap: bool = False,
+    **options: Any,
 ) -> tuple[Any, Path]:
     """A fresh engine serving all four prompts from a copy of the saved store: its tokens
     equal the reference's (whatever the store does; the requests ``failed`` end in error,
@@ -166,7 +168,7 @@ def _load(
     log = tmp_path / "load.kvlog"
     kind = "hybrid" if "next" in model.parent.name else "attention"
     policy = "fail" if failed else "recompute"
-    got = _run(model, "kvsched", mine, "load", kind, log, policy, **options)
+    got = _run(model, "kvsched", mine, "load", kind, log, policy, overlap, **options)
     for i, (mine_i, ref_i) in enumerate(zip(got["requests"], ref["requests"], strict=True)):
         if i in failed:
             assert mine_i[0] == [] and mine_i[2] == "error", mine_i
@@ -264,16 +266,19 @@ LOAD_FAULTS = {
 }
 
 
+@pytest.mark.parametrize("order", ["sync", "async"])
 @pytest.mark.parametrize("fault", sorted(LOAD_FAULTS))
 def test_vllm_kvsched_connector_load_fault_keeps_the_good_blocks_and_recomputes_the_rest(
-    fault: str, qwen3: Path, attention_saved: tuple, tmp_path: Path
+    fault: str, order: str, qwen3: Path, attention_saved: tuple, tmp_path: Path
 ):
     """The store killed, frozen, or missing a key during a load: vLLM keeps serving, every
     request's tokens equal a run without the store, the first request keeps exactly the
     blocks written before the fault, no block, load or save is left behind, and the log
-    verifies (kvsched's invariants checked after every step)."""
+    verifies (kvsched's invariants checked after every step); in vLLM's synchronous loop
+    and under its async scheduling."""
     drill, good = LOAD_FAULTS[fault]
-    got, log = _load(qwen3, attention_saved, tmp_path, drill=drill, job_timeout_s=1.0)
+    options = {"drill": drill, "job_timeout_s": 1.0}
+    got, log = _load(qwen3, attention_saved, tmp_path, overlap=order == "async", **options)
     failed = [e for e in _inputs(log) if isinstance(e, ev.KVLoadFailed)]
     assert failed and failed[0].num_good_blocks == good, failed
     assert got["requests"][0][1] == good * 32
@@ -389,7 +394,7 @@ def test_vllm_kvsched_connector_on_mooncake_store_serves_a_fresh_engine_and_outl
     run["options"] = {"lookup_timeout_s": 2.0, "job_timeout_s": 3.0}
     run["policy"] = "recompute"
     shell = 'ip link set lo up && exec "$0" -c "$1" "$2" "$3" "$4"'
-    cmd = ["unshare", "-rn", "sh", "-c", shell, sys.executable, MOONCAKE, SCRIPT]
+    cmd = ["unshare", "-rn", "sh", "-c", shell, sys.executable, MOONCAKE, PRELUDE + SCRIPT]
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
     env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
     proc = subprocess.run(
@@ -418,7 +423,9 @@ def test_vllm_kvsched_connector_on_mooncake_store_serves_a_fresh_engine_and_outl
 # --------------------------------------------------------------------------- disaggregation
 
 
-def _disaggregated(model: Path, hybrid: bool, tmp_path: Path) -> tuple[list, list, list[Path]]:
+def _disaggregated(
+    model: Path, hybrid: bool, tmp_path: Path, overlap: bool = False
+) -> tuple[list, list, list[Path]]:
     import os
 
     from kvsched.integrations.vllm.disagg import Proxy
@@ -432,7 +439,9 @@ def _disaggregated(model: Path, hybrid: bool, tmp_path: Path) -> tuple[list, lis
     prompts = [shared + rng.integers(10, 400, n).tolist() for n in lengths]
     prompts.append(rng.integers(10, 400, 500 if hybrid else 90).tolist())
     logs = [tmp_path / "prefill.kvlog", tmp_path / "decode.kvlog"]
-    proxy = Proxy(str(model), f"dir:{tmp_path / 'store'}", hybrid, (str(logs[0]), str(logs[1])))
+    store = f"dir:{tmp_path / 'store'}"
+    proxy = Proxy(str(model), store, hybrid, (str(logs[0]), str(logs[1])), overlap)
+    assert [r["batch_queue_size"] for r in proxy.ready] == [2 if overlap else 1] * 2
     try:
         got = proxy.generate(prompts, max_tokens=8)
     finally:
@@ -462,17 +471,19 @@ print("RESULT" + json.dumps([list(o.outputs[0].token_ids) for o in outs]))
     return list(_script_result(script, str(model), kind, json.dumps(prompts)))
 
 
+@pytest.mark.parametrize("order", ["sync", "async"])
 @pytest.mark.parametrize("kind", ["attention", "hybrid"])
 def test_vllm_disaggregated_prefill_and_decode_equal_one_engine_and_decode_loads_the_prefill(
-    kind: str, qwen3: Path, qwen3_next: Path, tmp_path: Path
+    kind: str, order: str, qwen3: Path, qwen3_next: Path, tmp_path: Path
 ):
     """A prefill engine (kv_producer) and a decode engine (kv_consumer) under kvsched, the
     store between them and ``disagg.Proxy`` routing each request: the tokens equal one
     engine's under vLLM's own scheduler, and the decode engine's hit covers every prompt
-    block the prefill engine computed (it computes only the tail); it saves nothing."""
+    block the prefill engine computed (it computes only the tail); it saves nothing. Both
+    engines in vLLM's synchronous loop, or both under its async scheduling."""
     hybrid = kind == "hybrid"
     model = qwen3_next if hybrid else qwen3
-    prompts, got, logs = _disaggregated(model, hybrid, tmp_path)
+    prompts, got, logs = _disaggregated(model, hybrid, tmp_path, order == "async")
     want = _single_engine(model, prompts, hybrid)
     assert [g["tokens"] for g in got] == want
     for g, prompt in zip(got, prompts, strict=True):

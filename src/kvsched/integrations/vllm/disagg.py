@@ -79,7 +79,9 @@ def serve(args: dict[str, Any], stdin: TextIO, stdout: TextIO) -> None:
         lines.put(None)
 
     threading.Thread(target=read, daemon=True).start()
-    print(json.dumps({"ready": True}), file=stdout, flush=True)
+    core = getattr(engine.engine_core, "engine_core", None)  # (in-process engine core)
+    queue_size = getattr(core, "batch_queue_size", None)  # (2: vLLM's asynchronous loop)
+    print(json.dumps({"ready": True, "batch_queue_size": queue_size}), file=stdout, flush=True)
     open_input = True
     while open_input or _busy(engine):
         block = not _busy(engine)
@@ -178,15 +180,19 @@ def _busy(engine: Any) -> bool:
 
 
 class Engine:
-    """One engine process of the pair, fed and read over pipes."""
+    """One engine process of the pair, fed and read over pipes (``overlap``: under vLLM's
+    async scheduling, ``cpu_async``)."""
 
-    def __init__(self, model: str, role: str, store: str, hybrid: bool, log: str | None) -> None:
+    def __init__(
+        self, model: str, role: str, store: str, hybrid: bool, log: str | None, overlap: bool
+    ) -> None:
         env = dict(os.environ)
         env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         if log is not None:
             env["KVSCHED_VLLM_LOG"] = log
         cmd = [sys.executable, "-m", "kvsched.integrations.vllm.disagg", "engine", model]
         cmd += ["--role", role, "--store", store] + (["--hybrid"] if hybrid else [])
+        cmd += ["--async-scheduling"] if overlap else []
         self.proc = subprocess.Popen(
             cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env
         )
@@ -224,15 +230,22 @@ class Engine:
 
 
 class Proxy:
-    """A prefill engine and a decode engine sharing ``store``; ``generate`` routes requests."""
+    """A prefill engine and a decode engine sharing ``store``; ``generate`` routes requests.
+    ``overlap``: both engines under vLLM's async scheduling (``cpu_async``); ``ready``: what
+    each engine said when it started (its batch queue size: 2 in vLLM's asynchronous loop)."""
 
     def __init__(
-        self, model: str, store: str, hybrid: bool = False, logs: tuple[str, str] | None = None
+        self,
+        model: str,
+        store: str,
+        hybrid: bool = False,
+        logs: tuple[str, str] | None = None,
+        overlap: bool = False,
     ) -> None:
-        self.prefill = Engine(model, "prefill", store, hybrid, logs[0] if logs else None)
-        self.decode = Engine(model, "decode", store, hybrid, logs[1] if logs else None)
-        for engine in (self.prefill, self.decode):
-            engine.receive(timeout_s=600)  # ("ready")
+        logs_or = logs or (None, None)
+        self.prefill = Engine(model, "prefill", store, hybrid, logs_or[0], overlap)
+        self.decode = Engine(model, "decode", store, hybrid, logs_or[1], overlap)
+        self.ready = [engine.receive(timeout_s=600) for engine in (self.prefill, self.decode)]
 
     def generate(
         self, prompts: list[list[int]], max_tokens: int, timeout_s: float = 300
@@ -269,8 +282,19 @@ def main(argv: list[str] | None = None) -> int:
     engine.add_argument("--role", choices=sorted(ROLES), required=True)
     engine.add_argument("--store", required=True, help="dir:PATH or mooncake:HOST:PORT")
     engine.add_argument("--hybrid", action="store_true", help="a hybrid model's settings")
+    engine.add_argument(
+        "--async-scheduling",
+        action="store_true",
+        help="vLLM's async scheduling (kept on for vLLM's CPU build: cpu_async.py)",
+    )
     args = parser.parse_args(argv)
-    serve(engine_args(args.model, args.role, args.store, args.hybrid), sys.stdin, sys.stdout)
+    kw = engine_args(args.model, args.role, args.store, args.hybrid)
+    if args.async_scheduling:
+        from kvsched.integrations.vllm.cpu_async import keep_async_scheduling_on_cpu
+
+        keep_async_scheduling_on_cpu()
+        kw["async_scheduling"] = True
+    serve(kw, sys.stdin, sys.stdout)
     return 0
 
 
