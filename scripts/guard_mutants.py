@@ -405,6 +405,7 @@ VLLM_ROUND_2 = [
         SCHEDULER_TESTS, "-k", "existing_log",
     ),
     # the asynchronous call order: no step planned while an earlier one's outcome is out
+    # (overlapped steps: one may be)
     m("integrations/vllm/scheduler.py",
       "if out and (out > 1 or not self.config.speculation.pipelined):",
       "if False:", HARNESS_TESTS, "-k", "empty_step_while"),

@@ -360,20 +360,15 @@ class Scheduler(Queries, SchedulerInterface):  # type: ignore[misc]  # (vLLM is 
     ) -> None:
         """Each sampled token: into the next step's ``StepExecuted`` and, unless its request
         was aborted or retired (``out[0]``) meanwhile, onto the vLLM request with an output
-        (and vLLM's stop rule). The outputs go back in the order the rows were taken
-        (``out[1]``), as vLLM's come in its running list's order: the last of a step's
-        outputs that finishes an ``n > 1`` request gives that request's
-        ``num_cached_tokens`` (vLLM's front end)."""
+        (and vLLM's stop rule); the outputs in the order the rows were taken (``out[1]``),
+        as vLLM's follow its running list (an ``n > 1`` request's ``num_cached_tokens`` is
+        its last output's, in vLLM's front end)."""
         if plan.is_empty:
             return
         left = out[0]
         ordered: list[tuple[int, int, Any]] = []  # (row taken, client, output)
         sampled, index = mro.sampled_token_ids, mro.req_id_to_index
         req_of, requests = self.reg.req_of, self.requests
-        with_logprobs = mro.logprobs is not None
-        prompt_tensors = mro.prompt_logprobs_dict or {}
-        prompt_ids = getattr(mro, "prompt_token_id_logprobs_dict", None) or {}
-        with_prompt = bool(prompt_tensors or prompt_ids)  # (rare: prompt logprobs asked)
         seq_ids = plan.seq_ids[plan.sample]
         stops, structured = self.reg.stops, self.reg.structured
         tokens: list[int] = []
@@ -391,25 +386,13 @@ class Scheduler(Queries, SchedulerInterface):  # type: ignore[misc]  # (vLLM is 
                 continue
             request = req_of[seq_id]
             request.num_computed_tokens -= most - len(got)  # (the rejected drafts)
-            stop = None
-            for n, token in enumerate(got, 1):  # vLLM's stop rule after each token
-                request.append_output_token_ids(token)
-                stop = stop_reason(stops[seq_id], token, request.num_output_tokens)
-                if stop is not None:
-                    got = got[:n]  # (the tokens after the one that ends it are dropped)
-                    break
+            got, stop = _take_tokens(request, got, stops[seq_id])
             if seq_id in structured and not self.grammars.accept(request, got):
                 stop = ("error", None)  # (as vLLM: never, under the bitmask it was given)
             tokens += got
             counts.append(len(got))
             finish = None if stop is None else self._finish(request, seq_id, *stop)
-            logprobs = None
-            if with_logprobs and request.sampling_params.logprobs is not None:
-                logprobs = mro.logprobs.slice_request(index[name], len(got))
-            prompt = NO_PROMPT
-            if with_prompt:
-                prompt = (prompt_tensors.get(name), prompt_ids.get(name))
-            output = token_output(request, got, finish, logprobs, prompt)
+            output = token_output(request, got, finish, *_logprobs(mro, request, name, len(got)))
             if finish is not None and self.kv:
                 blocks = self._computed(request)
                 output.kv_transfer_params = self.kv.finished(request, seq_id, blocks)
@@ -482,3 +465,27 @@ class Scheduler(Queries, SchedulerInterface):  # type: ignore[misc]  # (vLLM is 
             self.connector.shutdown()
         if self.engine.log is not None:
             self.engine.log.close()
+
+
+def _take_tokens(request: Request, got: Any, rule: Any) -> tuple[Any, Any]:
+    """Append ``got`` to the vLLM request under vLLM's stop rule, checked after each token:
+    the tokens kept (those after the one that ends it are dropped) and the stop (or None)."""
+    for n, token in enumerate(got, 1):
+        request.append_output_token_ids(token)
+        stop = stop_reason(rule, token, request.num_output_tokens)
+        if stop is not None:
+            return got[:n], stop
+    return got, None
+
+
+def _logprobs(mro: Any, request: Request, name: str, n: int) -> tuple[Any, tuple[Any, Any]]:
+    """The sample logprobs of the request's ``n`` tokens, if it asked for them, and its
+    prompt logprobs (rare), as vLLM's runner gave them."""
+    logprobs = None
+    if mro.logprobs is not None and request.sampling_params.logprobs is not None:
+        logprobs = mro.logprobs.slice_request(mro.req_id_to_index[name], n)
+    tensors = mro.prompt_logprobs_dict
+    ids = getattr(mro, "prompt_token_id_logprobs_dict", None)
+    if not tensors and not ids:
+        return logprobs, NO_PROMPT
+    return logprobs, ((tensors or {}).get(name), (ids or {}).get(name))
