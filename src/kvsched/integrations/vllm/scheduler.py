@@ -113,9 +113,8 @@ class Scheduler(Queries, SchedulerInterface):  # type: ignore[misc]  # (vLLM is 
         # Steps scheduled whose output vLLM has not given back, oldest first (None: an empty
         # step, scheduled while an earlier one was out), each with the sequences retired
         # since, by name (their tokens in it are dropped; a preempted sequence's are
-        # delivered, as vLLM's async scheduler does, and kvsched appends them too).
-        # Each step out: its result, the requests that left meanwhile (by sequence id), and
-        # when each row that samples took its row (its outputs go back in that order).
+        # delivered, as vLLM's async scheduler does, and kvsched appends them too), and when
+        # each row that samples took its row (its outputs go back in that order).
         self._awaiting: deque[tuple[StepResult, dict[int, str], np.ndarray] | None] = deque()
         self.num_drafts = cfg.num_drafts(vllm_config)  # speculative decoding (0: off)
         self._prefix_stats = PrefixCacheStats()
