@@ -59,12 +59,13 @@ class _Stream:
 
 def keep_async_scheduling_on_cpu() -> None:
     """Let vLLM's CPU build run with ``async_scheduling=True`` in this process (idempotent;
-    call it before the ``LLM`` is built)."""
+    call it before the ``LLM`` is built). On any other platform it does nothing: there
+    vLLM runs async scheduling itself, and its CUDA streams and events must stay real."""
     import torch
-    from vllm.platforms import cpu
+    from vllm.platforms import cpu, current_platform
 
     platform = cpu.CpuPlatform
-    if getattr(platform, "_kvsched_keeps_async", False):
+    if not current_platform.is_cpu() or getattr(platform, "_kvsched_keeps_async", False):
         return
     check = platform.check_and_update_config.__func__  # type: ignore[attr-defined]
 
