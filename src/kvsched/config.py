@@ -443,21 +443,24 @@ class SchedulerConfig:
     def with_checkpoint_policy(self, name: str) -> SchedulerConfig:
         """This config under the named checkpoint policy (CHECKPOINT_POLICIES) with its
         engine settings (POLICY_ENGINE_SETTINGS)."""
-        if name not in CHECKPOINT_POLICIES:
-            known = ", ".join(CHECKPOINT_POLICIES)
-            raise ConfigError(f"unknown checkpoint policy {name!r}; known: {known}")
-        return attrs.evolve(self, **self._engine_settings(name, dict(CHECKPOINT_POLICIES[name])))
+        return attrs.evolve(self, **self._engine_settings(name, checkpoints=True))
 
     def with_engine_settings(self, name: str) -> SchedulerConfig:
         """This config with the named policy's engine settings only (POLICY_ENGINE_SETTINGS:
         an attention-only model's, which has no checkpoints)."""
-        return attrs.evolve(self, **self._engine_settings(name, {}))
+        return attrs.evolve(self, **self._engine_settings(name, checkpoints=False))
 
-    def _engine_settings(self, name: str, checkpoints: dict[str, Any]) -> dict[str, Any]:
-        """``attrs.evolve`` arguments for the policy's engine settings (a sub-config's field
-        by its flat name, FLAT_NAMES) and these checkpoint fields."""
+    def _engine_settings(self, name: str, checkpoints: bool) -> dict[str, Any]:
+        """``attrs.evolve`` arguments for the named policy's engine settings (a sub-config's
+        field by its flat name, FLAT_NAMES) and, if asked, its checkpoint rules; an unknown
+        policy is refused."""
+        if name not in CHECKPOINT_POLICIES:
+            known = ", ".join(CHECKPOINT_POLICIES)
+            raise ConfigError(f"unknown checkpoint policy {name!r}; known: {known}")
         settings = dict(POLICY_ENGINE_SETTINGS.get(name, {}))
-        subs: dict[str, dict[str, Any]] = {"checkpoints": checkpoints} if checkpoints else {}
+        subs: dict[str, dict[str, Any]] = {}
+        if checkpoints:
+            subs["checkpoints"] = dict(CHECKPOINT_POLICIES[name])
         for flat in [k for k in settings if k in FLAT_NAMES]:
             sub, field = FLAT_NAMES[flat]
             subs.setdefault(sub, {})[field] = settings.pop(flat)

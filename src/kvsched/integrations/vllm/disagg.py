@@ -31,6 +31,8 @@ import sys
 import threading
 from typing import Any, TextIO
 
+from kvsched.integrations.vllm.run import in_process_core
+
 ROLES = {"prefill": "kv_producer", "decode": "kv_consumer", "both": "kv_both"}
 SCHEDULER = "kvsched.integrations.vllm.Scheduler"
 
@@ -79,8 +81,7 @@ def serve(args: dict[str, Any], stdin: TextIO, stdout: TextIO) -> None:
         lines.put(None)
 
     threading.Thread(target=read, daemon=True).start()
-    core = getattr(engine.engine_core, "engine_core", None)  # (in-process engine core)
-    queue_size = getattr(core, "batch_queue_size", None)  # (2: vLLM's asynchronous loop)
+    queue_size = getattr(in_process_core(engine), "batch_queue_size", None)  # (2: async loop)
     print(json.dumps({"ready": True, "batch_queue_size": queue_size}), file=stdout, flush=True)
     open_input = True
     while open_input or _busy(engine):
@@ -163,8 +164,7 @@ def _id_of(line: str) -> Any:
 def _left(engine: Any) -> dict[str, Any] | None:
     """What kvsched's scheduler (an engine core in this process) still has in flight: the
     sequences loading and the saves unreported (both empty once every request is done)."""
-    core = getattr(getattr(engine, "engine_core", None), "engine_core", None)
-    sched = getattr(core, "scheduler", None)
+    sched = getattr(in_process_core(engine), "scheduler", None)
     if sched is None or not hasattr(sched, "engine"):
         return None
     loads, saves = sched.engine.transfers_in_flight()
@@ -174,7 +174,7 @@ def _left(engine: Any) -> dict[str, Any] | None:
 def _busy(engine: Any) -> bool:
     """Requests unfinished, or (an engine core in this process) work its scheduler still
     owes them: a finished prefill's saves land in the steps after its last token."""
-    core = getattr(getattr(engine, "engine_core", None), "engine_core", None)
+    core = in_process_core(engine)
     owed = core is not None and core.scheduler.has_requests()
     return bool(engine.has_unfinished_requests() or owed)
 

@@ -206,16 +206,20 @@ def decode(llm: Any, out: dict[str, Any], running: int) -> None:
     _generate(llm, {f"d-{i}": _tokens(32, 400 + i) for i in range(running)}, 32, out)
 
 
+def in_process_core(engine: Any) -> Any | None:
+    """A vLLM ``LLMEngine``'s engine core, if it runs in this process (None: another)."""
+    return getattr(getattr(engine, "engine_core", None), "engine_core", None)
+
+
 def kvsched_scheduler(llm: Any) -> Any | None:
-    core = getattr(llm.llm_engine.engine_core, "engine_core", None)
-    sched = getattr(core, "scheduler", None)
+    sched = getattr(in_process_core(llm.llm_engine), "scheduler", None)
     return sched if type(sched).__module__.startswith("kvsched.") else None
 
 
 def _engine_info(llm: Any) -> dict[str, Any]:
     """How vLLM's engine ran: async scheduling on, the engine core's batch queue (2: its
     asynchronous loop, ``step_with_batch_queue``), the scheduler class."""
-    core = getattr(llm.llm_engine.engine_core, "engine_core", None)
+    core = in_process_core(llm.llm_engine)
     return {
         "async_scheduling": bool(llm.llm_engine.vllm_config.scheduler_config.async_scheduling),
         "batch_queue_size": getattr(core, "batch_queue_size", None),
