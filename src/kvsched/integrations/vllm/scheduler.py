@@ -56,9 +56,13 @@ from kvsched.integrations.vllm.outputs import (
 from kvsched.integrations.vllm.queries import Queries
 from kvsched.integrations.vllm.requests import Registry, refusal, stop_reason
 from kvsched.integrations.vllm.worker import WorkerView
-from kvsched.plan import StepPlan
 
 logger = logging.getLogger(__name__)
+
+# A step out: its result, the requests retired since (by sequence id: their tokens in it are
+# dropped), and when each row that samples took its row (its outputs go back in that order).
+Awaiting = tuple[StepResult, dict[int, str], np.ndarray]
+_NO_LOGPROBS: tuple[Any, tuple[Any, Any]] = (None, NO_PROMPT)
 
 _STATUS = {
     "stop": RequestStatus.FINISHED_STOPPED,
@@ -111,11 +115,9 @@ class Scheduler(Queries, SchedulerInterface):  # type: ignore[misc]  # (vLLM is 
         self._expected: dict[int, str] = {}  # finishes vLLM reported, kvsched retires next
         self._errors: list[tuple[Request, str]] = []  # refused: reported at the next update
         # Steps scheduled whose output vLLM has not given back, oldest first (None: an empty
-        # step, scheduled while an earlier one was out), each with the sequences retired
-        # since, by name (their tokens in it are dropped; a preempted sequence's are
-        # delivered, as vLLM's async scheduler does, and kvsched appends them too), and when
-        # each row that samples took its row (its outputs go back in that order).
-        self._awaiting: deque[tuple[StepResult, dict[int, str], np.ndarray] | None] = deque()
+        # step, scheduled while an earlier one was out; a preempted sequence's tokens are
+        # delivered, as vLLM's async scheduler does, and kvsched appends them too).
+        self._awaiting: deque[Awaiting | None] = deque()
         self.num_drafts = cfg.num_drafts(vllm_config)  # speculative decoding (0: off)
         self._prefix_stats = PrefixCacheStats()
         self._events: list[Any] = []
@@ -333,7 +335,7 @@ class Scheduler(Queries, SchedulerInterface):  # type: ignore[misc]  # (vLLM is 
         step = self._awaiting.popleft()
         self.encoders.landed()
         if step is not None:
-            self._record_outcome(step[0].plan, model_runner_output, outputs, step[1:])
+            self._record_outcome(step, model_runner_output, outputs)
         elif model_runner_output.sampled_token_ids:
             raise AdapterMismatch("tokens sampled in a step kvsched scheduled empty")
         for request, reason in self._errors:
@@ -350,29 +352,24 @@ class Scheduler(Queries, SchedulerInterface):  # type: ignore[misc]  # (vLLM is 
             result.setdefault(0, EngineCoreOutputs()).scheduler_stats = stats
         return result
 
-    def _record_outcome(
-        self,
-        plan: StepPlan,
-        mro: Any,
-        outputs: dict[int, list[Any]],
-        out: tuple[dict[int, str], np.ndarray],
-    ) -> None:
+    def _record_outcome(self, step: Awaiting, mro: Any, outputs: dict[int, list[Any]]) -> None:
         """Each sampled token: into the next step's ``StepExecuted`` and, unless its request
-        was aborted or retired (``out[0]``) meanwhile, onto the vLLM request with an output
-        (and vLLM's stop rule); the outputs in the order the rows were taken (``out[1]``),
-        as vLLM's follow its running list (an ``n > 1`` request's ``num_cached_tokens`` is
-        its last output's, in vLLM's front end)."""
+        was aborted or retired meanwhile, onto the vLLM request with an output (and vLLM's
+        stop rule); the outputs in the order the rows were taken, as vLLM's follow its
+        running list (an ``n > 1`` request's ``num_cached_tokens`` is its last output's, in
+        vLLM's front end)."""
+        plan, left, entries = step[0].plan, step[1], step[2]
         if plan.is_empty:
             return
-        left = out[0]
         ordered: list[tuple[int, int, Any]] = []  # (row taken, client, output)
         sampled, index = mro.sampled_token_ids, mro.req_id_to_index
         req_of, requests = self.reg.req_of, self.requests
+        with_logprobs = mro.logprobs is not None or _has_prompt_logprobs(mro)  # (rare)
         seq_ids = plan.seq_ids[plan.sample]
         stops, structured = self.reg.stops, self.reg.structured
         tokens: list[int] = []
         counts: list[int] = []  # (in the event only when drafts were verified)
-        todo = zip(seq_ids.tolist(), drafts.most_tokens(plan), out[1].tolist(), strict=False)
+        todo = zip(seq_ids.tolist(), drafts.most_tokens(plan), entries.tolist(), strict=False)
         for seq_id, most, entry in todo:
             name = left.get(seq_id) or req_of[seq_id].request_id
             got: Any = sampled[index[name]] if sampled else ()
@@ -385,13 +382,20 @@ class Scheduler(Queries, SchedulerInterface):  # type: ignore[misc]  # (vLLM is 
                 continue
             request = req_of[seq_id]
             request.num_computed_tokens -= most - len(got)  # (the rejected drafts)
-            got, stop = _take_tokens(request, got, stops[seq_id])
+            stop = None
+            for n, token in enumerate(got, 1):  # vLLM's stop rule after each token
+                request.append_output_token_ids(token)
+                stop = stop_reason(stops[seq_id], token, request.num_output_tokens)
+                if stop is not None:
+                    got = got[:n]  # (the tokens after the one that ends it are dropped)
+                    break
             if seq_id in structured and not self.grammars.accept(request, got):
                 stop = ("error", None)  # (as vLLM: never, under the bitmask it was given)
             tokens += got
             counts.append(len(got))
             finish = None if stop is None else self._finish(request, seq_id, *stop)
-            output = token_output(request, got, finish, *_logprobs(mro, request, name, len(got)))
+            more = _logprobs(mro, request, name, len(got)) if with_logprobs else _NO_LOGPROBS
+            output = token_output(request, got, finish, *more)
             if finish is not None and self.kv:
                 blocks = self._computed(request)
                 output.kv_transfer_params = self.kv.finished(request, seq_id, blocks)
@@ -466,15 +470,8 @@ class Scheduler(Queries, SchedulerInterface):  # type: ignore[misc]  # (vLLM is 
             self.engine.log.close()
 
 
-def _take_tokens(request: Request, got: Any, rule: Any) -> tuple[Any, Any]:
-    """Append ``got`` to the vLLM request under vLLM's stop rule, checked after each token:
-    the tokens kept (those after the one that ends it are dropped) and the stop (or None)."""
-    for n, token in enumerate(got, 1):
-        request.append_output_token_ids(token)
-        stop = stop_reason(rule, token, request.num_output_tokens)
-        if stop is not None:
-            return got[:n], stop
-    return got, None
+def _has_prompt_logprobs(mro: Any) -> bool:
+    return bool(mro.prompt_logprobs_dict or getattr(mro, "prompt_token_id_logprobs_dict", None))
 
 
 def _logprobs(mro: Any, request: Request, name: str, n: int) -> tuple[Any, tuple[Any, Any]]:
