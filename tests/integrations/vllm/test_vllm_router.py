@@ -133,12 +133,35 @@ def _in_flight(cluster: cl.Cluster) -> list[float]:
     return [c["running"] + c["waiting"] if c else 0.0 for c in cluster.counters()]
 
 
-def _wait_all_dispatched(cluster: cl.Cluster, total: int, timeout: float = 60) -> list[float]:
+def _wait_all_dispatched(
+    cluster: cl.Cluster,
+    router: cl.Router,
+    threads: list[threading.Thread],
+    outcomes: dict[int, Any],
+    timeout: float = 120,
+) -> list[float]:
+    """Until every request runs or waits on a server; fails at once, with what the requests
+    got and the router's output, if they all ended first (none left to kill)."""
     deadline = time.monotonic() + timeout
-    while sum(counts := _in_flight(cluster)) < total:
-        assert time.monotonic() < deadline, f"only {counts} of {total} requests arrived"
+    while sum(counts := _in_flight(cluster)) < len(threads):
+        ended = not any(t.is_alive() for t in threads)
+        if ended or time.monotonic() > deadline:
+            alive = [e.alive() for e in cluster.engines]
+            raise AssertionError(
+                f"only {counts} of {len(threads)} requests arrived "
+                f"({'all ended' if ended else 'timed out'}; servers alive {alive}, "
+                f"healthy to the router {cl.worker_health(router.url)}): {outcomes}\n"
+                f"{router.tail()}"
+            )
         time.sleep(0.05)
     return counts
+
+
+def _wait_workers_healthy(router: cl.Router, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while not all(cl.worker_health(router.url).values()):
+        assert time.monotonic() < deadline, f"workers not healthy: {router.tail()}"
+        time.sleep(0.2)
 
 
 def _wait_unhealthy(router_url: str, url: str, timeout: float = 60) -> float:
@@ -154,6 +177,7 @@ def _kill_one(cluster: cl.Cluster, prefix_blocks: int, seed: int) -> dict[str, A
     there) through a kv_aware router checking health every second; once all run, the last
     server is SIGKILLed; then two more requests per prefix go through the router."""
     router = cluster.router("kv_aware", health_interval=1, failures=2)
+    _wait_workers_healthy(router)
     victim, bs, servers = cluster.engines[-1], cluster.block_size, len(cluster.engines)
     prefixes = [cw.tokens(prefix_blocks * bs, seed + i) for i in range(servers)]
     for engine, prefix in zip(cluster.engines, prefixes, strict=True):
@@ -174,7 +198,7 @@ def _kill_one(cluster: cl.Cluster, prefix_blocks: int, seed: int) -> dict[str, A
     ]
     for t in threads:
         t.start()
-    counts = _wait_all_dispatched(cluster, len(threads))
+    counts = _wait_all_dispatched(cluster, router, threads, outcomes)
     victim.kill()
     for t in threads:
         t.join(timeout=300)
