@@ -162,7 +162,9 @@ from vllm import LLM, SamplingParams, TokensPrompt
 from vllm.sampling_params import StructuredOutputsParams
 kw = {"scheduler_cls": "kvsched.integrations.vllm.Scheduler"} if sys.argv[2] == "kvsched" else {}
 kw["async_scheduling"] = OVERLAP
-if len(sys.argv) > 3:  # ngram speculative decoding with this many drafts (vLLM: synchronous)
+if len(sys.argv) > 3:  # ngram speculative decoding with this many drafts, synchronous only:
+    # under async scheduling (ngram_gpu) vLLM's own AsyncScheduler on its CPU build ends
+    # choice requests with a grammar error, so it is no reference (docs/vllm.md)
     kw |= {"async_scheduling": False,
            "speculative_config": {"method": "ngram", "num_speculative_tokens": int(sys.argv[3]),
                                   "prompt_lookup_max": 4, "prompt_lookup_min": 1}}

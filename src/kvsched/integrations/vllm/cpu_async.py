@@ -13,6 +13,13 @@ N's output is processed), which is vLLM's default on GPUs. Two things stand in i
   the streams and events it builds at start-up (``cpu_model_runner._torch_cuda_wrapper``).
   The copy itself then runs at once, so the output is ready when the engine core asks.
 
+One more thing stands in the way of speculative decoding with ngram drafts, which vLLM
+allows under async scheduling only as ``ngram_gpu`` (plain ``ngram`` is refused there): its
+drafter asks for pinned host buffers (``torch.zeros(..., pin_memory=True)`` in the GPU
+runner, ``Tensor.pin_memory()`` in ``NgramProposerGPU``), and torch's CPU build has no
+pinned allocator. The patch makes pinning a no-op: the buffers are ordinary host memory,
+which is where the CPU device reads them anyway.
+
 What runs is vLLM's own asynchronous engine loop, its ``AsyncScheduler`` (or a custom
 scheduler class) and its CPU model runner with async scheduling's placeholders; only the
 copy's overlap with the next forward is gone. vLLM's engine core must run in this process
@@ -22,6 +29,8 @@ copy's overlap with the next forward is gone. vLLM's engine core must run in thi
 from __future__ import annotations
 
 import contextlib
+import functools
+from collections.abc import Callable
 from typing import Any
 
 
@@ -57,6 +66,17 @@ class _Stream:
         pass
 
 
+def _unpinned(factory: Callable[..., Any]) -> Callable[..., Any]:
+    """``factory`` (a torch tensor constructor) with its ``pin_memory`` flag dropped."""
+
+    @functools.wraps(factory)
+    def build(*args: Any, **kwargs: Any) -> Any:
+        kwargs.pop("pin_memory", None)
+        return factory(*args, **kwargs)
+
+    return build
+
+
 def keep_async_scheduling_on_cpu() -> None:
     """Let vLLM's CPU build run with ``async_scheduling=True`` in this process (idempotent;
     call it before the ``LLM`` is built). On any other platform it does nothing: there
@@ -80,3 +100,5 @@ def keep_async_scheduling_on_cpu() -> None:
     torch.cuda.Stream = _Stream  # type: ignore[misc,assignment]
     torch.cuda.current_stream = lambda *a, **k: _Stream()  # type: ignore[assignment]
     torch.cuda.stream = lambda *a, **k: contextlib.nullcontext()  # type: ignore[assignment]
+    torch.zeros = _unpinned(torch.zeros)
+    torch.Tensor.pin_memory = lambda self, *a, **k: self  # type: ignore[method-assign]
