@@ -133,28 +133,37 @@ def _in_flight(cluster: cl.Cluster) -> list[float]:
     return [c["running"] + c["waiting"] if c else 0.0 for c in cluster.counters()]
 
 
-def _wait_all_dispatched(
+def _arrivals(cluster: cl.Cluster, before: list[dict[str, float]]) -> tuple[list[float], float]:
+    """Requests in flight (running or waiting) per server, and how many requests have
+    arrived in all since ``before``: in flight or finished."""
+    now = cluster.counters()
+    in_flight = [c["running"] + c["waiting"] if c else 0.0 for c in now]
+    finished = sum(c["finished"] - b["finished"] for c, b in zip(now, before, strict=True) if c)
+    return in_flight, sum(in_flight) + finished
+
+
+def _wait_for(
+    reached: Any,
+    what: str,
     cluster: cl.Cluster,
     router: cl.Router,
     threads: list[threading.Thread],
     outcomes: dict[int, Any],
     timeout: float = 120,
-) -> list[float]:
-    """Until every request runs or waits on a server; fails at once, with what the requests
-    got and the router's output, if they all ended first (none left to kill)."""
+) -> None:
+    """Until ``reached()``; fails at once, naming what the requests got, which servers are
+    alive, the router's view of them and its output, if ``threads`` all ended first."""
     deadline = time.monotonic() + timeout
-    while sum(counts := _in_flight(cluster)) < len(threads):
+    while not reached():
         ended = not any(t.is_alive() for t in threads)
         if ended or time.monotonic() > deadline:
             alive = [e.alive() for e in cluster.engines]
             raise AssertionError(
-                f"only {counts} of {len(threads)} requests arrived "
-                f"({'all ended' if ended else 'timed out'}; servers alive {alive}, "
-                f"healthy to the router {cl.worker_health(router.url)}): {outcomes}\n"
-                f"{router.tail()}"
+                f"{what}: not reached ({'the requests ended' if ended else 'timed out'}; "
+                f"in flight {_in_flight(cluster)}, servers alive {alive}, healthy to the "
+                f"router {cl.worker_health(router.url)}): {outcomes}\n{router.tail()}"
             )
         time.sleep(0.05)
-    return counts
 
 
 def _wait_workers_healthy(router: cl.Router, timeout: float = 60) -> None:
@@ -174,8 +183,9 @@ def _wait_unhealthy(router_url: str, url: str, timeout: float = 60) -> float:
 
 def _kill_one(cluster: cl.Cluster, prefix_blocks: int, seed: int) -> dict[str, Any]:
     """Two long requests per server (each sharing a prefix of ``prefix_blocks`` blocks held
-    there) through a kv_aware router checking health every second; once all run, the last
-    server is SIGKILLed; then two more requests per prefix go through the router."""
+    there) through a kv_aware router checking health every second; once the last server's
+    (sent after the others arrived) run there, it is SIGKILLed; then two more requests per
+    prefix go through the router."""
     router = cluster.router("kv_aware", health_interval=1, failures=2)
     _wait_workers_healthy(router)
     victim, bs, servers = cluster.engines[-1], cluster.block_size, len(cluster.engines)
@@ -196,9 +206,26 @@ def _kill_one(cluster: cl.Cluster, prefix_blocks: int, seed: int) -> dict[str, A
         )
         for k in range(2 * servers)
     ]
-    for t in threads:
+    # The victim's requests go last, once the others have arrived (running, waiting or
+    # already done: a fast server may finish one before the last is sent), so that one of
+    # them surely runs on it when it is killed.
+    others = [t for k, t in enumerate(threads) if k % servers != servers - 1]
+    mine = [t for k, t in enumerate(threads) if k % servers == servers - 1]
+    before = cluster.counters()
+    for t in others:
         t.start()
-    counts = _wait_all_dispatched(cluster, router, threads, outcomes)
+    args = (cluster, router, others, outcomes)
+    _wait_for(lambda: _arrivals(cluster, before)[1] >= len(others), "the others arrived", *args)
+    for t in mine:
+        t.start()
+    counts: list[float] = []
+
+    def victim_runs() -> bool:  # (and every request arrived)
+        nonlocal counts
+        counts, arrived = _arrivals(cluster, before)
+        return counts[-1] >= 1 and arrived >= len(threads)
+
+    _wait_for(victim_runs, "the victim's requests run there", cluster, router, mine, outcomes)
     victim.kill()
     for t in threads:
         t.join(timeout=300)
