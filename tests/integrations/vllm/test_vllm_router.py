@@ -183,9 +183,9 @@ def _wait_unhealthy(router_url: str, url: str, timeout: float = 60) -> float:
 
 def _kill_one(cluster: cl.Cluster, prefix_blocks: int, seed: int) -> dict[str, Any]:
     """Two long requests per server (each sharing a prefix of ``prefix_blocks`` blocks held
-    there) through a kv_aware router checking health every second; once the last server's
-    (sent after the others arrived) run there, it is SIGKILLed; then two more requests per
-    prefix go through the router."""
+    there) through a kv_aware router checking health every second; once one of the last
+    server's own requests (sent after the others arrived) runs there, that server is
+    SIGKILLed; then two more requests per prefix go through the router."""
     router = cluster.router("kv_aware", health_interval=1, failures=2)
     _wait_workers_healthy(router)
     victim, bs, servers = cluster.engines[-1], cluster.block_size, len(cluster.engines)
